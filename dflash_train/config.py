@@ -19,7 +19,11 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An input the user can fix (config, data, model choice); printed without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
 
 
@@ -173,3 +177,72 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one `dflash-train train` run needs; `run.json` in the run folder records it."""
+
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)")
+    out: str = option("", "run folder: checkpoints, metrics, run.json")
+    features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
+    steps: int = option(1000, "optimizer steps")
+    batch_size: int = option(8, "sequences per micro-batch, per drafter replica")
+    grad_accum: int = option(1, "micro-batches per optimizer step, per replica")
+    max_seq_len: int = option(2048, "longer conversations are truncated")
+    seq_buckets: list[int] = option([], "padded sequence lengths (one compile each); empty = automatic up to max_seq_len")
+    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
+    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens)")
+    num_layers: int = option(5, "drafter decoder layers")
+    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes)")
+    target_layer_ids: list[int] = option([], "target layers to capture; empty = DESIGN rule with num_layers layers")
+    mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
+    loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
+    gamma: float | None = option(None, "decay gamma; empty = paper value for the block size (7 for B=16)")
+    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha")
+    loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits")
+    lr: float = option(6e-4, "peak learning rate (AdamW)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up")
+    min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak")
+    clip_grad: float = option(1.0, "gradient-norm clip")
+    seed: int = option(0, "seed for drafter init, data order and anchors")
+    device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)")
+    target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0")
+    drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2")
+    mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`")
+    variants: list[dict] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
+    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex or sdpa")
+    precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
+    prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
+    save_every: int = option(500, "checkpoint every K steps (and always at the end)")
+    keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
+    log_every: int = option(10, "a log line every K steps")
+    resume: bool = option(False, "continue from the latest complete checkpoint in `out`")
+    fail_on_recompile: bool = option(False, "error on any compile after a bucket's first step")
+    export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training")
+
+    def validate(self) -> None:
+        if self.mode not in ("replicas", "variants"):
+            raise ConfigError(f"mode {self.mode!r}: use replicas or variants")
+        if self.mode == "variants" and not self.variants:
+            raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
+        if self.loss not in ("decay", "dpace"):
+            raise ConfigError(f"loss {self.loss!r}: use decay or dpace")
+        for name in ("steps", "batch_size", "grad_accum", "max_seq_len", "num_anchors", "prefetch", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.block_size < 2:
+            raise ConfigError(
+                f"block_size {self.block_size}: must be at least 2 (position 0 is the anchor, so a block "
+                "of 1 drafts nothing); DFlash uses 16"
+            )
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError("warmup_ratio must be in [0, 1)")

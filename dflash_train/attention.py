@@ -1,0 +1,98 @@
+"""The DFlash attention mask: one definition, two backends computing the same function.
+
+Keys/values are laid out as [context (S positions) ; blocks (N blocks of B tokens)] and
+queries are the N·B block tokens. A query in block n (anchored at position a_n):
+  - sees context position j only if j < a_n (strictly before its anchor: the anchor's own
+    target state does not exist yet when the drafter runs at inference time);
+  - sees every token of its own block (bidirectional), and no other block.
+Padded anchor slots get a_n = 0, so they see only their own block: no empty rows, no NaN.
+
+Backends: flex_attention with a BlockMask (compiled; GPU; its backward does not exist on
+CPU) and SDPA with a dense boolean mask evaluated from the very same `mask_mod`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex_attention is in every supported torch; guarded so a broken build still imports
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment,misc]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dflash_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int) -> MaskMod:
+    """`anchors`: [batch, N] anchor positions (0 for padded slots)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        sees_context = kv_idx < anchors[b, block]  # anchors < context_len, so kv_idx is context
+        in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        return sees_context | in_own_block
+
+    return mask_mod
+
+
+def dense_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """The mask as a dense boolean tensor [batch, 1, N·B, S + N·B] for SDPA."""
+    batch, num_blocks = anchors.shape
+    queries = num_blocks * block_size
+    device = anchors.device
+    b = torch.arange(batch, device=device)[:, None, None]
+    q = torch.arange(queries, device=device)[None, :, None]
+    kv = torch.arange(context_len + queries, device=device)[None, None, :]
+    mask = dflash_mask_mod(anchors, context_len, block_size)(b, None, q, kv)
+    return mask[:, None]
+
+
+def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> "BlockMask":
+    """The mask as a flex BlockMask, built so it cannot race another thread's compile."""
+    from .pipeline.compile_safety import build_block_mask
+
+    batch, num_blocks = anchors.shape
+    queries = num_blocks * block_size
+    return build_block_mask(
+        dflash_mask_mod(anchors, context_len, block_size),
+        B=batch, H=None, Q_LEN=queries, KV_LEN=context_len + queries, device=anchors.device,
+    )
+
+
+_compiled_flex = None
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "BlockMask | torch.Tensor | None", scale: float
+) -> torch.Tensor:
+    """q: [b, heads, Q, d]; k, v: [b, kv_heads, K, d] (grouped-query heads allowed)."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> flex on CUDA, sdpa elsewhere (flex has no CPU backward)."""
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"attention backend {backend!r}: use auto, flex or sdpa")
+    return backend
+
+
+def make_mask(backend: str, anchors: torch.Tensor, context_len: int, block_size: int):
+    if backend == "flex":
+        return block_mask(anchors, context_len, block_size)
+    return dense_mask(anchors, context_len, block_size)

@@ -1,0 +1,124 @@
+"""Export a trained drafter as the Hugging Face folder that the reference and serving engines load.
+
+config.json carries `architectures: ["DFlashDraftModel"]`, the drafter dims, `block_size`,
+`num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`; weights are
+safetensors named `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight` — no
+embedding and no LM head (they stay the target's). Serving engines skip unknown weight
+names silently, so the exact key set is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .config import UserError
+from .drafter import DFlashDrafter, DrafterConfig
+
+_LAYER_KEYS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+class ExportError(UserError, ValueError):
+    pass
+
+
+def expected_weight_names(num_layers: int) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    names.update(f"layers.{i}.{key}" for i in range(num_layers) for key in _LAYER_KEYS)
+    return names
+
+
+def hf_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    rope = dict(config.rope_parameters)
+    dflash_config: dict[str, Any] = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+    }
+    if config.input_embedding_scale != 1.0:
+        dflash_config["input_embedding_scale"] = config.input_embedding_scale
+    if config.final_logit_softcapping:
+        dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
+    legacy_scaling = None if rope.get("rope_type", "default") == "default" else {
+        k: v for k, v in rope.items() if k != "rope_theta"
+    }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": legacy_scaling,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": dflash_config,
+    }
+
+
+def export_drafter(
+    drafter_config: DrafterConfig,
+    state_dict: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write the HF folder atomically (temp folder + rename)."""
+    expected = expected_weight_names(drafter_config.num_hidden_layers)
+    names = set(state_dict)
+    if names != expected:
+        missing, unknown = sorted(expected - names), sorted(names - expected)
+        raise ExportError(f"drafter weights do not match the DFlash layout: missing {missing[:5]}, unknown {unknown[:5]}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in sorted(names)}
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(hf_config(drafter_config, dtype), indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def export_model(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    return export_drafter(drafter.config, drafter.state_dict(), out_dir, dtype=dtype)

@@ -1,0 +1,236 @@
+"""The training objective: anchors, labels, weights, chunked frozen-head cross-entropy, metrics.
+
+Anchors: position p is valid when loss_mask[p] and loss_mask[p + 1]. Each sequence gets a
+fixed number N of anchor slots (static shapes), drawn from (seed, sample id, epoch) alone so
+the draw is identical on any number of GPUs; sorted, padded slots masked out.
+
+Labels are same-position: block slot k (k = 1..B−1) of anchor a predicts the token at a + k;
+slot 0 is the anchor itself and is never scored. Weights (decay CE):
+    w_k = exp(−(k − 1) / γ) · loss_mask[a + k] · [a + k < S],   loss = Σ w·CE / Σ w
+with Σ w taken over the whole global batch (all replicas, all micro-batches), computed on
+the host from the masks before any GPU work, so no cross-device reduction of the
+denominator is needed. D-PACE (arXiv 2605.18810) is offered as an alternative weighting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+# γ per block size from the DFlash paper; other sizes interpolate as 0.4375·B (=7 at B=16).
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return PAPER_GAMMA.get(block_size, round(0.4375 * block_size, 3))
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p with loss_mask[p] and loss_mask[p + 1] (1-D mask of one sequence)."""
+    mask = loss_mask.bool()
+    return torch.nonzero(mask[:-1] & mask[1:]).flatten()
+
+
+def anchor_seed(seed: int, sample_id: int, epoch: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{sample_id}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def draw_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, *, seed: int, sample_id: int, epoch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N sorted anchor slots for one sequence: (positions [N] long, valid [N] bool).
+
+    Fewer valid positions than N: all are used and the rest are padded (position 0, invalid).
+    """
+    candidates = valid_anchor_positions(loss_mask)
+    generator = torch.Generator().manual_seed(anchor_seed(seed, sample_id, epoch))
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
+    chosen, _ = torch.sort(chosen)
+    anchors = torch.zeros(num_anchors, dtype=torch.long)
+    valid = torch.zeros(num_anchors, dtype=torch.bool)
+    anchors[: len(chosen)] = chosen
+    valid[: len(chosen)] = True
+    return anchors, valid
+
+
+def block_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [b, N, B] (token at a + k) and label_valid [b, N, B] (scored slots)."""
+    seq_len = input_ids.shape[1]
+    offsets = torch.arange(block_size, device=anchors.device)
+    positions = anchors[..., None] + offsets  # [b, N, B]
+    inside = positions < seq_len
+    clamped = positions.clamp(max=seq_len - 1)
+    labels = torch.gather(input_ids, 1, clamped.flatten(1)).view_as(positions)
+    supervised = torch.gather(loss_mask.bool(), 1, clamped.flatten(1)).view_as(positions)
+    valid = supervised & inside & anchor_valid[..., None] & (offsets > 0)
+    return labels, valid
+
+
+def block_token_ids(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
+    """[b, N, B]: the anchor token then MASK × (B − 1)."""
+    block = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block[..., 0] = torch.gather(input_ids, 1, anchors)
+    return block
+
+
+def decay_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B] with w_0 = 0 and w_k = exp(−(k − 1)/γ)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    weights = torch.exp(-(k - 1).clamp(min=0) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def decay_weight_sum(label_valid: torch.Tensor, gamma: float) -> float:
+    """Σ w over a batch, on the host: the global normaliser is the sum of these."""
+    weights = decay_weights(label_valid.shape[-1], gamma, label_valid.device)
+    return float((label_valid.float() * weights).sum())
+
+
+def dpace_weights(target_prob: torch.Tensor, label_valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [b, N, B] from detached target-token probabilities.
+
+    Smoothed acceptance s_k = (1 − α)·q_k + α on scored slots (1 elsewhere); prefix
+    acceptance P_k = Π_{j≤k} s_j; the weight of slot k is the expected-length contribution of
+    everything from k on: Σ_{m≥k} P_m · valid_m. Positions that limit acceptance gain weight.
+    """
+    valid = label_valid.to(target_prob.dtype)
+    smooth = torch.where(label_valid, (1 - alpha) * target_prob + alpha, torch.ones_like(target_prob))
+    prefix = torch.cumprod(smooth, dim=-1)
+    contribution = prefix * valid
+    return contribution.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Cross-entropy through a frozen LM head, in row chunks, gradient computed in the forward.
+
+    Peak extra memory is one chunk of logits (rows × vocab, float32) plus a [rows, hidden]
+    gradient buffer, independent of how many rows there are in total. Because the head is
+    frozen, d(CE)/d(hidden) = (softmax − onehot) · W needs nothing else, so the backward only
+    scales the stored rows by the incoming per-row gradient; logits are never kept.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, chunk_rows, softcap):
+        rows = hidden.shape[0]
+        ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+        grad_rows = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            logits = (hidden[start:end] @ head_weight.t()).float()
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            lse = torch.logsumexp(logits, dim=-1)
+            label = labels[start:end]
+            ce[start:end] = lse - logits.gather(1, label[:, None]).squeeze(1)
+            correct[start:end] = logits.argmax(dim=-1) == label
+            if grad_rows is not None:
+                grad_logits = torch.exp(logits - lse[:, None])
+                grad_logits[torch.arange(end - start, device=hidden.device), label] -= 1.0
+                if softcap:
+                    grad_logits *= 1.0 - capped.square()
+                grad_rows[start:end] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+        ctx.save_for_backward(grad_rows)
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_correct):
+        (grad_rows,) = ctx.saved_tensors
+        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None
+
+
+def frozen_head_cross_entropy(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_rows: int = 0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row CE (float32) and top-1 correctness for hidden [T, H] against a frozen head [V, H].
+
+    chunk_rows = 0 picks about 256 MiB of float32 logits per chunk.
+    """
+    if chunk_rows <= 0:
+        chunk_rows = max(16, (256 << 20) // (4 * head_weight.shape[0]))
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _FrozenHeadCrossEntropy.apply(hidden, head_weight, labels, chunk_rows, softcap or 0.0)
+
+
+@dataclass
+class ObjectiveConfig:
+    block_size: int
+    num_anchors: int
+    loss: str = "decay"  # "decay" or "dpace"
+    gamma: float | None = None
+    dpace_alpha: float = 0.5
+    loss_chunk_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("decay", "dpace"):
+            raise ValueError(f"loss {self.loss!r}: use 'decay' (DFlash paper) or 'dpace'")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha {self.dpace_alpha}: must be in [0, 1]")
+        if self.num_anchors < 1:
+            raise ValueError("num_anchors must be at least 1")
+        if self.gamma is None:
+            self.gamma = default_gamma(self.block_size)
+
+    def normalizer(self, label_valid: torch.Tensor) -> float:
+        """This batch's share of the global loss denominator (summed over the global batch)."""
+        if self.loss == "decay":
+            return decay_weight_sum(label_valid, self.gamma)
+        return float(label_valid.shape[0])  # D-PACE: per sequence, as its authors normalise
+
+
+def weighted_loss(
+    ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig, normalizer: float
+) -> torch.Tensor:
+    """ce, label_valid: [b, N, B]; returns Σ w·CE / normalizer."""
+    if objective.loss == "decay":
+        weights = decay_weights(ce.shape[-1], objective.gamma, ce.device) * label_valid
+    else:
+        weights = dpace_weights(torch.exp(-ce.detach()), label_valid, objective.dpace_alpha)
+    return (weights * ce).sum() / max(normalizer, 1e-12)
+
+
+def block_metrics(correct: torch.Tensor, label_valid: torch.Tensor, anchor_valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums (not means) so they add across micro-batches and replicas without host syncs.
+
+    position_correct/position_count [B]: per-position top-1 accuracy. accepted_sum/blocks:
+    simulated τ = 1 + mean number of leading correct scored slots per block — exactly what a
+    greedy verify would accept if the block's context were the training context.
+    """
+    scored_correct = correct & label_valid
+    leading = torch.cumprod(scored_correct[..., 1:].int(), dim=-1).sum(-1)  # [b, N]
+    return {
+        "position_correct": scored_correct.sum(dim=(0, 1)).float(),
+        "position_count": label_valid.sum(dim=(0, 1)).float(),
+        "accepted_sum": (leading * anchor_valid).sum().float(),
+        "blocks": anchor_valid.sum().float(),
+    }
+
+
+def summarize_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    count = sums["position_count"].clamp(min=1)
+    accuracy = (sums["position_correct"] / count)[1:]
+    blocks = float(sums["blocks"])
+    return {
+        "accuracy": float(sums["position_correct"].sum() / count[1:].sum().clamp(min=1)),
+        "position_accuracy": [round(float(a), 4) for a in accuracy],
+        "tau_sim": 1.0 + float(sums["accepted_sum"]) / blocks if blocks else math.nan,
+    }

@@ -1,0 +1,149 @@
+"""Host-side batch planning: deterministic, length-bucketed, static-shaped batches.
+
+Step s of a run always gets the same batches, whatever the number of GPUs or a resume in
+between: the order of epoch e is a function of (seed, e), a batch's position in the stream
+is s × batches_per_step + j, and anchors come from (seed, sample id, epoch). Each batch is
+padded to the smallest bucket that holds its longest row, so a compiled drafter sees one
+shape per bucket and compiles once per bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from ..objective import ObjectiveConfig, block_labels, draw_anchors
+
+
+class Sample(Protocol):
+    sample_id: int
+    input_ids: torch.Tensor  # [S] long
+    loss_mask: torch.Tensor  # [S] bool
+
+
+def auto_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
+    """Lengths 128, 192, 256, 384, 512, 768, ... (steps of ×1.5 / ×1.33) capped at max_seq_len:
+    at most ~25% padding per row, and few enough shapes to compile each once."""
+    buckets, size = [], smallest
+    while size < max_seq_len:
+        buckets.append(size)
+        size = size * 3 // 2 if (size & (size - 1)) == 0 else size * 4 // 3
+    buckets.append(max_seq_len)
+    return buckets
+
+
+@dataclass
+class HostBatch:
+    """One micro-batch on the host, before the target runs."""
+
+    step: int
+    index: int  # position within the step (replica × grad_accum + micro)
+    epoch: int
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # [b, S] padded to the bucket
+    loss_mask: torch.Tensor  # [b, S] bool, False on padding
+    lengths: torch.Tensor  # [b]
+    anchors: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per objective
+    normalizers: dict[str, float] = field(default_factory=dict)  # per objective, global over the step
+
+    def pin(self) -> "HostBatch":
+        if torch.cuda.is_available():
+            self.input_ids = self.input_ids.pin_memory()
+            self.loss_mask = self.loss_mask.pin_memory()
+        return self
+
+
+class BatchPlanner:
+    """Maps a step index to its micro-batches.
+
+    `objectives` are keyed by drafter name (variants) or a single key (replicas); each gets
+    its own anchors (its own N) and its own loss normaliser. The normaliser of a step sums
+    over every micro-batch that trains the same drafter in that step.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        *,
+        batch_size: int,
+        batches_per_step: int,
+        buckets: list[int],
+        seed: int,
+        objectives: dict[str, ObjectiveConfig],
+        normalize_over_step: bool = True,
+        pad_id: int = 0,
+        group_factor: int = 32,
+    ):
+        if len(samples) < batch_size:
+            raise ValueError(f"{len(samples)} usable samples is fewer than batch_size {batch_size}")
+        self.samples = samples
+        self.batch_size = batch_size
+        self.batches_per_step = batches_per_step
+        self.buckets = sorted(buckets)
+        self.seed = seed
+        self.objectives = objectives
+        self.normalize_over_step = normalize_over_step
+        self.pad_id = pad_id
+        self.group_factor = group_factor
+        self.batches_per_epoch = len(samples) // batch_size  # the last partial batch is dropped
+        self._epoch_cache: dict[int, list[list[int]]] = {}
+        longest = max(len(s.input_ids) for s in samples)
+        if longest > self.buckets[-1]:
+            raise ValueError(f"a sample of {longest} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    def epoch_order(self, epoch: int) -> list[list[int]]:
+        """Batches of sample indices for one epoch: shuffle, group similar lengths, shuffle groups."""
+        if epoch not in self._epoch_cache:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.samples), generator=generator).tolist()
+            group = self.batch_size * self.group_factor
+            batches = []
+            for start in range(0, len(order) - len(order) % self.batch_size, group):
+                chunk = order[start : start + group]
+                chunk = chunk[: len(chunk) - len(chunk) % self.batch_size]
+                chunk.sort(key=lambda i: len(self.samples[i].input_ids))
+                batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+            shuffle = torch.randperm(len(batches), generator=generator).tolist()
+            self._epoch_cache = {epoch: [batches[i] for i in shuffle]}  # keep one epoch in memory
+        return self._epoch_cache[epoch]
+
+    def bucket_for(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def step_batches(self, step: int) -> list[HostBatch]:
+        batches = [self._make_batch(step, j) for j in range(self.batches_per_step)]
+        if self.normalize_over_step:
+            for key in self.objectives:
+                total = sum(b.normalizers[key] for b in batches)
+                for b in batches:
+                    b.normalizers[key] = total
+        return batches
+
+    def _make_batch(self, step: int, index: int) -> HostBatch:
+        stream_position = step * self.batches_per_step + index
+        epoch, position = divmod(stream_position, self.batches_per_epoch)
+        rows = [self.samples[i] for i in self.epoch_order(epoch)[position]]
+        length = self.bucket_for(max(len(r.input_ids) for r in rows))
+        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(rows), length), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row.input_ids)] = row.input_ids
+            loss_mask[i, : len(row.loss_mask)] = row.loss_mask
+        batch = HostBatch(
+            step=step, index=index, epoch=epoch, sample_ids=[r.sample_id for r in rows],
+            input_ids=input_ids, loss_mask=loss_mask,
+            lengths=torch.tensor([len(r.input_ids) for r in rows]),
+        )
+        for key, objective in self.objectives.items():
+            drawn = [
+                draw_anchors(row.loss_mask, objective.num_anchors, seed=self.seed, sample_id=row.sample_id, epoch=epoch)
+                for row in rows
+            ]
+            anchors = torch.stack([a for a, _ in drawn])
+            valid = torch.stack([v for _, v in drawn])
+            batch.anchors[key] = (anchors, valid)
+            _, label_valid = block_labels(input_ids, loss_mask, anchors, valid, objective.block_size)
+            batch.normalizers[key] = objective.normalizer(label_valid)
+        return batch

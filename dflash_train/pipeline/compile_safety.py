@@ -1,0 +1,799 @@
+"""Make ``torch.compile`` usable from several Python threads of one process.
+
+The trainer runs one target worker thread and one drafter worker thread per GPU
+(several may share a device); each drafter thread calls ``torch.compile``d
+flex-attention forward+backward and builds flex block masks.  ``torch.compile``
+is not thread-safe.  This module installs the fixes the *running* torch needs
+(2.11 to current) and explains what it did.  Every fix is gated on what the
+installed torch actually contains or does, never on its version string.
+
+Public API
+----------
+``install_compile_safety(...) -> SafetyReport``
+    Call once in the main thread before any worker starts; idempotent.  Returns
+    (and prints) which fixes were applied and which were skipped, and why.
+``configure_worker_thread(dynamo=..., inductor=...)``
+    Call first thing inside every worker thread (applies config there).
+``build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE=128)``
+    ``create_block_mask`` that cannot race another thread's compile.
+``mask_build_lock()``
+    The lock ``build_block_mask`` holds, for other eager BlockMask surgery.
+``cudagraphs_allowed_in_threads() -> (bool, reason)``
+``mark_warmup_done(fail_on_recompile=None)`` / ``recompile_snapshot()``
+    Per-thread compile counter; ``RecompileAfterWarmupError`` on fail-fast.
+``recompile_limit_for(num_shape_buckets, num_threads) -> int``
+
+The fixes
+---------
+1. ``fx_tracing_flag`` (torch <= 2.13).  ``torch.fx._symbolic_trace._is_fx_tracing_flag``
+   is a process global set by every FX symbolic trace (user code, transformers,
+   inductor internals).  Dynamo's compiled-call wrapper checks it on *every* call
+   of a compiled function and raises "Detected that you are using FX to
+   symbolically trace a dynamo-optimized function" if it is set - so one thread
+   tracing makes another thread's compiled call fail.  2.14 made it thread-local
+   (``_is_fx_tracing_tls``).  Detection: the module has the attribute and it is a
+   plain ``bool`` global, and the only functions using it are the known reader
+   pair and writer.  Fix: the flag becomes a ``threading.local``: the module's
+   class gets a property so attribute access (``_set_compilation_env`` in
+   ``torch._higher_order_ops.utils``) goes to the thread-local, the two readers
+   (``is_fx_tracing``, ``is_fx_symbolic_tracing``) get their ``__code__`` replaced
+   in place (so references dynamo captured earlier and its constant-folding
+   tables keyed by function identity keep working), and ``Tracer.trace`` sets the
+   thread-local around the original (whose own writes to the now-unread module
+   global become dead).
+   ``inductor_fx_trace`` (all versions): inductor FX-symbolic-traces a dummy
+   function once per process (``loop_body.InterpreterShim._dummy_gm``, cached),
+   lazily, in whichever thread first lowers a loop body.  Besides the flag, an
+   FX symbolic trace patches ``torch.nn.Module.__call__``/``__getattr__``
+   process-wide for its duration, so any other thread calling a module then
+   fails ("module is not installed as a submodule").  We run that trace once at
+   install time, in the main thread, before workers exist.  Detection: the
+   cached ``_dummy_gm`` exists.
+   Limitation (every torch, including 2.14+): a user/library ``symbolic_trace``
+   in one thread while other threads call ``nn.Module``s is unsafe for the same
+   reason; no worker may FX-symbolic-trace while others run.
+2. ``block_mask_lock`` (2.13+, harmless elsewhere).  Eager ``create_block_mask``
+   runs ``torch.fx.traceback.annotate({"fallback_to_eager": True})``, which
+   mutates the global ``torch.fx.traceback.current_meta`` that another thread's
+   compile is reading and rebinding: ``KeyError: 'custom'`` in either thread, or
+   the marker leaks into the other thread's graph (inductor then falls back to
+   eager for those nodes: ``LoweringException`` for flex, or silently slow).
+   ``build_block_mask`` holds dynamo's ``convert_frame.compile_lock`` (held by
+   every dynamo frame compile and inductor backward compile) while building.
+   Detection: ``fx.traceback.annotate`` exists and flex's mask helpers call it.
+3. ``worker_thread_config`` (2.12+ per-thread, 2.11 global).  ``torch._dynamo.config``
+   and ``torch._inductor.config`` assignments are ContextVar-backed from 2.12:
+   a value set in the main thread is invisible in worker threads (new threads
+   start with an empty context).  Detection: a probe thread sets a value and
+   the main thread looks.  ``configure_worker_thread`` applies overrides inside
+   the worker; where config is process-global it instead refuses conflicting
+   values from different threads.  Inductor options that must also govern the
+   lazily compiled backward (which on CUDA runs in the autograd device thread,
+   not in the worker) belong in ``torch.compile(options=...)``.
+   ``torch.compiler.set_stance`` is process-wide on every version: only the main
+   thread should call it.
+4. ``recompile_limit``.  Threads that miss the cache for the same shape at the
+   same time each compile it (the second waits for the compile lock, then does
+   not re-check the cache), and every copy counts towards
+   ``recompile_limit`` (default 8) of that code object.  With K threads sharing
+   one ``torch.compile(flex_attention)`` and S shape buckets up to S*K entries
+   are needed; past the limit dynamo silently runs flex's unfused eager path.
+   We raise the limit (default ``DEFAULT_RECOMPILE_LIMIT``; size it with
+   ``recompile_limit_for``) in the installing thread, as the process-wide
+   default where config is per-thread, and in every ``configure_worker_thread``.
+5. ``cudagraph_tls`` (torch <= 2.12).  ``cudagraph_trees.get_obj`` asserts in a
+   Python thread other than the importing one (its TLS was initialised only at
+   import).  2.13 initialises it lazily; we backport that ``get_obj``.
+   Detection: call ``get_obj`` in a fresh probe thread.  2.13 also serialises
+   graph capture across threads (``graph_capture_lock``); without that lock we
+   *refuse* CUDA-graph trees in worker threads: see
+   ``cudagraphs_allowed_in_threads``; ``configure_worker_thread`` raises if
+   asked for ``triton.cudagraphs`` then.  ``mode="reduce-overhead"`` cannot be
+   intercepted - check ``cudagraphs_allowed_in_threads()`` before using it.
+6. ``compile_counter``.  Counts dynamo frame compiles and lazy backward
+   compiles per worker thread (backward compiles are credited to the thread
+   that compiled the forward, since on CUDA they run in autograd's device
+   thread).  Hooked by wrapping ``torch._dynamo.callback_handler.install_callbacks``
+   (entered once per compile, in the compiling thread, on 2.11-2.15); the
+   public ``on_compile_start`` callbacks are not used because they fire only for
+   the outermost of overlapping compiles across *all* threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import inspect
+import threading
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "DEFAULT_RECOMPILE_LIMIT",
+    "FixResult",
+    "RecompileAfterWarmupError",
+    "SafetyReport",
+    "build_block_mask",
+    "configure_worker_thread",
+    "cudagraphs_allowed_in_threads",
+    "install_compile_safety",
+    "mark_warmup_done",
+    "mask_build_lock",
+    "recompile_limit_for",
+    "recompile_snapshot",
+]
+
+# 8 buckets x 4 threads sharing one compiled flex, x2 for grad-mode/guard variants.
+DEFAULT_RECOMPILE_LIMIT = 64
+
+
+def recompile_limit_for(num_shape_buckets: int, num_threads: int, *, slack: int = 8) -> int:
+    """Recompile limit for one compiled function called with ``num_shape_buckets``
+    static shapes from ``num_threads`` threads: each thread may compile each shape
+    once (concurrent misses are not deduplicated), plus ``slack`` for other guard
+    variants (grad mode, dtype, ...).  Never below dynamo's default of 8."""
+    return max(8, num_shape_buckets * num_threads + slack)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class FixResult:
+    name: str
+    applied: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class SafetyReport:
+    torch_version: str
+    fixes: tuple[FixResult, ...]
+
+    @property
+    def applied(self) -> list[str]:
+        return [f.name for f in self.fixes if f.applied]
+
+    @property
+    def skipped(self) -> list[str]:
+        return [f.name for f in self.fixes if not f.applied]
+
+    def fix(self, name: str) -> FixResult:
+        return next(f for f in self.fixes if f.name == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "torch": self.torch_version,
+            "fixes": {f.name: {"applied": f.applied, "reason": f.reason} for f in self.fixes},
+        }
+
+    def __str__(self) -> str:
+        lines = [f"torch {self.torch_version}: applied {self.applied or 'nothing'}, skipped {self.skipped or 'nothing'}"]
+        lines += [f"  [{'applied' if f.applied else 'skipped'}] {f.name}: {f.reason}" for f in self.fixes]
+        return "\n".join(lines)
+
+
+class RecompileAfterWarmupError(RuntimeError):
+    """A thread marked warm (``mark_warmup_done(fail_on_recompile=True)``) compiled again."""
+
+
+# --------------------------------------------------------------------------- 1. FX flag
+
+_FX_FLAG = "_is_fx_tracing_flag"
+_FX_TLS = "_dflash_fx_tracing_tls"  # injected into torch.fx._symbolic_trace's globals
+
+
+class _FxTracingTLS(threading.local):
+    flag: bool = False  # class attribute: the value in threads that never traced
+
+
+class _ThreadLocalFxFlagModule(types.ModuleType):
+    """Module class for ``torch.fx._symbolic_trace``: attribute access to the flag
+    from other modules lands in the thread-local.  (Globals of the module's own
+    functions bypass this; those functions are patched separately.)"""
+
+    @property
+    def _is_fx_tracing_flag(self) -> bool:
+        return vars(self)[_FX_TLS].flag
+
+    @_is_fx_tracing_flag.setter
+    def _is_fx_tracing_flag(self, value: bool) -> None:
+        vars(self)[_FX_TLS].flag = bool(value)
+
+
+# The bodies below are transplanted into torch.fx._symbolic_trace's readers and
+# run with *that* module's globals, hence the names undefined here.
+def _tls_is_fx_tracing() -> bool:
+    is_fx_tracing_warning()  # noqa: F821
+    return _dflash_fx_tracing_tls.flag  # noqa: F821
+
+
+def _tls_is_fx_tracing_no_warning() -> bool:
+    return _dflash_fx_tracing_tls.flag  # noqa: F821
+
+
+def _tls_is_fx_symbolic_tracing() -> bool:
+    return _dflash_fx_tracing_tls.flag and not torch.compiler.is_compiling()  # noqa: F821
+
+
+def _expected_original_names(replacement: Callable[..., Any]) -> set[str]:
+    """co_names the upstream reader must have for ``replacement`` to be faithful."""
+    return (set(replacement.__code__.co_names) - {_FX_TLS, "flag"}) | {_FX_FLAG}
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _functions_of(module: types.ModuleType) -> Iterator[tuple[str, types.FunctionType]]:
+    def unwrap(obj: Any) -> Any:
+        if isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+        try:
+            return inspect.unwrap(obj) if callable(obj) else obj
+        except ValueError:  # __wrapped__ cycle
+            return obj
+
+    for name, value in vars(module).items():
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            for attr, member in vars(value).items():
+                parts = [member.fget, member.fset] if isinstance(member, property) else [member]
+                for part in parts:
+                    fn = unwrap(part)
+                    if isinstance(fn, types.FunctionType):
+                        yield f"{name}.{attr}", fn
+        else:
+            fn = unwrap(value)
+            if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+                yield name, fn
+
+
+def _flag_users(module: types.ModuleType) -> dict[str, set[str]]:
+    """{qualified function name: {"LOAD_GLOBAL"/"STORE_GLOBAL"...}} for the flag."""
+    users: dict[str, set[str]] = {}
+    for name, fn in _functions_of(module):
+        ops = {
+            ins.opname
+            for code in _code_objects(fn.__code__)
+            if _FX_FLAG in code.co_names
+            for ins in dis.get_instructions(code)
+            if ins.argval == _FX_FLAG and "GLOBAL" in ins.opname
+        }
+        if ops:
+            users[name] = ops
+    return users
+
+
+def _install_fx_flag_fix() -> FixResult:
+    name = "fx_tracing_flag"
+    import torch.fx._symbolic_trace as st
+
+    namespace = vars(st)
+    if _FX_TLS in namespace:
+        return FixResult(name, True, "already installed: the FX tracing flag is per-thread")
+    if _FX_FLAG not in namespace:
+        upstream = [n for n in namespace if "tracing" in n and ("tls" in n or "local" in n)]
+        return FixResult(name, False, f"not needed: {st.__name__} has no {_FX_FLAG} (upstream keeps it thread-local: {upstream})")
+    if type(namespace[_FX_FLAG]) is not bool:
+        return FixResult(name, False, f"unsupported: {_FX_FLAG} is a {type(namespace[_FX_FLAG]).__name__}, not a plain bool global")
+    if type(st) is not types.ModuleType:
+        return FixResult(name, False, f"unsupported: {st.__name__} already has a custom module class {type(st).__name__}")
+
+    users = _flag_users(st)
+    readers = {"is_fx_tracing": {"LOAD_GLOBAL"}, "is_fx_symbolic_tracing": {"LOAD_GLOBAL"}}
+    known = {**readers, "Tracer.trace": {"LOAD_GLOBAL", "STORE_GLOBAL"}}
+    if users.keys() != known.keys() or any(not ops <= known[n] for n, ops in users.items()):
+        return FixResult(name, False, f"unsupported: unexpected users of {_FX_FLAG} in {st.__name__}: {users}")
+
+    replacements: dict[str, Callable[..., Any]] = {
+        "is_fx_tracing": _tls_is_fx_tracing if "is_fx_tracing_warning" in namespace else _tls_is_fx_tracing_no_warning,
+        "is_fx_symbolic_tracing": _tls_is_fx_symbolic_tracing,
+    }
+    for reader, replacement in replacements.items():
+        original = inspect.unwrap(namespace[reader])
+        if set(original.__code__.co_names) != _expected_original_names(replacement) or original.__code__.co_freevars:
+            return FixResult(name, False, f"unsupported: {reader} reads {original.__code__.co_names}, not the known flag check")
+
+    tls = _FxTracingTLS()
+    namespace[_FX_TLS] = tls
+    for reader, replacement in replacements.items():
+        inspect.unwrap(namespace[reader]).__code__ = replacement.__code__
+    st.__class__ = _ThreadLocalFxFlagModule
+
+    original_trace = st.Tracer.trace
+
+    @functools.wraps(original_trace)
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        previous = tls.flag
+        tls.flag = True
+        try:
+            return original_trace(self, *args, **kwargs)
+        finally:
+            tls.flag = previous
+
+    st.Tracer.trace = trace  # type: ignore[method-assign]
+
+    seen_in_other_thread: list[bool] = []
+
+    def probe() -> None:
+        st._is_fx_tracing_flag = True
+        try:
+            seen_in_other_thread.append(st.is_fx_symbolic_tracing())
+        finally:
+            st._is_fx_tracing_flag = False
+
+    _run_in_thread(probe)
+    if seen_in_other_thread != [True] or st.is_fx_symbolic_tracing():
+        raise RuntimeError(f"FX tracing flag patch self-check failed: {seen_in_other_thread}")
+    return FixResult(
+        name,
+        True,
+        f"{_FX_FLAG} was a process-global bool; now thread-local (readers is_fx_tracing/is_fx_symbolic_tracing, "
+        "writer Tracer.trace, module attribute access)",
+    )
+
+
+def _prime_inductor_fx_trace() -> FixResult:
+    name = "inductor_fx_trace"
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+    except Exception as error:  # noqa: BLE001
+        return FixResult(name, False, f"not needed: no inductor loop_body.InterpreterShim ({error!r})")
+    dummy_gm = getattr(InterpreterShim, "_dummy_gm", None)
+    if not (callable(dummy_gm) and hasattr(dummy_gm, "cache_info")):
+        return FixResult(name, False, "not needed: inductor has no cached _dummy_gm symbolic trace")
+    already = dummy_gm.cache_info().currsize > 0
+    dummy_gm()
+    return FixResult(
+        name,
+        True,
+        "inductor's one-off FX symbolic trace (loop_body InterpreterShim._dummy_gm) "
+        + ("was already done" if already else "done now in the installing thread, not lazily inside a worker's compile"),
+    )
+
+
+# --------------------------------------------------------------------------- 2. block masks
+
+_FALLBACK_MASK_LOCK = threading.RLock()
+
+
+def _dynamo_compile_lock() -> Any | None:
+    try:
+        from torch._dynamo import convert_frame
+    except ImportError:
+        return None
+    lock = getattr(convert_frame, "compile_lock", None)
+    if all(hasattr(lock, attr) for attr in ("acquire", "release", "__enter__", "__exit__")):
+        return lock
+    return None
+
+
+def mask_build_lock() -> Any:
+    """The lock to hold around eager BlockMask construction (``create_block_mask``,
+    ``BlockMask.from_kv_blocks``, ``_adjust``): dynamo's compile lock when torch
+    has one, else a lock of ours (which then only serialises mask builders)."""
+    return _dynamo_compile_lock() or _FALLBACK_MASK_LOCK
+
+
+def build_block_mask(
+    mask_mod: Callable[..., torch.Tensor],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    **kwargs: Any,
+) -> BlockMask:
+    """``create_block_mask`` under ``mask_build_lock()``, so the FX metadata it
+    writes while building cannot reach another thread's compile (fix 2)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    with mask_build_lock():
+        return create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, **kwargs)
+
+
+def _check_mask_race() -> FixResult:
+    name = "block_mask_lock"
+    lock = _dynamo_compile_lock()
+    try:
+        import torch.fx.traceback as fx_traceback
+        from torch.nn.attention import flex_attention as flex
+    except ImportError as error:
+        return FixResult(name, False, f"flex_attention unavailable: {error}")
+    annotating = [
+        helper
+        for helper in ("_dense_to_ordered", "_transpose_ordered", "create_block_mask")
+        if "annotate" in _source_or_empty(getattr(flex, helper, None))
+    ]
+    writes_global_meta = isinstance(getattr(fx_traceback, "current_meta", None), dict) and hasattr(fx_traceback, "annotate")
+    lock_name = "torch._dynamo.convert_frame.compile_lock" if lock is not None else "a private lock (no dynamo compile lock found: masks only serialised among themselves)"
+    if annotating and writes_global_meta:
+        return FixResult(name, lock is not None, f"flex {', '.join(annotating)} call fx.traceback.annotate, which writes the global fx.traceback.current_meta; build_block_mask holds {lock_name}")
+    return FixResult(name, False, f"not needed (create_block_mask writes no global FX metadata); build_block_mask still holds {lock_name}")
+
+
+def _source_or_empty(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj) if obj is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+# --------------------------------------------------------------------------- 3./4. config
+
+
+@dataclass
+class _ConfigPolicy:
+    thread_local: bool
+    defaults: dict[str, dict[str, Any]]  # {"dynamo": {...}, "inductor": {...}} applied in every worker
+
+
+_POLICY: _ConfigPolicy | None = None
+_GLOBAL_CLAIMS: dict[tuple[str, str], tuple[Any, str]] = {}
+_GLOBAL_CLAIMS_LOCK = threading.Lock()
+
+
+def _config_modules() -> dict[str, Any]:
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    return {"dynamo": torch._dynamo.config, "inductor": torch._inductor.config}
+
+
+def _config_is_thread_local() -> bool:
+    """Behavioural probe: does a value set in another thread stay there?"""
+    config = torch._dynamo.config
+    original = config.recompile_limit
+    probe_value = original + 1000  # larger limit: harmless if it leaks for an instant
+    value_set, value_read = threading.Event(), threading.Event()
+
+    def probe() -> None:
+        config.recompile_limit = probe_value
+        value_set.set()
+        value_read.wait()
+        config.recompile_limit = original
+
+    thread = threading.Thread(target=probe, name="dflash-config-probe", daemon=True)
+    thread.start()
+    value_set.wait()
+    seen_here = config.recompile_limit
+    value_read.set()
+    thread.join()
+    return seen_here != probe_value
+
+
+def _install_config_policy(recompile_limit: int | None, fail_on_recompile_limit_hit: bool) -> list[FixResult]:
+    global _POLICY
+    thread_local = _config_is_thread_local()
+    dynamo_defaults: dict[str, Any] = {}
+    config = torch._dynamo.config
+    if recompile_limit is not None:
+        dynamo_defaults["recompile_limit"] = max(recompile_limit, config.recompile_limit)
+        dynamo_defaults["accumulated_recompile_limit"] = max(config.accumulated_recompile_limit, 4 * recompile_limit)
+    if fail_on_recompile_limit_hit:
+        dynamo_defaults["fail_on_recompile_limit_hit"] = True
+    _POLICY = _ConfigPolicy(thread_local=thread_local, defaults={"dynamo": dynamo_defaults, "inductor": {}})
+
+    for key, value in dynamo_defaults.items():
+        setattr(config, key, value)
+    process_default_note = ""
+    if thread_local:
+        # Threads that never call configure_worker_thread (target worker, autograd
+        # threads, library threads) still get the raised limit.
+        raised = []
+        for key, value in dynamo_defaults.items():
+            entry = getattr(config, "_config", {}).get(key)
+            if entry is not None and hasattr(entry, "default"):
+                entry.default = value
+                raised.append(key)
+        process_default_note = f"; also made the process-wide default for {raised}" if raised else ""
+
+    results = [
+        FixResult(
+            "worker_thread_config",
+            thread_local,
+            "dynamo/inductor config is per-thread (ContextVar): configure_worker_thread() applies it inside each worker"
+            if thread_local
+            else "config is process-global here: configure_worker_thread() sets it once and rejects conflicting values from other threads",
+        )
+    ]
+    if recompile_limit is None:
+        results.append(FixResult("recompile_limit", False, f"left at {config.recompile_limit} (recompile_limit=None)"))
+    else:
+        results.append(
+            FixResult(
+                "recompile_limit",
+                True,
+                f"recompile_limit={dynamo_defaults['recompile_limit']}, accumulated_recompile_limit={dynamo_defaults['accumulated_recompile_limit']}"
+                f"{', fail_on_recompile_limit_hit=True' if fail_on_recompile_limit_hit else ''}: threads missing the same shape "
+                f"concurrently each compile it and each copy counts{process_default_note}",
+            )
+        )
+    return results
+
+
+def configure_worker_thread(
+    *,
+    dynamo: Mapping[str, Any] | None = None,
+    inductor: Mapping[str, Any] | None = None,
+) -> None:
+    """Apply dynamo/inductor config in the calling thread: the install-time defaults
+    (recompile limits) first, then ``dynamo``/``inductor`` (flat keys, e.g.
+    ``{"triton.cudagraphs": False}``).  Call at the start of every worker thread.
+
+    Where config is process-global, two threads setting different values for the
+    same key is an error instead of a silent last-writer-wins.  Enabling
+    ``triton.cudagraphs`` raises if ``cudagraphs_allowed_in_threads()`` says no.
+    """
+    if _POLICY is None:
+        raise RuntimeError("call install_compile_safety() in the main thread before configure_worker_thread()")
+    overrides = {
+        "dynamo": {**_POLICY.defaults["dynamo"], **(dynamo or {})},
+        "inductor": {**_POLICY.defaults["inductor"], **(inductor or {})},
+    }
+    if overrides["inductor"].get("triton.cudagraphs"):
+        allowed, reason = cudagraphs_allowed_in_threads()
+        if not allowed:
+            raise RuntimeError(f"CUDA-graph trees requested in worker thread {threading.current_thread().name!r}: {reason}")
+    modules = _config_modules()
+    thread_name = threading.current_thread().name
+    for module_key, values in overrides.items():
+        module = modules[module_key]
+        for key, value in values.items():
+            if not _POLICY.thread_local:
+                with _GLOBAL_CLAIMS_LOCK:
+                    claim = _GLOBAL_CLAIMS.setdefault((module_key, key), (value, thread_name))
+                if claim[0] != value:
+                    raise ValueError(
+                        f"{module.__name__}.{key}: thread {thread_name!r} wants {value!r} but thread {claim[1]!r} set {claim[0]!r}, "
+                        "and config is process-global on this torch"
+                    )
+            setattr(module, key, value)
+    _ACCOUNTING.current()  # registers the thread, so it shows in recompile_snapshot() with 0 compiles
+
+
+# --------------------------------------------------------------------------- 5. CUDA graphs
+
+
+def _cudagraph_get_obj_works_in_new_thread(cgt: types.ModuleType) -> tuple[bool, str]:
+    outcome: list[str] = []
+
+    def probe() -> None:
+        try:
+            cgt.get_obj(cgt.local, "tree_manager_containers")
+            outcome.append("")
+        except Exception as error:  # noqa: BLE001 - AssertionError on <=2.12, RuntimeError under python -O
+            outcome.append(f"{type(error).__name__}: {error}")
+
+    _run_in_thread(probe)
+    return outcome == [""], outcome[0] if outcome else "probe thread died"
+
+
+def _lazy_tls_get_obj(cgt: types.ModuleType) -> Callable[[Any, str], Any]:
+    """2.13's get_obj: initialise this thread's cudagraph-tree TLS on first use."""
+
+    def initialize(local: threading.local) -> None:
+        if hasattr(cgt, "_initialize_tls"):
+            cgt._initialize_tls(local)
+            return
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = defaultdict(threading.Lock)
+        # Stashed in C++ TLS so autograd's device threads inherit this thread's trees.
+        torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+        torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+    def get_obj(local: Any, attr_name: str) -> Any:
+        if hasattr(local, attr_name):
+            return getattr(local, attr_name)
+        if not torch._C._is_key_in_tls(attr_name):
+            initialize(local)
+            return getattr(local, attr_name)
+        return torch._C._get_obj_in_tls(attr_name)
+
+    get_obj._dflash_backport = True  # type: ignore[attr-defined]
+    return get_obj
+
+
+def _install_cudagraph_tls_fix() -> FixResult:
+    name = "cudagraph_tls"
+    try:
+        import torch._inductor.cudagraph_trees as cgt
+    except Exception as error:  # noqa: BLE001
+        return FixResult(name, False, f"cudagraph_trees not importable: {error!r}")
+    if getattr(cgt.get_obj, "_dflash_backport", False):
+        return FixResult(name, True, "already installed: get_obj initialises cudagraph-tree TLS lazily per thread")
+    works, why = _cudagraph_get_obj_works_in_new_thread(cgt)
+    if works:
+        return FixResult(name, False, "not needed: cudagraph_trees.get_obj already works in new threads")
+    if not (hasattr(cgt, "local") and hasattr(torch._C, "_stash_obj_in_tls") and hasattr(torch._C, "_is_key_in_tls")):
+        return FixResult(name, False, f"unsupported: get_obj fails in new threads ({why}) and the TLS hooks are missing")
+    cgt.get_obj = _lazy_tls_get_obj(cgt)
+    works, after = _cudagraph_get_obj_works_in_new_thread(cgt)
+    if not works:
+        raise RuntimeError(f"cudagraph TLS backport self-check failed: {after}")
+    return FixResult(name, True, f"get_obj failed in new threads ({why}); backported lazy per-thread TLS init")
+
+
+def cudagraphs_allowed_in_threads() -> tuple[bool, str]:
+    """Whether CUDA-graph trees (``mode="reduce-overhead"``, ``triton.cudagraphs``)
+    may be used from worker threads with this torch (after ``install_compile_safety``)."""
+    try:
+        import torch._inductor.cudagraph_trees as cgt
+    except Exception as error:  # noqa: BLE001
+        return False, f"cudagraph_trees not importable: {error!r}"
+    works, why = _cudagraph_get_obj_works_in_new_thread(cgt)
+    if not works:
+        return False, f"cudagraph-tree state is not initialised in new threads ({why}); run install_compile_safety() first"
+    if not hasattr(cgt, "graph_capture_lock"):
+        return False, (
+            "this torch does not serialise CUDA-graph capture across Python threads (no cudagraph_trees.graph_capture_lock; "
+            "upstream added it in 2.13): a synchronize or pool switch in one thread can invalidate another thread's capture. "
+            "Use torch>=2.13 or leave CUDA graphs off in worker threads"
+        )
+    return True, "per-thread cudagraph-tree state and graph_capture_lock serialising captures across threads"
+
+
+# --------------------------------------------------------------------------- 6. compile counter
+
+
+@dataclass
+class _ThreadCompileStats:
+    name: str
+    compiles: int = 0
+    after_warmup: int = 0
+    warm: bool = False
+    fail_on_recompile: bool = False
+
+
+class _CompileAccounting:
+    _COUNTED_TRIGGERS = ("DYNAMO", "LAZY_BACKWARD")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._threads: list[_ThreadCompileStats] = []
+        self._owner_by_compile_id: dict[str, _ThreadCompileStats] = {}
+        self.fail_on_recompile_default = False
+
+    def current(self) -> _ThreadCompileStats:
+        stats = getattr(self._local, "stats", None)
+        if stats is None:
+            stats = _ThreadCompileStats(threading.current_thread().name)
+            self._local.stats = stats
+            with self._lock:
+                self._threads.append(stats)
+        return stats
+
+    def on_compile(self, trigger: Any, compile_id: str) -> None:
+        trigger_name = getattr(trigger, "name", str(trigger))
+        if trigger_name not in self._COUNTED_TRIGGERS:
+            return
+        with self._lock:
+            owner = self._owner_by_compile_id.get(compile_id) if trigger_name == "LAZY_BACKWARD" else None
+        stats = owner or self.current()
+        with self._lock:
+            if trigger_name == "DYNAMO":
+                self._owner_by_compile_id[compile_id] = stats
+            stats.compiles += 1
+            if stats.warm:
+                stats.after_warmup += 1
+            fail = stats.warm and stats.fail_on_recompile
+        if fail:
+            raise RecompileAfterWarmupError(
+                f"thread {stats.name!r} compiled after warm-up ({trigger_name}, compile id {compile_id}); "
+                "a shape outside the warmed buckets or a guard failure - run with TORCH_LOGS=recompiles to see why"
+            )
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        result: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for stats in self._threads:
+                key = stats.name
+                suffix = 2
+                while key in result:
+                    key = f"{stats.name}#{suffix}"
+                    suffix += 1
+                result[key] = {"compiles": stats.compiles, "after_warmup": stats.after_warmup}
+        return result
+
+
+_ACCOUNTING = _CompileAccounting()
+
+
+def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
+    name = "compile_counter"
+    _ACCOUNTING.fail_on_recompile_default = fail_on_recompile_after_warmup
+    try:
+        from torch._dynamo import callback as dynamo_callback
+    except ImportError as error:
+        return FixResult(name, False, f"unsupported: no torch._dynamo.callback ({error})")
+    handler = getattr(dynamo_callback, "callback_handler", None)
+    original = getattr(handler, "install_callbacks", None)
+    if getattr(original, "_dflash_compile_accounting", False):
+        return FixResult(name, True, "already installed")
+    if original is not None and callable(original):
+
+        @contextlib.contextmanager
+        def install_callbacks(trigger: Any, compile_id: str) -> Iterator[None]:
+            _ACCOUNTING.on_compile(trigger, compile_id)
+            with original(trigger, compile_id):
+                yield
+
+        install_callbacks._dflash_compile_accounting = True  # type: ignore[attr-defined]
+        handler.install_callbacks = install_callbacks  # instance attribute: seen by every call site
+        return FixResult(name, True, "counting per thread via callback_handler.install_callbacks (DYNAMO + LAZY_BACKWARD)")
+    register = getattr(dynamo_callback, "on_compile_start", None)
+    if register is None:
+        return FixResult(name, False, "unsupported: neither callback_handler.install_callbacks nor on_compile_start exists")
+    register(lambda args: _ACCOUNTING.on_compile(args.callback_trigger, str(args.compile_id)))
+    return FixResult(name, True, "degraded: on_compile_start fires only for the outermost of overlapping compiles across threads")
+
+
+def mark_warmup_done(fail_on_recompile: bool | None = None) -> None:
+    """Mark the calling thread warm: later compiles count as ``after_warmup``,
+    and raise ``RecompileAfterWarmupError`` if ``fail_on_recompile`` (default: the
+    ``fail_on_recompile_after_warmup`` given to ``install_compile_safety``)."""
+    stats = _ACCOUNTING.current()
+    stats.fail_on_recompile = _ACCOUNTING.fail_on_recompile_default if fail_on_recompile is None else fail_on_recompile
+    stats.warm = True
+
+
+def recompile_snapshot() -> dict[str, dict[str, int]]:
+    """``{thread_name: {"compiles": n, "after_warmup": m}}`` for every thread that
+    compiled or called ``configure_worker_thread``."""
+    return _ACCOUNTING.snapshot()
+
+
+# --------------------------------------------------------------------------- install
+
+_INSTALL_LOCK = threading.Lock()
+
+
+def _run_in_thread(fn: Callable[[], None]) -> None:
+    thread = threading.Thread(target=fn, name="dflash-compile-safety-probe", daemon=True)
+    thread.start()
+    thread.join()
+
+
+def install_compile_safety(
+    *,
+    recompile_limit: int | None = DEFAULT_RECOMPILE_LIMIT,
+    fail_on_recompile_limit_hit: bool = False,
+    fail_on_recompile_after_warmup: bool = False,
+    verbose: bool = False,
+) -> SafetyReport:
+    """Install every fix this torch needs (see the module docstring); idempotent.
+
+    Call in the main thread before worker threads start.  ``recompile_limit``:
+    see ``recompile_limit_for``; ``None`` leaves dynamo's limits alone.
+    ``fail_on_recompile_limit_hit`` turns dynamo's silent eager fallback at the
+    limit into an error.  ``fail_on_recompile_after_warmup`` is the default for
+    ``mark_warmup_done``.  ``verbose`` prints the report.
+    """
+    with _INSTALL_LOCK:
+        fixes = (
+            _install_fx_flag_fix(),
+            _prime_inductor_fx_trace(),
+            _check_mask_race(),
+            *_install_config_policy(recompile_limit, fail_on_recompile_limit_hit),
+            _install_cudagraph_tls_fix(),
+            FixResult("cudagraphs_in_threads", *cudagraphs_allowed_in_threads()),
+            _install_compile_counter(fail_on_recompile_after_warmup),
+        )
+        report = SafetyReport(torch.__version__, fixes)
+    if verbose:
+        print(report, flush=True)
+    return report

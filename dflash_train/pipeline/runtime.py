@@ -1,0 +1,135 @@
+"""Worker threads, stop signalling and fault propagation shared by the pipeline's parts.
+
+Every blocking call in the pipeline (queue get/put, barriers) waits in short slices and
+checks the shared stop flag, so one failing worker stops all others within about a
+second, and the coordinator can report which worker failed and where.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+POLL_SECONDS = 0.2
+
+
+class PipelineStopped(Exception):
+    """Raised inside a worker when the pipeline is stopping; not an error of that worker."""
+
+
+class PipelineError(RuntimeError):
+    """A worker failed; the message names it and carries its traceback."""
+
+
+@dataclass
+class WorkerFailure:
+    worker: str
+    error: BaseException
+    traceback: str
+
+
+class StopSignal:
+    """Shared by all workers: who asked to stop, why, and which workers failed."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+        self.failures: list[WorkerFailure] = []
+        self._on_stop: list[Any] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self._event.is_set()
+
+    def on_stop(self, callback) -> None:
+        self._on_stop.append(callback)
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            already = self._event.is_set()
+            self._event.set()
+        if not already:
+            for callback in self._on_stop:
+                callback()
+
+    def fail(self, worker: str, error: BaseException) -> None:
+        with self._lock:
+            self.failures.append(WorkerFailure(worker, error, traceback.format_exc()))
+        self.stop(f"{worker} failed: {type(error).__name__}: {error}")
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise PipelineStopped(self.reason)
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+    def error(self) -> PipelineError | None:
+        if not self.failures:
+            return None
+        parts = [f"worker {f.worker} failed:\n{f.traceback}" for f in self.failures]
+        return PipelineError("\n".join(parts))
+
+
+def put(q: queue.Queue, item: Any, stop: StopSignal) -> float:
+    """Blocking put that gives up when the pipeline stops; returns seconds spent waiting."""
+    start = time.perf_counter()
+    while True:
+        stop.check()
+        try:
+            q.put(item, timeout=POLL_SECONDS)
+            return time.perf_counter() - start
+        except queue.Full:
+            continue
+
+
+def get(q: queue.Queue, stop: StopSignal) -> tuple[Any, float]:
+    """Blocking get that gives up when the pipeline stops; returns (item, seconds waited)."""
+    start = time.perf_counter()
+    while True:
+        stop.check()
+        try:
+            return q.get(timeout=POLL_SECONDS), time.perf_counter() - start
+        except queue.Empty:
+            continue
+
+
+@dataclass
+class WorkerTimes:
+    """Where a worker's wall time goes: waiting for input/output vs computing."""
+
+    waiting: float = 0.0
+    computing: float = 0.0
+    items: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def busy_fraction(self) -> float:
+        total = self.waiting + self.computing
+        return self.computing / total if total > 0 else 0.0
+
+
+class Worker(threading.Thread):
+    """A pipeline thread: runs `work()`, turns any exception into a pipeline-wide stop."""
+
+    def __init__(self, name: str, stop: StopSignal):
+        super().__init__(name=name, daemon=True)
+        self.stop_signal = stop
+        self.times = WorkerTimes()
+
+    def work(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except PipelineStopped:
+            pass
+        except BaseException as error:  # noqa: BLE001 - every failure must reach the coordinator
+            self.stop_signal.fail(self.name, error)

@@ -1,0 +1,165 @@
+"""One training step of a DFlash drafter, top to bottom.
+
+A step takes one or more micro-batches of target features (already on this drafter's
+device), runs the drafter over every anchored block under the DFlash mask, scores block
+slots 1..B−1 through the frozen LM head, and updates the drafter:
+
+    zero grads
+    for each micro-batch:
+        block inputs   = embed([anchor, MASK, ...]) at positions a, a+1, ..., a+B−1
+        hidden         = drafter(target features, block inputs, DFlash mask)
+        CE per slot    = chunked cross-entropy through the frozen head (scored slots only)
+        loss           = Σ w·CE / global normaliser            (so micro-batches and replicas add)
+        backward
+    sum gradients across replicas (if any)
+    clip, check finite, AdamW step, LR schedule step
+
+Nothing here knows about threads, files or the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .attention import make_mask
+from .drafter import DFlashDrafter, embed_block_tokens
+from .objective import (
+    ObjectiveConfig,
+    block_labels,
+    block_metrics,
+    block_token_ids,
+    frozen_head_cross_entropy,
+    weighted_loss,
+)
+
+
+@dataclass
+class DrafterBatch:
+    """One micro-batch as a drafter sees it, every tensor on the drafter's device."""
+
+    target_features: torch.Tensor  # [b, S, n·hidden], the captured target layers, concatenated
+    input_ids: torch.Tensor  # [b, S]
+    loss_mask: torch.Tensor  # [b, S] bool: tokens the target wrote (assistant tokens)
+    anchors: torch.Tensor  # [b, N] sorted anchor positions, 0 in padded slots
+    anchor_valid: torch.Tensor  # [b, N] bool
+    loss_normalizer: float  # the global batch's Σ w (decay) or sequence count (D-PACE)
+
+
+@dataclass
+class FrozenTargetParts:
+    """What the drafter borrows from the target, on the drafter's device; never trained or saved."""
+
+    embed_weight: torch.Tensor  # [V, hidden]
+    head_weight: torch.Tensor  # [V, hidden]
+    embedding_scale: float = 1.0
+    logit_softcap: float | None = None
+
+
+def drafter_loss(
+    drafter: DFlashDrafter,
+    frozen: FrozenTargetParts,
+    batch: DrafterBatch,
+    objective: ObjectiveConfig,
+    attention_backend: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DFlash training loss of one micro-batch and its metric sums."""
+    block_size = drafter.config.block_size
+    batch_size, num_anchors = batch.anchors.shape
+    context_len = batch.input_ids.shape[1]
+
+    block_ids = block_token_ids(batch.input_ids, batch.anchors, block_size, drafter.config.mask_token_id)
+    block_embeds = embed_block_tokens(block_ids.flatten(1), frozen.embed_weight, frozen.embedding_scale)
+    offsets = torch.arange(block_size, device=batch.anchors.device)
+    block_positions = (batch.anchors[..., None] + offsets).flatten(1)
+
+    mask = make_mask(attention_backend, batch.anchors, context_len, block_size)
+    hidden = drafter(batch.target_features, block_embeds, block_positions, mask)
+
+    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size)
+    # Only scored slots go through the head: slot 0, padded anchors and unsupervised
+    # targets would cost vocabulary-sized matmuls for a zero weight.
+    scored = hidden.view(batch_size, num_anchors, block_size, -1)[label_valid]
+    scored_ce, scored_correct = frozen_head_cross_entropy(
+        scored, frozen.head_weight, labels[label_valid],
+        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap,
+    )
+    ce = torch.zeros(label_valid.shape, dtype=scored_ce.dtype, device=scored_ce.device)
+    ce = ce.masked_scatter(label_valid, scored_ce)
+    correct = torch.zeros_like(label_valid).masked_scatter(label_valid, scored_correct)
+
+    loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
+    return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+
+
+@dataclass
+class StepResult:
+    loss: float  # this replica's share: replicas' losses add up to the global batch loss
+    grad_norm: float
+    skipped: bool  # non-finite gradients: the update was not applied
+    lr: float
+    metric_sums: dict[str, torch.Tensor]
+
+
+def training_step(
+    drafter: DFlashDrafter,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[DrafterBatch],
+    frozen: FrozenTargetParts,
+    objective: ObjectiveConfig,
+    *,
+    attention_backend: str,
+    clip_grad: float,
+    autocast_dtype: torch.dtype | None,
+    sync_gradients: Callable[[], None] | None = None,
+) -> StepResult:
+    optimizer.zero_grad(set_to_none=True)
+    device_type = micro_batches[0].input_ids.device.type
+    total_loss = torch.zeros((), device=micro_batches[0].input_ids.device)
+    sums: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        autocast = (
+            torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        )
+        with autocast:
+            loss, metrics = drafter_loss(drafter, frozen, batch, objective, attention_backend)
+        loss.backward()
+        total_loss += loss.detach()
+        for name, value in metrics.items():
+            sums[name] = sums[name] + value if name in sums else value
+
+    if sync_gradients is not None:
+        sync_gradients()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip_grad))
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step()
+    return StepResult(float(total_loss), grad_norm, skipped, lr, {k: v.detach().cpu() for k, v in sums.items()})
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    """Linear warm-up then cosine decay to min_lr_ratio × peak."""
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, betas: tuple[float, float]):
+    # Fused AdamW where the device supports it: one kernel per step instead of one per tensor.
+    fused = next(drafter.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)

@@ -1,0 +1,255 @@
+"""The frozen target: load a Hugging Face causal LM, capture the hidden states a drafter needs.
+
+Contract (DESIGN §1): layer id k is the output of decoder layer k, i.e. Hugging Face
+`hidden_states[k + 1]` (index 0 is the embedding output; the last index is after the final
+norm, so asking for the last layer gives the normed state, exactly as HF reports it). The
+forward stops after the deepest requested layer. The drafter shares the target's input
+embedding and LM head; they are exposed here and never copied into a drafter checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import UserError
+
+# Model types whose decoder is `model.model.layers` of pre-norm blocks with standard RoPE,
+# which is what the DFlash drafter (Qwen3-style layers) is built to pair with.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+class TargetError(UserError, ValueError):
+    """The target model or a target-related setting cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The target dimensions the drafter copies (hidden size, heads, head_dim, rope, vocab)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    hidden_act: str
+    input_embedding_scale: float
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def from_hf_config(cls, config: Any, embedding: nn.Module | None = None) -> "TargetSpec":
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetError(
+                f"unknown architecture {model_type!r}: dflash-train supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Convert the target to one of these families, "
+                "or open an issue with the model's config.json."
+            )
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if "rope_theta" not in rope:
+            rope["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+        rope.setdefault("rope_type", "default")
+        scale = float(getattr(embedding, "embed_scale", 1.0)) if embedding is not None else 1.0
+        if isinstance(getattr(embedding, "embed_scale", None), torch.Tensor):
+            scale = float(embedding.embed_scale.item())
+        return cls(
+            model_type=model_type,
+            hidden_size=config.hidden_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            vocab_size=config.vocab_size,
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", 32768)),
+            hidden_act=getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"),
+            input_embedding_scale=scale,
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DESIGN §1 rule: n = 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1))."""
+    if num_draft_layers < 1:
+        raise TargetError("the number of target layers to capture must be at least 1")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
+    if not layer_ids:
+        raise TargetError("target_layer_ids is empty: give at least one decoder layer index")
+    bad = [k for k in layer_ids if not 0 <= k < num_target_layers]
+    if bad:
+        raise TargetError(
+            f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers, "
+            f"so valid ids are 0..{num_target_layers - 1} (id k = output of decoder layer k)."
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise TargetError(f"target_layer_ids {layer_ids} repeats a layer")
+
+
+_MASK_NAME = re.compile(r"reserved|unused|empty_output|mask", re.IGNORECASE)
+
+
+def resolve_mask_token_id(requested: int | None, tokenizer: Any, embedding_rows: int) -> int:
+    """Pick the drafter's MASK token id; it must be a row of the target's embedding table.
+
+    Rule, first match wins:
+      1. the id the user asked for (`--mask-token-id`);
+      2. the tokenizer's own mask token;
+      3. the first embedding row past the tokenizer's vocabulary (tables are often padded,
+         e.g. Qwen3 has 151,936 rows for 151,669 tokens): a row no text ever produces;
+      4. the lowest-id special token whose name marks it unused (reserved / unused /
+         empty_output / mask), e.g. Llama-3 `<|reserved_special_token_0|>`, SmolLM2 `<empty_output>`.
+    A brand-new row is never added: it would be untrained and missing from the export.
+    """
+
+    def check(token_id: int, origin: str) -> int:
+        if not 0 <= token_id < embedding_rows:
+            raise TargetError(
+                f"mask token id {token_id} ({origin}) is outside the target's embedding table "
+                f"(rows 0..{embedding_rows - 1}); pass --mask-token-id with an unused row in that range."
+            )
+        return token_id
+
+    if requested is not None:
+        return check(int(requested), "--mask-token-id")
+    if tokenizer is None:
+        raise TargetError("no tokenizer next to the target: pass --mask-token-id explicitly")
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return check(tokenizer.mask_token_id, "tokenizer.mask_token")
+    if len(tokenizer) < embedding_rows:
+        return check(len(tokenizer), "first embedding row past the tokenizer vocabulary")
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    specials = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for token_id in sorted(specials):
+        if token_id not in used and _MASK_NAME.search(str(specials[token_id])):
+            return check(token_id, f"unused special token {specials[token_id]}")
+    raise TargetError(
+        "could not find an unused token for the drafter's MASK: pass --mask-token-id with the id "
+        "of a token that never occurs in your data (a reserved special token is ideal)."
+    )
+
+
+class _StopForward(Exception):
+    """Raised from a forward hook once the deepest needed layer ran."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TargetError(
+            f"{type(model).__name__} has no `model.layers`: dflash-train needs a decoder-only causal LM"
+        )
+    return layers
+
+
+class Target:
+    """A frozen causal LM plus what the drafter borrows from it.
+
+    Not safe to call `features` from two threads at once on the same Target (its hooks are
+    per-module); the pipeline gives each target worker thread its own Target.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, path: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = path
+        self.layers = decoder_layers(model)
+        self.spec = TargetSpec.from_hf_config(model.config, model.get_input_embeddings())
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise TargetError(f"{type(self.model).__name__} has no LM head")
+        return head.weight
+
+    @torch.no_grad()  # not inference_mode: the features feed the drafter's autograd graph
+    def features(
+        self, input_ids: torch.Tensor, layer_ids: list[int], attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Concatenated hidden states of `layer_ids`, shape [batch, seq, len(layer_ids) * hidden].
+
+        Sequences are right-padded; with causal attention the padding never reaches a real
+        token, so no mask is needed (passing one forces a slower attention path).
+        """
+        check_target_layer_ids(layer_ids, self.spec.num_hidden_layers)
+        deepest = max(layer_ids)
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook(index: int):
+            def capture(_module, _inputs, output):
+                captured[index] = output[0] if isinstance(output, tuple) else output
+                if index == deepest:
+                    raise _StopForward
+
+            return capture
+
+        handles = [self.layers[k].register_forward_hook(hook(k)) for k in set(layer_ids)]
+        try:
+            self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        last = self.spec.num_hidden_layers - 1
+        states = [self.model.model.norm(captured[k]) if k == last else captured[k] for k in layer_ids]
+        return torch.cat(states, dim=-1)
+
+
+def load_target(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    load_tokenizer: bool = True,
+) -> Target:
+    """Load a target from a Hugging Face folder or a `.gguf` file (converted once, cached)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import hf_folder_from_gguf
+
+        path = hf_folder_from_gguf(path)
+    if not (path / "config.json").is_file():
+        raise TargetError(f"{path}: not a Hugging Face model folder (no config.json) and not a .gguf file")
+    config = AutoConfig.from_pretrained(path)
+    TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    tokenizer = None
+    if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return Target(model, tokenizer, str(path))
+

@@ -1,0 +1,16 @@
+"""Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1."""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_slow = pytest.mark.skip(reason="slow: set DFLASH_SLOW=1 to run")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and os.environ.get("DFLASH_SLOW") != "1":
+            item.add_marker(skip_slow)
