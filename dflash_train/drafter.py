@@ -65,6 +65,11 @@ class DrafterConfig:
         as many captured layers as draft layers (the paper's choice)."""
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(spec.num_hidden_layers, num_captured_layers or num_layers)
+            if len(set(target_layer_ids)) != len(target_layer_ids):
+                raise TargetError(
+                    f"the default layer rule gives {target_layer_ids} for a {spec.num_hidden_layers}-layer target "
+                    f"and {len(target_layer_ids)} captured layers: pass --target-layer-ids explicitly"
+                )
         config = cls(
             hidden_size=spec.hidden_size,
             num_hidden_layers=num_layers,

@@ -241,6 +241,7 @@ def scenario_mask_race(seconds: float, max_errors: int, q_len: int, block_size: 
                 counts["masks"] += 1
             except Exception as error:  # noqa: BLE001
                 errors.add_exception("mask", error)
+            time.sleep(0.002)  # a training step does other work between masks (and locks are not fair)
 
     def compiler() -> None:
         try:
@@ -387,8 +388,12 @@ def scenario_compile_counter() -> dict[str, Any]:
         configure_worker_thread()
 
     run_threads({"count-a": three_shapes, "count-b": one_shape, "count-c": forward_only, "count-idle": idle}, errors)
-    pending_backward[0].backward()  # lazy backward compile runs here, in the main thread
-    return {"snapshot": recompile_snapshot(), "error_types": dict(errors.kinds), "main": threading.current_thread().name}
+    main = threading.current_thread().name
+    main_before = recompile_snapshot().get(main, {"compiles": 0})["compiles"]
+    pending_backward[0].backward()  # the lazy backward compile runs here, in the main thread
+    snapshot = recompile_snapshot()
+    main_after = snapshot.get(main, {"compiles": 0})["compiles"]
+    return {"snapshot": snapshot, "error_types": dict(errors.kinds), "main_compiles_during_backward": main_after - main_before}
 
 
 @scenario
@@ -525,6 +530,7 @@ def scenario_stress(
     target_model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
     errors = ErrorLog()
     stop = threading.Event()
+    in_step = threading.Barrier(threads)  # drafters consume the target's batches in lockstep
     done_steps: collections.Counter[str] = collections.Counter()
 
     def target() -> None:
@@ -542,8 +548,9 @@ def scenario_stress(
                 torch._dynamo.config.fail_on_recompile_limit_hit = True
             generator = torch.Generator().manual_seed(index)
             for step in range(steps):
-                length = lengths[(index + step) % len(lengths)]
+                length = lengths[step % len(lengths)]
                 try:
+                    in_step.wait(timeout=SCENARIO_TIMEOUT_S / 2)
                     mask = build(causal, 1, 1, length, length, device="cpu", BLOCK_SIZE=mask_block)
                     q, k, v = (torch.randn(1, 2, length, 16, generator=generator) for _ in range(3))
                     out = flex(q, k, v, block_mask=mask)
@@ -707,7 +714,7 @@ def test_fx_tracing_flag_race(unfixed: Worker, fixed: Worker) -> None:
 
     after = fixed.run("fx_flag_race", seconds=2.0, max_errors=1)
     assert after["errors"] == 0, after
-    assert after["calls"] > 100 and after["traces"] > 10, f"threads did not overlap: {after}"
+    assert after["calls"] >= 20 and after["traces"] >= 20, f"threads did not overlap: {after}"
 
 
 def test_fx_tracing_flag_still_refuses_tracing_compiled_code_in_same_thread(fixed: Worker) -> None:
@@ -720,7 +727,7 @@ def test_block_mask_race(unfixed: Worker, fixed: Worker) -> None:
     if before["errors"] == 0:
         pytest.skip(f"mask/compile race did not reproduce on this torch without the fix: {before}")
 
-    after = fixed.run("mask_race", seconds=5.0, max_errors=1, q_len=256, block_size=1)
+    after = fixed.run("mask_race", seconds=4.0, max_errors=1, q_len=256, block_size=1)
     assert after["errors"] == 0, after
     assert after["masks"] >= 5 and after["compiles"] >= 5, f"threads did not overlap: {after}"
 
@@ -760,7 +767,7 @@ def test_recompile_counter_counts_per_thread(fixed: Worker) -> None:
     # dynamo forward + lazy backward, the backward credited to the forward's thread
     assert snapshot["count-c"] == {"compiles": 2, "after_warmup": 0}
     assert snapshot["count-idle"] == {"compiles": 0, "after_warmup": 0}
-    assert snapshot.get(result["main"], {"compiles": 0})["compiles"] == 0
+    assert result["main_compiles_during_backward"] == 0
 
 
 def test_fail_on_recompile_after_warmup(fixed: Worker) -> None:
@@ -791,7 +798,7 @@ def test_cudagraph_trees_from_worker_threads(unfixed: Worker, fixed: Worker) -> 
     assert after["configure_cudagraphs_without_lock"].startswith("refused"), after
 
 
-STRESS = {"threads": 3, "lengths": [64, 96, 128, 160], "steps": 8, "mask_block": 1}
+STRESS = {"threads": 3, "lengths": [64, 96, 128, 160, 192, 224], "steps": 8, "mask_block": 1}
 
 
 def test_stress_threads_with_forced_recompiles(unfixed: Worker, fixed: Worker) -> None:
@@ -799,7 +806,8 @@ def test_stress_threads_with_forced_recompiles(unfixed: Worker, fixed: Worker) -
     after = fixed.run("stress", backend="aot_eager", with_backward=True, **STRESS)
     assert after["errors"] == 0, after
     assert after["steps"] == {f"drafter-{i}": STRESS["steps"] for i in range(STRESS["threads"])}, after
-    assert sum(v["compiles"] for v in after["recompiles"].values()) >= 2 * len(STRESS["lengths"]), after
+    # flex and the head forward compile once per length, the head backward once per length too
+    assert sum(v["compiles"] for v in after["recompiles"].values()) >= 3 * len(STRESS["lengths"]), after
     if before["errors"] == 0:
         pytest.skip(f"with fixes: 0 errors; but the same stress also ran clean without them here: {before}")
 

@@ -34,8 +34,14 @@ def tiny_hf_model(family: str = "llama", *, vocab: int = 96, hidden: int = 64, l
     raise ValueError(family)
 
 
-def tiny_target(family: str = "llama", **kw) -> Target:
-    return Target(tiny_hf_model(family, **kw).float())
+def tiny_target(family: str = "llama", head_scale: float = 1.0, **kw) -> Target:
+    """head_scale > 1 gives the frozen LM head room for confident predictions (random init at
+    std 0.02 caps logits so low that even a perfect drafter keeps a high loss)."""
+    model = tiny_hf_model(family, **kw).float()
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(head_scale)
+    return Target(model)
 
 
 @dataclass

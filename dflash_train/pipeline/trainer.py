@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
@@ -179,15 +179,17 @@ def train(
     config: TrainConfig,
     *,
     samples: Sequence[Any] | None = None,
-    target: Target | None = None,
+    target: Target | Sequence[Target] | None = None,
     log: TextIO | None = None,
-    fault_injection: dict | None = None,
+    step_hook: Callable[[DrafterWorker, int], None] | None = None,
+    stop_at: int | None = None,
 ) -> dict:
     """Run training; returns the summary dict (also written to OUT/summary.json).
 
-    `samples`/`target` may be given directly (tests, quickstart); otherwise they are read
-    from config.data / config.target. `fault_injection` ({"worker": name, "step": k}) makes
-    that worker raise at that step: the fault-handling tests use it.
+    `samples`/`target` (one Target, or one per target device) may be given directly (tests,
+    quickstart); otherwise they are read from config.data / config.target. `step_hook(worker, step)` runs in each drafter thread
+    after each step (tests use it to inspect replicas or inject faults). `stop_at` ends the run
+    after that step as an interruption would (the LR schedule still spans config.steps).
     """
     log = log or sys.stdout
     config.validate()
@@ -199,9 +201,7 @@ def train(
     plans = plan_drafters(config, drafter_devices)
 
     # --- target(s) and data ------------------------------------------------------------
-    targets: list[Target] = []
-    if target is not None:
-        targets.append(target)
+    targets: list[Target] = [] if target is None else [target] if isinstance(target, Target) else list(target)
     for device in target_devices[len(targets):]:
         print(f"loading target {config.target} on {device}", file=log)
         targets.append(load_target(config.target, device))
@@ -235,7 +235,8 @@ def train(
             print(f"resuming from step {start_step} ({', '.join(str(p) for p in found.values())})", file=log)
         else:
             print(f"--resume: no complete checkpoint in {out}, starting from step 0", file=log)
-    if start_step >= config.steps:
+    end_step = min(config.steps, stop_at) if stop_at is not None else config.steps
+    if start_step >= end_step:
         print(f"nothing to do: already at step {start_step} of {config.steps}", file=log)
 
     # --- compile safety (process-wide, idempotent) -----------------------------------------
@@ -308,11 +309,11 @@ def train(
             drafter_workers.append(DrafterWorker(
                 thread_name, stop, setup, inputs=[queues[t][slot] for t in range(num_targets)],
                 batch_indices=indices, batches_per_step=batches_per_step, start_step=start_step,
-                total_steps=config.steps, reports=reports, reducer=reducer,
+                total_steps=end_step, reports=reports, reducer=reducer,
                 attention_backend=backends[device], autocast_dtype=autocast_dtype(device),
                 clip_grad=plan.config.clip_grad, save_every=config.save_every,
                 keep_checkpoints=config.keep_checkpoints, checkpoint_state=checkpoint_state(plan),
-                on_step_done=_fault_injector(fault_injection),
+                on_step_done=step_hook,
             ))
 
     buckets = sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
@@ -323,7 +324,7 @@ def train(
     )
     target_workers = [
         TargetWorker(f"target-{t}", stop, LiveTarget(tgt, layer_union), planner, index=t,
-                     num_target_workers=num_targets, start_step=start_step, total_steps=config.steps, routes=routes)
+                     num_target_workers=num_targets, start_step=start_step, total_steps=end_step, routes=routes)
         for t, tgt in enumerate(targets)
     ]
     workers = target_workers + drafter_workers
@@ -332,7 +333,7 @@ def train(
     print(_layout_line(config, plans, targets, planner, start_step), file=log)
     logs = {plan.name: MetricsLog(plan.run_dir / "metrics.jsonl") for plan in plans}
     stats = {plan.name: RunningStats() for plan in plans}
-    progress = Progress(config.steps - start_step, "train", stream=log if log is not sys.stdout else sys.stderr)
+    progress = Progress(end_step - start_step, "train", stream=log if log is not sys.stdout else sys.stderr)
     pending: dict[tuple[str, int], list[StepReport]] = {}
     queue_depth_sum, queue_samples = 0.0, 0
     started = time.monotonic()
@@ -411,17 +412,6 @@ def train(
     if error is not None:
         raise error
     return summary
-
-
-def _fault_injector(spec: dict | None):
-    if not spec:
-        return None
-
-    def inject(worker: DrafterWorker, step: int) -> None:
-        if worker.name.startswith(spec["worker"]) and step == spec["step"]:
-            raise RuntimeError(f"injected fault in {worker.name} at step {step}")
-
-    return inject
 
 
 def _install_signal_handlers(stop: StopSignal):

@@ -1,0 +1,133 @@
+"""The threaded pipeline on CPU with real threads: replicas, variants, several target
+workers, faults and interruption."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.pipeline.runtime import PipelineError
+from dflash_train.pipeline.trainer import train
+from tiny import pattern_samples, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=6, head_scale=20)
+
+
+def _config(out, **overrides):
+    values = dict(
+        out=str(out), steps=20, batch_size=4, max_seq_len=128, block_size=4, num_layers=1, num_anchors=8,
+        mask_token_id=95, lr=5e-3, log_every=5, save_every=10, device="cpu", seed=0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _quiet():
+    return open(os.devnull, "w")
+
+
+def test_replicas_stay_identical_after_every_step(tmp_path, target):
+    fingerprints = {}
+    lock = threading.Lock()
+
+    def record(worker, step):
+        flat = torch.cat([p.detach().flatten() for p in worker.setup.drafter.parameters()])
+        with lock:
+            fingerprints.setdefault(step, {})[worker.setup.rank] = flat.clone()
+
+    config = _config(tmp_path, drafter_devices=["cpu", "cpu", "cpu"], steps=12)
+    summary = train(config, samples=pattern_samples(48), target=target, log=_quiet(), step_hook=record)
+    assert sorted(fingerprints) == list(range(12))
+    for step, by_rank in fingerprints.items():
+        assert sorted(by_rank) == [0, 1, 2]
+        assert torch.equal(by_rank[0], by_rank[1]) and torch.equal(by_rank[0], by_rank[2]), step
+    assert not torch.equal(fingerprints[0][0], fingerprints[11][0])  # and they did train
+    assert summary["workers"]["target-0"]["items"] == 36  # 3 replicas x 12 steps, one batch each
+
+
+def test_replicas_match_one_drafter_on_the_joint_batch(tmp_path, target):
+    """Gradients summed over 2 replicas of batch 4 == one drafter with grad_accum 2 of batch 4:
+    the same 8 sequences per step, the same global normaliser."""
+    samples = pattern_samples(32)
+    train(_config(tmp_path / "replicas", drafter_devices=["cpu", "cpu"], steps=6), samples=samples, target=target, log=_quiet())
+    train(_config(tmp_path / "accum", grad_accum=2, steps=6), samples=samples, target=target, log=_quiet())
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "replicas" / "checkpoints" / "step-00000006" / "drafter.safetensors"))
+    b = load_file(str(tmp_path / "accum" / "checkpoints" / "step-00000006" / "drafter.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_variants_train_independent_drafters_from_one_stream(tmp_path, target):
+    config = _config(
+        tmp_path, mode="variants", drafter_devices=["cpu", "cpu"], steps=10,
+        variants=[{"name": "b4", "block_size": 4}, {"name": "b6-dpace", "block_size": 6, "loss": "dpace", "num_layers": 2,
+                                                    "target_layer_ids": [2, 4]}],
+    )
+    summary = train(config, samples=pattern_samples(32), target=target, log=_quiet())
+    assert set(summary["drafters"]) == {"b4", "b6-dpace"}
+    for name, block in (("b4", 4), ("b6-dpace", 6)):
+        run = json.loads((tmp_path / name / "run.json").read_text())
+        assert run["drafter_config"]["block_size"] == block
+        assert (tmp_path / name / "export" / "config.json").is_file()
+        assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 10
+    assert json.loads((tmp_path / "b6-dpace" / "run.json").read_text())["drafter_config"]["target_layer_ids"] == [2, 4]
+    assert summary["workers"]["target-0"]["items"] == 10  # one target pass feeds both variants
+
+
+def test_variant_with_unknown_key_is_an_error(tmp_path, target):
+    config = _config(tmp_path, mode="variants", variants=[{"name": "x", "block_sise": 8}])
+    with pytest.raises(ConfigError, match="block_sise.*block_size"):
+        train(config, samples=pattern_samples(8), target=target, log=_quiet())
+
+
+def test_two_target_workers_feed_replicas(tmp_path, target):
+    second = tiny_target("llama", layers=6, head_scale=20)
+    second.model.load_state_dict(target.model.state_dict())
+    config = _config(tmp_path, target_devices=["cpu", "cpu"], drafter_devices=["cpu", "cpu"], steps=8)
+    summary = train(config, samples=pattern_samples(32), target=[target, second], log=_quiet())
+    assert summary["workers"]["target-0"]["items"] == 8 and summary["workers"]["target-1"]["items"] == 8
+    assert summary["steps_done"]["drafter"] == 8
+
+
+def test_a_failing_drafter_stops_everything_quickly_and_names_itself(tmp_path, target):
+    def explode(worker, step):
+        if worker.name == "drafter-1" and step == 3:
+            raise RuntimeError("boom from the test")
+
+    started = time.monotonic()
+    with pytest.raises(PipelineError) as failure:
+        train(_config(tmp_path, drafter_devices=["cpu", "cpu"], steps=200), samples=pattern_samples(32),
+              target=target, log=_quiet(), step_hook=explode)
+    message = str(failure.value)
+    assert message.startswith("worker drafter-1 failed") and "Traceback" in message and "boom from the test" in message
+    assert time.monotonic() - started < 30
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("drafter-1 failed")
+    # replica 0 saved the last step both replicas completed
+    assert summary["drafters"]["drafter"]["checkpoint"].endswith("step-00000004")
+    assert not [t for t in threading.enumerate() if t.name.startswith(("drafter-", "target-"))]
+
+
+def test_interrupt_stops_cleanly_with_a_checkpoint(tmp_path, target):
+    import signal
+
+    def interrupt(worker, step):
+        if step == 2 and worker.setup.rank == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    summary = train(_config(tmp_path, steps=500), samples=pattern_samples(16), target=target, log=_quiet(),
+                    step_hook=interrupt)
+    assert summary["stop_reason"] == "interrupted by SIGINT"
+    done = summary["steps_done"]["drafter"]
+    assert 3 <= done < 500
+    assert summary["drafters"]["drafter"]["checkpoint"].endswith(f"step-{done:08d}")
+    assert "export" not in summary["drafters"]["drafter"]  # an unfinished run is not exported

@@ -1,0 +1,98 @@
+"""The training loop on one device: learning, checkpoints, resume, clear errors."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_train.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
+from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.pipeline.trainer import train
+from dflash_train.target import TargetError
+from tiny import pattern_samples, tiny_target
+
+
+def _config(out, **overrides):
+    values = dict(
+        out=str(out), steps=40, batch_size=4, max_seq_len=128, block_size=4, num_layers=1, num_anchors=16,
+        mask_token_id=95, lr=3e-3, log_every=10, save_every=20, device="cpu", seed=0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _run(out, samples, target, **overrides):
+    return train(_config(out, **overrides), samples=samples, target=target, log=open(os.devnull, "w"))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=6, head_scale=20)
+
+
+def test_tiny_overfit_loss_falls(tmp_path, target):
+    samples = pattern_samples(16, max_len=60)
+    summary = _run(tmp_path, samples, target, steps=120, batch_size=8, num_layers=2, lr=1e-2, warmup_ratio=0.05)
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in history[:5]) / 5
+    last = sum(r["loss"] for r in history[-5:]) / 5
+    assert last < first / 20, (first, last)  # stated factor: 20x (measured ~700x)
+    assert history[-1]["accuracy"] > 0.95 and history[-1]["tau_sim"] > 3.5  # B = 4: tau at most 4
+    assert summary["drafters"]["drafter"]["export"]
+
+
+def test_resume_continues_exactly(tmp_path, target):
+    samples = pattern_samples(24)
+    _run(tmp_path / "straight", samples, target, steps=30, save_every=10)
+    # a 30-step run stopped at step 20 (same LR schedule), then resumed to the end
+    first = _config(tmp_path / "split", steps=30, save_every=10)
+    train(first, samples=samples, target=target, log=open(os.devnull, "w"), stop_at=20)
+    assert latest_checkpoint(tmp_path / "split").name == "step-00000020"
+    train(_config(tmp_path / "split", steps=30, save_every=10, resume=True), samples=samples, target=target,
+          log=open(os.devnull, "w"))
+    straight = load_file(str(latest_checkpoint(tmp_path / "straight") / "drafter.safetensors"))
+    resumed = load_file(str(latest_checkpoint(tmp_path / "split") / "drafter.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+    metrics = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+
+
+def test_interrupted_checkpoint_write_is_ignored(tmp_path, target):
+    samples = pattern_samples(8)
+    _run(tmp_path, samples, target, steps=4, save_every=2)
+    checkpoints = tmp_path / "checkpoints"
+    good = latest_checkpoint(tmp_path)
+    # a crash mid-write leaves a hidden staging folder and no pointer update
+    (checkpoints / ".step-00000006.abc").mkdir()
+    (checkpoints / ".step-00000006.abc" / "drafter.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) == good
+    # a pointer to a folder without state.json (impossible with rename, but be safe) is skipped
+    (checkpoints / "step-00000008").mkdir()
+    (checkpoints / "latest").write_text("step-00000008\n")
+    assert latest_checkpoint(tmp_path) == good
+    assert load_drafter(tmp_path).config.block_size == 4
+
+
+def test_checkpoints_are_pruned_to_keep(tmp_path, target):
+    _run(tmp_path, pattern_samples(8), target, steps=8, save_every=2, keep_checkpoints=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert names == ["step-00000006", "step-00000008"]
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(block_size=1), ConfigError, "at least 2"),
+        (dict(target_layer_ids=[1, 9]), TargetError, "out of range"),
+        (dict(mask_token_id=96), TargetError, "outside the target's embedding table"),
+        (dict(mode="ensemble"), ConfigError, "replicas or variants"),
+    ],
+)
+def test_clear_errors(tmp_path, target, overrides, error, match):
+    with pytest.raises(error, match=match):
+        _run(tmp_path, pattern_samples(8), target, **overrides)
