@@ -217,6 +217,7 @@ class TrainConfig:
     variants: list[dict] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
+    compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
     keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
@@ -242,6 +243,8 @@ class TrainConfig:
             )
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
         if not 0 <= self.warmup_ratio < 1:

@@ -122,3 +122,48 @@ def export_drafter(
 
 def export_model(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     return export_drafter(drafter.config, drafter.state_dict(), out_dir, dtype=dtype)
+
+
+def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Read back an exported HF folder (ours, or any DFlash drafter with the same layout)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{folder}: no config.json; expected an exported DFlash drafter folder")
+    raw = json.loads(config_path.read_text())
+    dflash = raw.get("dflash_config", {})
+    rope = dict(raw.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default"))
+    if raw.get("rope_scaling"):
+        rope.update({k: v for k, v in raw["rope_scaling"].items() if k != "type"})
+    heads = raw["num_attention_heads"]
+    config = DrafterConfig(
+        hidden_size=raw["hidden_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        vocab_size=raw["vocab_size"],
+        rope_parameters=rope,
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=int(raw.get("num_target_layers", max(dflash["target_layer_ids"]) + 1)),
+        mask_token_id=int(dflash["mask_token_id"]),
+        input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        final_logit_softcapping=dflash.get("final_logit_softcapping"),
+    )
+    drafter = DFlashDrafter(config)
+    weights = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    unknown = set(weights) - expected_weight_names(config.num_hidden_layers)
+    if unknown:
+        raise ExportError(f"{folder}: weights this drafter layout does not have: {sorted(unknown)[:5]}")
+    drafter.load_state_dict({k: v.float() for k, v in weights.items()})
+    return drafter.to(device)

@@ -96,7 +96,11 @@ The fixes
    thread).  Hooked by wrapping ``torch._dynamo.callback_handler.install_callbacks``
    (entered once per compile, in the compiling thread, on 2.11-2.15); the
    public ``on_compile_start`` callbacks are not used because they fire only for
-   the outermost of overlapping compiles across *all* threads.
+   the outermost of overlapping compiles across *all* threads.  Also counts
+   recompile-limit hits (dynamo's silent eager fallback) per thread, from the
+   warning dynamo logs in the thread that hit it.
+   ``install_compile_safety(fixes=False)`` installs only this counter, to
+   measure an unfixed run the same way.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ import contextlib
 import dis
 import functools
 import inspect
+import logging
 import threading
 import types
 from collections import defaultdict
@@ -654,6 +659,7 @@ class _ThreadCompileStats:
     name: str
     compiles: int = 0
     after_warmup: int = 0
+    limit_hits: int = 0
     warm: bool = False
     fail_on_recompile: bool = False
 
@@ -697,6 +703,11 @@ class _CompileAccounting:
                 "a shape outside the warmed buckets or a guard failure - run with TORCH_LOGS=recompiles to see why"
             )
 
+    def on_limit_hit(self) -> None:
+        stats = self.current()
+        with self._lock:
+            stats.limit_hits += 1
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         result: dict[str, dict[str, int]] = {}
         with self._lock:
@@ -706,11 +717,22 @@ class _CompileAccounting:
                 while key in result:
                     key = f"{stats.name}#{suffix}"
                     suffix += 1
-                result[key] = {"compiles": stats.compiles, "after_warmup": stats.after_warmup}
+                result[key] = {"compiles": stats.compiles, "after_warmup": stats.after_warmup, "limit_hits": stats.limit_hits}
         return result
 
 
 _ACCOUNTING = _CompileAccounting()
+
+
+class _RecompileLimitHitHandler(logging.Handler):
+    """Dynamo logs this warning, in the hitting thread, instead of raising."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
+            _ACCOUNTING.on_limit_hit()
+
+
+_LIMIT_HIT_LOGGER = "torch._dynamo.convert_frame"
 
 
 def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
@@ -724,6 +746,9 @@ def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
     original = getattr(handler, "install_callbacks", None)
     if getattr(original, "_dflash_compile_accounting", False):
         return FixResult(name, True, "already installed")
+    limit_logger = logging.getLogger(_LIMIT_HIT_LOGGER)
+    if not any(isinstance(h, _RecompileLimitHitHandler) for h in limit_logger.handlers):
+        limit_logger.addHandler(_RecompileLimitHitHandler(level=logging.WARNING))
     if original is not None and callable(original):
 
         @contextlib.contextmanager
@@ -752,8 +777,8 @@ def mark_warmup_done(fail_on_recompile: bool | None = None) -> None:
 
 
 def recompile_snapshot() -> dict[str, dict[str, int]]:
-    """``{thread_name: {"compiles": n, "after_warmup": m}}`` for every thread that
-    compiled or called ``configure_worker_thread``."""
+    """``{thread_name: {"compiles": n, "after_warmup": m, "limit_hits": k}}`` for
+    every thread that compiled or called ``configure_worker_thread``."""
     return _ACCOUNTING.snapshot()
 
 
@@ -770,6 +795,7 @@ def _run_in_thread(fn: Callable[[], None]) -> None:
 
 def install_compile_safety(
     *,
+    fixes: bool = True,
     recompile_limit: int | None = DEFAULT_RECOMPILE_LIMIT,
     fail_on_recompile_limit_hit: bool = False,
     fail_on_recompile_after_warmup: bool = False,
@@ -777,23 +803,29 @@ def install_compile_safety(
 ) -> SafetyReport:
     """Install every fix this torch needs (see the module docstring); idempotent.
 
-    Call in the main thread before worker threads start.  ``recompile_limit``:
+    Call in the main thread before worker threads start.  ``fixes=False``
+    installs only the per-thread compile counter (to measure an unfixed run);
+    a later call with ``fixes=True`` adds the rest.  ``recompile_limit``:
     see ``recompile_limit_for``; ``None`` leaves dynamo's limits alone.
     ``fail_on_recompile_limit_hit`` turns dynamo's silent eager fallback at the
     limit into an error.  ``fail_on_recompile_after_warmup`` is the default for
     ``mark_warmup_done``.  ``verbose`` prints the report.
     """
     with _INSTALL_LOCK:
-        fixes = (
-            _install_fx_flag_fix(),
-            _prime_inductor_fx_trace(),
-            _check_mask_race(),
-            *_install_config_policy(recompile_limit, fail_on_recompile_limit_hit),
-            _install_cudagraph_tls_fix(),
-            FixResult("cudagraphs_in_threads", *cudagraphs_allowed_in_threads()),
-            _install_compile_counter(fail_on_recompile_after_warmup),
-        )
-        report = SafetyReport(torch.__version__, fixes)
+        counter = _install_compile_counter(fail_on_recompile_after_warmup)
+        if fixes:
+            results = (
+                _install_fx_flag_fix(),
+                _prime_inductor_fx_trace(),
+                _check_mask_race(),
+                *_install_config_policy(recompile_limit, fail_on_recompile_limit_hit),
+                _install_cudagraph_tls_fix(),
+                FixResult("cudagraphs_in_threads", *cudagraphs_allowed_in_threads()),
+                counter,
+            )
+        else:
+            results = (FixResult("fixes", False, "fixes=False: only the compile counter is installed"), counter)
+        report = SafetyReport(torch.__version__, results)
     if verbose:
         print(report, flush=True)
     return report

@@ -183,6 +183,7 @@ def train(
     log: TextIO | None = None,
     step_hook: Callable[[DrafterWorker, int], None] | None = None,
     stop_at: int | None = None,
+    save_checkpoints: bool = True,
 ) -> dict:
     """Run training; returns the summary dict (also written to OUT/summary.json).
 
@@ -190,6 +191,7 @@ def train(
     quickstart); otherwise they are read from config.data / config.target. `step_hook(worker, step)` runs in each drafter thread
     after each step (tests use it to inspect replicas or inject faults). `stop_at` ends the run
     after that step as an interruption would (the LR schedule still spans config.steps).
+    `save_checkpoints=False` (benchmarks) writes no checkpoint at all.
     """
     log = log or sys.stdout
     config.validate()
@@ -292,6 +294,11 @@ def train(
         if reducer is not None:
             reducers.append(reducer)
         for rank, (device, model) in enumerate(zip(plan.devices, models)):
+            if config.compile == "on" or (config.compile == "auto" and device.type == "cuda"):
+                # One graph per bucket for the whole drafter forward (flex inside it), so the
+                # elementwise work around the matmuls fuses; the module itself stays
+                # uncompiled, so checkpoints keep plain parameter names.
+                model.forward = torch.compile(model.forward, dynamic=False)
             optimizer = make_optimizer(model, plan.config.lr, plan.config.weight_decay,
                                        (plan.config.adam_beta1, plan.config.adam_beta2))
             scheduler = warmup_cosine(optimizer, config.steps, plan.config.warmup_ratio, plan.config.min_lr_ratio)
@@ -301,7 +308,7 @@ def train(
             setup = DrafterSetup(
                 name=plan.name, rank=rank, device=device, drafter=model, optimizer=optimizer, scheduler=scheduler,
                 frozen=frozen_parts(targets[0], device, torch.bfloat16 if device.type == "cuda" else None, frozen_cache),
-                objective=plan.objective, run_dir=plan.run_dir if rank == 0 else None,
+                objective=plan.objective, run_dir=plan.run_dir if rank == 0 and save_checkpoints else None,
                 layer_ids=plan.drafter_config.target_layer_ids,
             )
             thread_name = f"drafter-{slot}" + (f"[{plan.name}]" if config.mode == "variants" else "")
@@ -332,6 +339,7 @@ def train(
     # --- run ---------------------------------------------------------------------------------
     print(_layout_line(config, plans, targets, planner, start_step), file=log)
     logs = {plan.name: MetricsLog(plan.run_dir / "metrics.jsonl") for plan in plans}
+    pipeline_log = MetricsLog(out / "pipeline.jsonl")
     stats = {plan.name: RunningStats() for plan in plans}
     progress = Progress(end_step - start_step, "train", stream=log if log is not sys.stdout else sys.stderr)
     pending: dict[tuple[str, int], list[StepReport]] = {}
@@ -361,14 +369,20 @@ def train(
             logs[report.drafter].write(record)
             if report.drafter == plans[0].name:
                 progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
-            if (report.step + 1) % config.log_every == 0 or report.step + 1 == config.steps:
-                eta = (config.steps - report.step - 1) * (time.monotonic() - started) / max(1, report.step + 1 - start_step)
-                progress.print(_step_line(record, report.drafter if len(plans) > 1 else None, config.steps, eta))
+            if (report.step + 1) % config.log_every == 0 or report.step + 1 == end_step:
+                eta = (end_step - report.step - 1) * (time.monotonic() - started) / max(1, report.step + 1 - start_step)
+                depth = queue_depth_sum / max(1, queue_samples)
+                line = _step_line(record, report.drafter if len(plans) > 1 else None, config.steps, eta)
+                progress.print(line + _pipeline_note(workers, depth))
+                if report.drafter == plans[0].name:
+                    pipeline_log.write({"step": report.step + 1, "elapsed_s": round(time.monotonic() - started, 2),
+                                        "mean_queue_depth": round(depth, 3), "workers": _worker_stats(workers),
+                                        "compiles": _recompile_snapshot()})
         stop.stop("finished")
         hung = wait_for_workers(workers, stop, timeout=30.0)
     finally:
         restore_signals()
-        for metrics_log in logs.values():
+        for metrics_log in [*logs.values(), pipeline_log]:
             metrics_log.close()
     progress.close()
     if hung:
@@ -382,11 +396,7 @@ def train(
         "stop_reason": stop.reason,
         "elapsed_s": round(elapsed, 2),
         "drafters": {},
-        "workers": {
-            w.name: {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
-                     "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2)}
-            for w in workers
-        },
+        "workers": _worker_stats(workers),
         "mean_queue_depth": round(queue_depth_sum / max(1, queue_samples), 2),
         "gradient_sync_s": round(sum(r.seconds for r in reducers), 2),
         "recompiles": _recompile_snapshot(),
@@ -465,6 +475,23 @@ def _step_record(reports: list[StepReport], stats: RunningStats, elapsed: float)
     }
     stats.history.append(record)
     return record
+
+
+def _worker_stats(workers) -> dict:
+    return {
+        w.name: {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
+                 "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2)}
+        for w in workers
+    }
+
+
+def _pipeline_note(workers, depth: float) -> str:
+    """Who is the bottleneck at a glance: busy fraction per worker and mean queue depth."""
+    busy = " ".join(f"{w.name.split('[')[0].replace('target-', 't').replace('drafter-', 'd')} {w.times.busy_fraction():.2f}"
+                    for w in workers)
+    compiles = _recompile_snapshot()
+    total = sum(v.get("compiles", 0) for v in compiles.values()) if compiles else 0
+    return f" | busy {busy} | queue {depth:.1f}" + (f" | compiles {total}" if compiles else "")
 
 
 def _step_line(record: dict, name: str | None, total: int, eta: float) -> str:

@@ -1,0 +1,206 @@
+"""Benchmark our full drafter training step at the SpecForge comparison shapes (issue #6).
+
+Qwen3-8B-shaped drafter (5 layers, hidden 4096, 32/8 heads, head_dim 128, MLP 12288,
+vocab 151,936, 5 target layers, B = 16), random weights, random target features, a
+realistic loss mask (first 20% of each sequence unsupervised). Median of >= 10 steps after
+warm-up, timed with CUDA events, split into forward / backward / optimizer.
+
+    python bench/drafter_step.py --configs A,B,D --json out.json
+    python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
+
+MFU follows the issue's formula (see `step_flops`), against 790 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.objective import ObjectiveConfig, block_labels, draw_anchors  # noqa: E402
+from dflash_train.step import (  # noqa: E402
+    DrafterBatch, FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
+)
+
+PEAK_TFLOPS = 790.0
+SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.11)
+    "A": {"batch": 1, "seq": 3072, "anchors": 512, "ms": 196.3, "samples_s": 5.09, "peak_gb": 34.0, "mfu": 0.473},
+    "B": {"batch": 2, "seq": 768, "anchors": 256, "ms": 186.0, "samples_s": 10.75, "peak_gb": 33.8, "mfu": 0.474},
+    "D": {"batch": 4, "seq": 3072, "anchors": 512, "ms": 670.2, "samples_s": 5.97, "peak_gb": 84.2, "mfu": 0.554},
+}
+QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, mlp=12288, vocab=151936, target_layers=36)
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, target_layers=8)
+
+
+def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=dims["hidden"], num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], intermediate_size=dims["mlp"],
+        rms_norm_eps=1e-6, vocab_size=dims["vocab"], rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=40960, block_size=block_size,
+        target_layer_ids=[1, 9, 17, 25, 33][: min(5, dims["target_layers"] // 2)] if dims is QWEN3_8B else [1, 3, 5],
+        num_target_layers=dims["target_layers"], mask_token_id=dims["vocab"] - 1,
+    )
+
+
+def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size - 1, (batch, seq), generator=generator)
+    loss_mask = torch.zeros(batch, seq, dtype=torch.bool)
+    loss_mask[:, int(0.2 * seq):] = True
+    drawn = [draw_anchors(loss_mask[i], anchors, seed=seed, sample_id=i, epoch=0) for i in range(batch)]
+    anchor_pos = torch.stack([a for a, _ in drawn])
+    anchor_valid = torch.stack([v for _, v in drawn])
+    objective = ObjectiveConfig(block_size=config.block_size, num_anchors=anchors)
+    _, label_valid = block_labels(ids, loss_mask, anchor_pos, anchor_valid, config.block_size)
+    features = torch.randn(batch, seq, len(config.target_layer_ids) * config.hidden_size, generator=generator)
+    drafter_batch = DrafterBatch(
+        features.to(device, dtype), ids.to(device), loss_mask.to(device), anchor_pos.to(device),
+        anchor_valid.to(device), objective.normalizer(label_valid),
+    )
+    return drafter_batch, objective, anchor_valid
+
+
+def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.Tensor, anchors: torch.Tensor) -> float:
+    """The issue's formula: 6·P_layers·Tq + 6·P_kv·b·S + 4·P_fc·b·S + 4·H·V·Tq + attention pairs."""
+    H, B, d = config.hidden_size, config.block_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    attn = H * heads * d * 2 + H * kv * d * 2  # q, o + k, v
+    mlp = 3 * H * config.intermediate_size
+    p_layers = config.num_hidden_layers * (attn + mlp)
+    p_kv = config.num_hidden_layers * H * kv * d * 2
+    p_fc = len(config.target_layer_ids) * H * H
+    tq = int(anchor_valid.sum()) * B
+    pairs = float(((anchors.float() + B) * B * anchor_valid.float()).sum())
+    return (6 * p_layers * tq + 6 * p_kv * batch * seq + 4 * p_fc * batch * seq + 4 * H * config.vocab_size * tq
+            + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
+
+
+def run_config(name, dims, shape, args, device):
+    config = drafter_config(dims, args.block_size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    drafter = DFlashDrafter(config).to(device)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    if args.compile == "on":
+        drafter.forward = torch.compile(drafter.forward, dynamic=False)
+    embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
+    head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
+    frozen = FrozenTargetParts(embed, head)
+    batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype)
+    objective.loss_chunk_rows = args.loss_chunk_rows
+    optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
+    scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
+    backend = "flex" if device.type == "cuda" else "sdpa"
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    flops = step_flops(config, shape["batch"], shape["seq"], anchor_valid, batch.anchors.cpu())
+
+    def timed_parts():
+        """Same work as training_step, with events between forward, backward and optimizer."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else None
+        clock: list[float] = []
+        mark = (lambda i: events[i].record()) if events else (lambda i: clock.append(time.perf_counter()))
+        mark(0)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            loss, _ = drafter_loss(drafter, frozen, batch, objective, backend)
+        mark(1)
+        loss.backward()
+        mark(2)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        mark(3)
+        if events:
+            torch.cuda.synchronize()
+            return [events[i].elapsed_time(events[i + 1]) for i in range(3)]
+        return [(clock[i + 1] - clock[i]) * 1000 for i in range(3)]
+
+    def full_step():
+        start = time.perf_counter()
+        training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
+                      clip_grad=1.0, autocast_dtype=autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000
+
+    warm_start = time.perf_counter()
+    for _ in range(args.warmup):
+        full_step()
+    warm_s = time.perf_counter() - warm_start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    totals = [full_step() for _ in range(args.steps)]
+    parts = [timed_parts() for _ in range(args.steps)]
+    ms = statistics.median(totals)
+    split = [statistics.median(p[i] for p in parts) for i in range(3)]
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+    result = {
+        "config": name, **shape, "ms_per_step": round(ms, 2),
+        "forward_ms": round(split[0], 2), "backward_ms": round(split[1], 2), "optimizer_ms": round(split[2], 2),
+        "samples_per_s": round(shape["batch"] / ms * 1000, 3),
+        "anchors_per_s": round(int(anchor_valid.sum()) / ms * 1000, 1),
+        "peak_gb": round(peak, 2), "tflop_per_step": round(flops / 1e12, 2),
+        "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
+        "compile": args.compile,
+    }
+    if name in SPECFORGE and dims is QWEN3_8B:
+        result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="A,B,D")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny dims (script smoke test)")
+    parser.add_argument("--compile", choices=["on", "off"], default="on")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--loss-chunk-rows", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(540, exit=True)
+    device = torch.device(args.device)
+    dims = TINY if args.tiny else QWEN3_8B
+    results = []
+    for name in args.configs.split(","):
+        shape = {k: SPECFORGE[name][k] for k in ("batch", "seq", "anchors")}
+        if args.tiny:
+            shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
+        try:
+            result = run_config(name, dims, shape, args, device)
+        except Exception as error:  # noqa: BLE001 - report and go on with the next config
+            result = {"config": name, "error": f"{type(error).__name__}: {error}"}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'cfg':<4}{'ms/step':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:<4} error: {r['error']}")
+            continue
+        print(f"{r['config']:<4}{r['ms_per_step']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
+              f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
+              f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
+    for r in results:
+        if "speedup_vs_specforge" in r:
+            print(f"drafter-step {r['config']}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Benchmark the threaded pipeline end to end (issue #6 item 4, issue #3 item 7).
+
+A Qwen3-8B-shaped target (random weights, bf16) on the target device(s) feeds drafter
+threads on the drafter devices through the real trainer. Reports the target's tokens/s
+alone (features only, forward stopped after the deepest captured layer), the drafter's
+samples/s alone (no target: features replayed from memory), and the pipeline's end-to-end
+samples/s with every worker's busy fraction, queue depth and compile counts.
+
+    python bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 60
+    python bench/pipeline.py --tiny --device cpu --steps 6            # smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_train.config import TrainConfig  # noqa: E402
+from dflash_train.pipeline.trainer import train  # noqa: E402
+from dflash_train.target import Target  # noqa: E402
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def random_target(dims: dict, device: torch.device) -> Target:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(Qwen3Config(**dims, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(previous)
+    return Target(model)
+
+
+def variable_length_samples(count: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[Sample]:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=generator))
+        ids = torch.randint(0, vocab - 2, (length,), generator=generator)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[int(0.2 * length):] = True
+        samples.append(Sample(i, ids, mask))
+    return samples
+
+
+def time_target_alone(target: Target, layer_ids: list[int], batch: int, seq: int, repeats: int) -> float:
+    ids = torch.randint(0, target.spec.vocab_size - 2, (batch, seq), device=target.device)
+    target.features(ids, layer_ids)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.features(ids, layer_ids)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    return batch * seq * repeats / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target-devices", default="cuda:0")
+    parser.add_argument("--drafter-devices", default="cuda:1")
+    parser.add_argument("--device", default="", help="shortcut: put everything on this device")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--mode", default="replicas")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-seq-len", type=int, default=3072)
+    parser.add_argument("--min-seq-len", type=int, default=0, help="0 = all rows at max length (config D)")
+    parser.add_argument("--num-anchors", type=int, default=512)
+    parser.add_argument("--buckets", default="", help="comma-separated padded lengths")
+    parser.add_argument("--compile", default="auto")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(570, exit=True)
+    dims = TINY if args.tiny else QWEN3_8B
+    target_devices = [args.device] if args.device else args.target_devices.split(",")
+    drafter_devices = [args.device] if args.device else args.drafter_devices.split(",")
+    print(f"building random targets on {target_devices}", flush=True)
+    targets = [random_target(dims, torch.device(d)) for d in target_devices]
+    for other in targets[1:]:
+        other.model.load_state_dict(targets[0].model.state_dict())
+    layer_ids = [1, 9, 17, 25, 33] if not args.tiny else [1, 3, 5]
+    tokens_per_s = time_target_alone(targets[0], layer_ids, args.batch_size, args.max_seq_len, 3 if args.tiny else 5)
+    print(f"target alone: {tokens_per_s:,.0f} tokens/s ({args.batch_size} x {args.max_seq_len})", flush=True)
+    min_len = args.min_seq_len or args.max_seq_len
+    samples = variable_length_samples(max(64, args.batch_size * 16), dims["vocab_size"], min_len, args.max_seq_len)
+    out = tempfile.mkdtemp(prefix="dflash-bench-")
+    config = TrainConfig(
+        out=out, steps=args.steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len, block_size=16,
+        num_layers=5 if not args.tiny else 2, num_anchors=args.num_anchors, target_layer_ids=layer_ids,
+        mask_token_id=dims["vocab_size"] - 1, target_devices=target_devices, drafter_devices=drafter_devices,
+        mode=args.mode, save_every=10**9, log_every=10, export_dtype="", compile=args.compile,
+        seq_buckets=[int(b) for b in args.buckets.split(",")] if args.buckets else [],
+        variants=[{"name": f"v{i}"} for i in range(len(drafter_devices))] if args.mode == "variants" else [],
+    )
+    summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
+    warm = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl" if args.mode == "replicas" else "v0/metrics.jsonl"))]
+    steady = warm[len(warm) // 3:]
+    seconds = (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]) / max(1, len(steady) - 1)
+    samples_per_step = args.batch_size * (len(drafter_devices) if args.mode == "replicas" else 1)
+    result = {
+        "torch": torch.__version__, "target_devices": target_devices, "drafter_devices": drafter_devices,
+        "mode": args.mode, "target_tokens_per_s_alone": round(tokens_per_s),
+        "target_samples_per_s_alone": round(tokens_per_s / ((min_len + args.max_seq_len) / 2), 3),
+        "pipeline_samples_per_s_steady": round(samples_per_step / seconds, 3) if seconds > 0 else None,
+        "steady_steps": len(steady), "summary": summary,
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "summary"}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Conversation and prompt files: read, validate every row, account for every skip.
+
+Formats (chosen by file name):
+    .jsonl / .jsonl.gz   one JSON object per line (blank lines ignored)
+    .json / .json.gz     a JSON array of objects
+    .parquet             one row per object (columns as below)
+    .txt / .txt.gz       prompts only: one prompt per non-blank line
+
+Row shapes:
+    OpenAI    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+    ShareGPT  {"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}
+    prompt    {"prompt": str, "system": str (optional)}   (prompt files only)
+An assistant message may carry `reasoning_content` (str), which templates such as Qwen3's use.
+An optional `id` field (string or integer) names the row; otherwise its id is `file:line`.
+
+A bad row is skipped, never silently: it is counted in a `RowStats` under a reason, and the first
+example of each reason keeps the full message, e.g.
+    data.jsonl:17: messages[2].content: expected a string, got null
+Locations are `file:line` for JSON lines and text files, `file:row` (1-based) for Parquet and
+JSON arrays.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..config import UserError
+
+log = logging.getLogger(__name__)
+
+CONVERSATION_FORMATS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+PROMPT_FORMATS = CONVERSATION_FORMATS + (".txt", ".txt.gz")
+
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_OPENAI_ROLES = ("system", "user", "assistant")
+
+
+class DataError(UserError, ValueError):
+    """A row (or file) that cannot be used. `reason` groups rows that failed the same way."""
+
+    def __init__(self, where: str, what: str, problem: str, reason: str | None = None):
+        super().__init__(f"{where}: {what}: {problem}" if what else f"{where}: {problem}")
+        # Indices are dropped from the grouping key so that `messages[2]` and `messages[5]` count together.
+        self.reason = reason or re.sub(r"\[\d+\]", "[*]", f"{what}: {problem}" if what else problem)
+
+
+@dataclass
+class RowStats:
+    """How many rows were read, how many are used, and why the others were skipped.
+
+    Every row read is either used or skipped once, so `used + skipped == read` always holds;
+    `used` is derived to keep it that way. Merge the stats of several files with `merge`.
+    """
+
+    read: int = 0
+    skipped_by_reason: Counter = field(default_factory=Counter)
+    first_example: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.skipped_by_reason.values())
+
+    @property
+    def used(self) -> int:
+        return self.read - self.skipped
+
+    def count_read(self, rows: int = 1) -> None:
+        self.read += rows
+
+    def skip(self, reason: str, example: str | None = None) -> None:
+        """Count one already-read row as skipped (call at most once per row)."""
+        self.skipped_by_reason[reason] += 1
+        if example is not None:
+            self.first_example.setdefault(reason, example)
+        log.debug("skipped: %s", example or reason)
+
+    def merge(self, other: "RowStats") -> "RowStats":
+        self.read += other.read
+        self.skipped_by_reason.update(other.skipped_by_reason)
+        for reason, example in other.first_example.items():
+            self.first_example.setdefault(reason, example)
+        return self
+
+    def summary(self) -> str:
+        lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}"]
+        for reason, count in sorted(self.skipped_by_reason.items(), key=lambda item: (-item[1], item[0])):
+            example = self.first_example.get(reason)
+            lines.append(f"  skipped {count}: {reason}" + (f"  (first: {example})" if example else ""))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A validated chat with at least one assistant message; `messages` are {"role", "content"} dicts."""
+
+    id: str
+    messages: list[dict[str, str]]
+    source: str  # file:line, for error messages
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A chat ending with a user message, awaiting the assistant's answer."""
+
+    id: str
+    messages: list[dict[str, str]]
+    source: str
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _format_suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in sorted(PROMPT_FORMATS, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    return path.suffix.lower()
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> Iterator[tuple[str, Any]]:
+    """Yield `(location, row)` for every row of a file; a row that cannot be parsed is yielded as a DataError.
+
+    Text files yield `{"prompt": line}` rows.
+    """
+    path = Path(path)
+    suffix = _format_suffix(path)
+    if suffix not in formats:
+        raise DataError(str(path), "", f"unsupported file type; expected one of {', '.join(formats)}")
+    if not path.is_file():
+        raise DataError(str(path), "", "no such file")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        row_number = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                row_number += 1
+                yield f"{path}:{row_number}", row
+        return
+    with _open_text(path) as handle:
+        if suffix in (".json", ".json.gz"):
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{error.lineno}", "", f"invalid JSON: {error.msg}") from None
+            if not isinstance(rows, list):
+                raise DataError(str(path), "", f"expected a JSON array of rows, got {_json_type(rows)}")
+            for row_number, row in enumerate(rows, start=1):
+                yield f"{path}:{row_number}", row
+            return
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            if suffix in (".txt", ".txt.gz"):
+                yield where, {"prompt": line.rstrip("\r\n")}
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield where, DataError(where, "", f"invalid JSON: {error.msg} (column {error.colno})", reason="invalid JSON")
+
+
+def _text(value: Any, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(where, what, f"expected a string, got {_json_type(value)}")
+    return value
+
+
+def parse_messages(row: dict, where: str) -> list[dict[str, str]]:
+    """The validated message list of an OpenAI or ShareGPT row, with roles normalised to system/user/assistant."""
+    if "messages" in row:
+        key, role_key, content_key, roles = "messages", "role", "content", {r: r for r in _OPENAI_ROLES}
+    elif "conversations" in row:
+        key, role_key, content_key, roles = "conversations", "from", "value", _SHAREGPT_ROLES
+    else:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        raise DataError(where, "row", f"expected a 'messages' or 'conversations' field (has: {keys})", reason="no 'messages' or 'conversations' field")
+    items = row[key]
+    if not isinstance(items, list):
+        raise DataError(where, key, f"expected an array of messages, got {_json_type(items)}")
+    if not items:
+        raise DataError(where, key, "empty")
+    messages = []
+    for index, item in enumerate(items):
+        what = f"{key}[{index}]"
+        if not isinstance(item, dict):
+            raise DataError(where, what, f"expected an object, got {_json_type(item)}")
+        role = item.get(role_key)
+        if role not in roles:
+            expected = ", ".join(repr(r) for r in roles)
+            raise DataError(where, f"{what}.{role_key}", f"unknown role {role!r}; expected one of {expected}", reason=f"{key}[*].{role_key}: unknown role")
+        message = {"role": roles[role], "content": _text(item.get(content_key), where, f"{what}.{content_key}")}
+        reasoning = item.get("reasoning_content")
+        if reasoning is not None and message["role"] == "assistant":
+            message["reasoning_content"] = _text(reasoning, where, f"{what}.reasoning_content")
+        messages.append(message)
+    return messages
+
+
+def _row_id(row: dict, path: Path, where: str) -> str:
+    value = row.get("id")
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return f"{path.name}:{where.rsplit(':', 1)[1]}"
+
+
+def parse_conversation(row: Any, where: str, path: Path) -> Conversation:
+    if not isinstance(row, dict):
+        raise DataError(where, "row", f"expected an object, got {_json_type(row)}")
+    messages = parse_messages(row, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(where, "messages", "no assistant message to learn from", reason="no assistant message")
+    return Conversation(_row_id(row, path, where), messages, where)
+
+
+def parse_prompt(row: Any, where: str, path: Path) -> Prompt:
+    """A prompt row. A chat ending with an assistant answer becomes the prompt for that answer
+    (the answer is dropped: this is how an existing dataset is regenerated by a new target)."""
+    if not isinstance(row, dict):
+        raise DataError(where, "row", f"expected an object, got {_json_type(row)}")
+    if "prompt" in row:
+        text = _text(row["prompt"], where, "prompt")
+        if not text.strip():
+            raise DataError(where, "prompt", "empty")
+        messages = [{"role": "user", "content": text}]
+        if row.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": _text(row["system"], where, "system")})
+    else:
+        messages = parse_messages(row, where)
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages or messages[-1]["role"] != "user":
+            raise DataError(where, "messages", "a prompt must end with a user message", reason="prompt does not end with a user message")
+    return Prompt(_row_id(row, path, where), messages, where)
+
+
+def _read(path: str | Path, parse: Any, formats: tuple[str, ...], stats: RowStats | None, strict: bool) -> Iterator[Any]:
+    path = Path(path)
+    stats = stats if stats is not None else RowStats()
+    for where, row in iter_rows(path, formats):
+        stats.count_read()
+        try:
+            if isinstance(row, DataError):
+                raise row
+            yield parse(row, where, path)
+        except DataError as error:
+            if strict:
+                raise
+            stats.skip(error.reason, str(error))
+
+
+def read_conversations(path: str | Path, stats: RowStats | None = None, *, strict: bool = False) -> Iterator[Conversation]:
+    """Valid conversations of one file, in file order; bad rows are counted in `stats` (or raise if `strict`)."""
+    return _read(path, parse_conversation, CONVERSATION_FORMATS, stats, strict)
+
+
+def read_prompts(path: str | Path, stats: RowStats | None = None, *, strict: bool = False) -> Iterator[Prompt]:
+    """Valid prompts of one file, in file order; bad rows are counted in `stats` (or raise if `strict`)."""
+    return _read(path, parse_prompt, PROMPT_FORMATS, stats, strict)

@@ -1,0 +1,186 @@
+"""Chat rendering: token ids and the assistant-only loss mask, from one function.
+
+`render_conversation` renders the whole conversation once with the tokenizer's own chat
+template and tokenizes that text in one go (so the ids are the ones the target reads), then marks
+the tokens the assistant wrote: loss_mask is 1 from the first token the assistant produced in a
+turn through the end-of-turn token it emitted (`<|im_end|>`, `<|eot_id|>`, ...), and 0 on
+everything the template adds: system prompt, role headers, the generation prompt, and the
+separator after the end-of-turn token.
+
+How an assistant turn k (message index k) is located, for any template:
+  1. history = render(messages[:k]) must be a prefix of the full render (checked; a template that
+     rewrites earlier text as the conversation grows raises RenderError naming the first
+     differing character). The turn starts after it.
+  2. The generation prompt = render(messages[:k], add_generation_prompt=True) minus the history.
+     The assistant's own text starts right after it. If the full render does not contain all of
+     it, the turn must still begin with it when rendered as the last message (the template
+     rewrote it later, as Qwen3 does); the text then starts where the full render stops matching
+     the generation prompt, cut back to a token boundary. Otherwise RenderError (data made in
+     another mode, e.g. reasoning rendered with enable_thinking=False).
+  3. The turn ends at the first special token (an added token flagged `special`) at or after that
+     start: the end-of-turn token, which the assistant emits and the mask includes. A turn with
+     no special token after it raises RenderError.
+
+Thinking templates (Qwen3), with the mask this produces:
+  - enable_thinking=False: the generation prompt is `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`.
+    The empty think block is part of the prompt the target was given, so it is masked 0; the
+    answer and `<|im_end|>` are 1.
+  - enable_thinking=True or None (template default = thinking): the generation prompt is
+    `<|im_start|>assistant\\n`; the last turn renders `<think>\\n{reasoning}\\n</think>\\n\\n{answer}`,
+    all of which the target writes in thinking mode, so all of it (think tags included) is 1.
+    Render data with the mode it was generated in: rendering answers generated with thinking off
+    in thinking mode would teach the drafter an empty think block the target never wrote.
+  - Earlier turns (before the last user message): the template drops their reasoning (and, with
+    thinking off, the empty think block). Only what is rendered is trained: the answer and
+    `<|im_end|>` are 1; the dropped reasoning is simply absent from the sample.
+Templates whose assistant turns contain special tokens before the end of turn (e.g. gpt-oss
+channel markers) are not supported by rule 3. An assistant message that opens the conversation
+answers no prompt and stays unmasked context.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..config import UserError
+
+Messages = Sequence[dict[str, Any]]
+
+
+class RenderError(UserError, ValueError):
+    """The chat template cannot be used to place an assistant-only loss mask for this conversation."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the assistant wrote the token (incl. its end-of-turn token)
+
+    @property
+    def num_supervised(self) -> int:
+        return sum(self.loss_mask)
+
+
+# Special-token ids per tokenizer; recomputed if tokens were added since (len(tokenizer) changes).
+_special_ids_cache: "weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
+
+
+def _special_token_ids(tokenizer: Any) -> frozenset[int]:
+    size = len(tokenizer)
+    cached = _special_ids_cache.get(tokenizer)
+    if cached is None or cached[0] != size:
+        ids = frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+        cached = (size, ids)
+        _special_ids_cache[tokenizer] = cached
+    return cached[1]
+
+
+def _render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool, enable_thinking: bool | None) -> str:
+    if tokenizer.chat_template is None:
+        raise RenderError(f"{type(tokenizer).__name__} has no chat template; set tokenizer.chat_template")
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    except Exception as error:  # the template's own checks (jinja raise_exception), or a field it needs
+        raise RenderError(f"chat template failed on {len(messages)} messages: {type(error).__name__}: {error}") from error
+
+
+def _first_difference(a: str, b: str) -> int:
+    limit = min(len(a), len(b))
+    index = 0
+    while index < limit and a[index] == b[index]:
+        index += 1
+    return index
+
+
+def _not_a_prefix(what: str, prefix: str, full: str) -> RenderError:
+    at = _first_difference(prefix, full)
+    return RenderError(
+        f"chat template is not prefix-stable: {what} differs from the full render at character {at} "
+        f"({prefix[at:at + 40]!r} vs {full[at:at + 40]!r}); the template rewrites earlier text as the "
+        "conversation grows, so the assistant's tokens cannot be located"
+    )
+
+
+def _token_aligned_common_prefix(tokenizer: Any, generation_prompt: str, rest: str) -> int:
+    """Characters at the start of `rest` shared with the generation prompt, cut back to a whole
+    token of the prompt so that a partial match into the answer ("<thinking") is not taken."""
+    common = _first_difference(generation_prompt, rest)
+    ends = [end for _, end in tokenizer(generation_prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    return max([end for end in ends if end <= common], default=0)
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: Messages,
+    *,
+    enable_thinking: bool | None = None,
+    max_length: int | None = None,
+) -> Rendered:
+    """Token ids of the whole conversation and its assistant-only loss mask (see the module doc).
+
+    `max_length` keeps the first `max_length` tokens. Raises RenderError when the template does not
+    allow the assistant's tokens to be located.
+    """
+    full = _render_text(tokenizer, messages, False, enable_thinking)
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids: list[int] = encoding["input_ids"]
+    token_ends = [end for _, end in encoding["offset_mapping"]]
+    special_ids = _special_token_ids(tokenizer)
+    loss_mask = [0] * len(input_ids)
+
+    turn_starts = []
+    for index, message in enumerate(messages):
+        # An assistant message that opens the conversation answers no prompt: it stays context.
+        if message["role"] != "assistant" or index == 0:
+            continue
+        history = _render_text(tokenizer, messages[:index], False, enable_thinking)
+        if not full.startswith(history):
+            raise _not_a_prefix(f"rendering messages[:{index}]", history, full)
+        with_prompt = _render_text(tokenizer, messages[:index], True, enable_thinking)
+        if not with_prompt.startswith(history):
+            raise _not_a_prefix(f"messages[:{index}] with the generation prompt (without it)", history, with_prompt)
+        generation_prompt, rest = with_prompt[len(history):], full[len(history):]
+        if rest.startswith(generation_prompt):
+            start_char = len(history) + len(generation_prompt)
+        else:
+            # Legitimate only if the turn, rendered as it stood when written (as the last message),
+            # does begin with the generation prompt and the template rewrote it once later messages
+            # followed (Qwen3 drops the empty think block of earlier turns). Otherwise the data does
+            # not fit this prompt, e.g. reasoning rendered with enable_thinking=False.
+            as_written = _render_text(tokenizer, messages[: index + 1], False, enable_thinking)
+            if not as_written.startswith(history + generation_prompt):
+                raise RenderError(
+                    f"assistant message {index} does not begin with the generation prompt {generation_prompt!r} "
+                    f"(rendered: {as_written[len(history):len(history) + 60]!r}); was the data generated in another mode "
+                    f"(enable_thinking={enable_thinking})?"
+                )
+            start_char = len(history) + _token_aligned_common_prefix(tokenizer, generation_prompt, rest)
+        # First token that ends after the start: a token straddling the boundary (a newline of the
+        # prompt merged with one the assistant wrote) contains assistant text, so it is trained.
+        turn_starts.append((index, bisect.bisect_right(token_ends, start_char)))
+
+    for turn, (index, start) in enumerate(turn_starts):
+        stop = turn_starts[turn + 1][1] if turn + 1 < len(turn_starts) else len(input_ids)
+        end = next((i for i in range(start, stop) if input_ids[i] in special_ids), None)
+        if end is None:
+            raise RenderError(
+                f"chat template renders no special end-of-turn token after assistant message {index} "
+                f"(looked at {tokenizer.decode(input_ids[start:stop])[:80]!r}); the drafter must learn where a turn ends"
+            )
+        loss_mask[start : end + 1] = [1] * (end + 1 - start)
+
+    if max_length is not None:
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    return Rendered(input_ids, loss_mask)
+
+
+def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool | None = None) -> list[int]:
+    """Token ids of a prompt ending with the generation prompt: what the target reads before answering."""
+    if not messages or messages[-1]["role"] == "assistant":
+        raise RenderError("render_prompt needs messages ending with a user turn (drop the assistant answer to regenerate it)")
+    text = _render_text(tokenizer, messages, True, enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
