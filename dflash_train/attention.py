@@ -50,15 +50,45 @@ def dense_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torc
     return mask[:, None]
 
 
-def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> "BlockMask":
-    """The mask as a flex BlockMask, built so it cannot race another thread's compile."""
-    from .pipeline.compile_safety import build_block_mask
+def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: int = 128) -> "BlockMask":
+    """The mask as a flex BlockMask, computed from the anchors in closed form.
 
+    `create_block_mask` would evaluate the mask over every (query, key) pair each step and, in
+    eager mode, write global FX state that races other threads' compiles. The tile structure
+    follows directly from the sorted anchors instead: for the queries of one tile, with lo/hi
+    the smallest/largest anchor among them, context tiles ending at or before lo are fully
+    visible, tiles starting before hi are partially visible, and the tiles holding the
+    queries' own blocks are partial. `mask_mod` still decides inside partial tiles, so the
+    result is exactly the mask of `dflash_mask_mod` (tests compare it with create_block_mask).
+    No host synchronisation, no FX tracing.
+    """
     batch, num_blocks = anchors.shape
     queries = num_blocks * block_size
-    return build_block_mask(
-        dflash_mask_mod(anchors, context_len, block_size),
-        B=batch, H=None, Q_LEN=queries, KV_LEN=context_len + queries, device=anchors.device,
+    keys = context_len + queries
+    device = anchors.device
+    q_tiles, kv_tiles = -(-queries // tile), -(-keys // tile)
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
+    pad = q_tiles * tile - queries
+    lo = F.pad(query_anchor, (0, pad), value=context_len).view(batch, q_tiles, tile).amin(-1)  # > any anchor
+    hi = F.pad(query_anchor, (0, pad), value=0).view(batch, q_tiles, tile).amax(-1)
+    # Own-block key tiles of each query tile (same for every row): static, from shapes only.
+    first_query = torch.arange(q_tiles, device=device) * tile
+    last_query = torch.clamp(first_query + tile, max=queries) - 1
+    first_own = (context_len + first_query // block_size * block_size) // tile
+    last_own = (context_len + last_query // block_size * block_size + block_size - 1) // tile
+    full = lo // tile  # context tiles [0, full) are entirely before every anchor of the tile
+    partial_end = torch.minimum(-(-hi // tile), first_own.expand_as(hi))
+    partial = (partial_end - full).clamp(min=0)
+    own = (last_own - first_own + 1).expand_as(partial)
+    slot = torch.arange(kv_tiles, device=device)
+    kv_indices = torch.where(
+        slot < partial[..., None], full[..., None] + slot, first_own[None, :, None] + slot - partial[..., None]
+    ).clamp(max=kv_tiles - 1)
+    full_indices = slot.expand(batch, q_tiles, kv_tiles)
+    return BlockMask.from_kv_blocks(
+        (partial + own)[:, None].int(), kv_indices[:, None].int(),
+        full[:, None].int(), full_indices[:, None].int(),
+        BLOCK_SIZE=tile, mask_mod=dflash_mask_mod(anchors, context_len, block_size), seq_lengths=(queries, keys),
     )
 
 

@@ -81,9 +81,9 @@ def test_flex_gradients_equal_sdpa_on_gpu(context_len, block_size, num_anchors, 
     anchors = _anchors(2, num_anchors, context_len, valid, seed=3).to(device)
     queries = num_anchors * block_size
     tensors = [t.to(device).requires_grad_() for t in _random_qkv(2, 4, 2, queries, context_len + queries, 64, seed=4)]
-    block = create_block_mask(
-        dflash_mask_mod(anchors, context_len, block_size), 2, None, queries, context_len + queries, device=device
-    )
+    from dflash_train.attention import block_mask
+
+    block = block_mask(anchors, context_len, block_size)  # the production path (closed form)
     dense = dense_mask(anchors, context_len, block_size)
     flex_out = torch.compile(flex_attention, dynamic=False)(*tensors, block_mask=block, scale=0.125, enable_gqa=True)
     flex_grads = torch.autograd.grad(flex_out.square().sum(), tensors)
@@ -92,3 +92,53 @@ def test_flex_gradients_equal_sdpa_on_gpu(context_len, block_size, num_anchors, 
     torch.testing.assert_close(flex_out, sdpa_out, rtol=1e-4, atol=1e-4)
     for got, want in zip(flex_grads, sdpa_grads):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def _effective_mask(mask, anchors, context_len, block_size, tile):
+    """What flex computes with `mask`: full tiles all True, partial tiles filtered by mask_mod,
+    unlisted tiles False. Fails on a listed tile twice or a 'full' tile that is not full."""
+    batch, num = anchors.shape
+    queries, keys = num * block_size, context_len + num * block_size
+    dense = dense_mask(anchors, context_len, block_size)[:, 0]
+    out = torch.zeros(batch, queries, keys, dtype=torch.bool)
+    for b in range(batch):
+        for qt in range(mask.kv_num_blocks.shape[2]):
+            rows = slice(qt * tile, min((qt + 1) * tile, queries))
+            partial = mask.kv_indices[b, 0, qt, : mask.kv_num_blocks[b, 0, qt]].tolist()
+            full = mask.full_kv_indices[b, 0, qt, : mask.full_kv_num_blocks[b, 0, qt]].tolist()
+            assert len(set(partial + full)) == len(partial + full), "a key tile listed twice"
+            for j in partial:
+                cols = slice(j * tile, min((j + 1) * tile, keys))
+                out[b, rows, cols] |= dense[b, rows, cols]
+            for j in full:
+                cols = slice(j * tile, min((j + 1) * tile, keys))
+                assert dense[b, rows, cols].all(), "a tile marked full is not"
+                out[b, rows, cols] = True
+    return out, dense
+
+
+def test_closed_form_block_mask_equals_the_mask_definition():
+    from dflash_train.attention import block_mask
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        block = int(torch.randint(2, 20, (1,), generator=generator))
+        context = int(torch.randint(2, 600, (1,), generator=generator))
+        num = int(torch.randint(1, 40, (1,), generator=generator))
+        counts = [int(torch.randint(0, min(num, context - 1) + 1, (1,), generator=generator)) for _ in range(2)]
+        anchors = _anchors(2, num, context, counts, seed=int(torch.randint(0, 10**6, (1,), generator=generator)))
+        for tile in (128, 16):
+            got, want = _effective_mask(block_mask(anchors, context, block, tile=tile), anchors, context, block, tile)
+            assert torch.equal(got, want), (block, context, num, tile)
+
+
+@pytest.mark.parametrize("context_len,block_size,num_anchors,valid", CASES)
+def test_closed_form_block_mask_in_flex_equals_sdpa(context_len, block_size, num_anchors, valid):
+    from dflash_train.attention import block_mask
+
+    anchors = _anchors(2, num_anchors, context_len, valid, seed=11)
+    queries = num_anchors * block_size
+    q, k, v = _random_qkv(2, 4, 2, queries, context_len + queries, 16, seed=5)
+    got = flex_attention(q, k, v, block_mask=block_mask(anchors, context_len, block_size), scale=0.25, enable_gqa=True)
+    want = attend(q, k, v, dense_mask(anchors, context_len, block_size), scale=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
