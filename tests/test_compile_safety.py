@@ -12,6 +12,7 @@ of two per test keep the file fast: importing torch._dynamo/inductor costs secon
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import json
 import os
@@ -83,9 +84,10 @@ def run_threads(targets: dict[str, Callable[[], None]], errors: ErrorLog) -> Non
         thread.join()
 
 
-def fresh_function(template: types.FunctionType, tag: str) -> types.FunctionType:
+def fresh_function(template: Callable[..., Any], tag: str) -> types.FunctionType:
     """A copy of ``template`` with its own code object, hence its own dynamo cache:
     every call of a fresh copy is a real compile."""
+    assert isinstance(template, types.FunctionType)
     code = template.__code__.replace(co_name=f"{template.__name__}_{tag}")
     return types.FunctionType(code, template.__globals__, code.co_name)
 
@@ -200,6 +202,93 @@ def scenario_fx_flag_race(seconds: float, max_errors: int) -> dict[str, Any]:
 
     run_threads({"fx-tracer": tracer, "compiled-caller": caller}, errors)
     return {"errors": errors.total, "error_types": dict(errors.kinds), **counts}
+
+
+@contextlib.contextmanager
+def dynamo_compiles_do_not_set_is_compiling() -> Iterator[None]:
+    """torch <= 2.12 behaviour: convert_frame had no ``torch.compiler._compile_session_context``,
+    so a compile did not make ``is_compiling()`` True (in any thread) outside traced code.
+    2.13's process-global session flag is what hides the FX flag from other threads there."""
+    import torch
+
+    session = torch.compiler._compile_session_context
+    torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compiler._compile_session_context = session
+
+
+@scenario
+def scenario_fx_flag_compile_vs_call(seconds: float, max_errors: int, emulate_torch_212: bool) -> dict[str, Any]:
+    """The race as it happens in the trainer: one thread compiles (AOTAutograd's make_fx
+    runs Tracer.trace, setting the FX flag) while another calls a compiled function."""
+    import torch
+
+    called = torch.compile(fresh_function(pointwise, "called"), backend=module_free_backend)
+    x = torch.randn(8)
+    called(x)
+    errors = ErrorLog()
+    stop = threading.Event()
+    counts = {"calls": 0, "compiles": 0}
+
+    def compiler() -> None:
+        worker_setup()
+        while not stop.is_set():
+            torch.compile(fresh_function(pointwise, f"c{counts['compiles']}"), backend="aot_eager")(torch.randn(5, 4))
+            counts["compiles"] += 1
+
+    def caller() -> None:
+        try:
+            worker_setup()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and errors.total < max_errors:
+                try:
+                    called(x)
+                    counts["calls"] += 1
+                except RuntimeError as error:
+                    errors.add_exception("caller", error)
+        finally:
+            stop.set()
+
+    with dynamo_compiles_do_not_set_is_compiling() if emulate_torch_212 else contextlib.nullcontext():
+        run_threads({"compiler": compiler, "compiled-caller": caller}, errors)
+    return {"errors": errors.total, "error_types": dict(errors.kinds), **counts}
+
+
+@scenario
+def scenario_is_compiling_leak(seconds: float) -> dict[str, Any]:
+    """An eager thread polls torch.compiler.is_compiling() while another compiles."""
+    import torch
+
+    seen_in_backend: list[bool] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        seen_in_backend.append(torch.compiler.is_compiling())  # untraced code of the compiling thread
+        return gm.forward
+
+    stop = threading.Event()
+    counts = {"polls": 0, "true": 0, "compiles": 0}
+    errors = ErrorLog()
+
+    def compiler() -> None:
+        try:
+            worker_setup()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                torch.compile(fresh_function(sorted_pointwise, f"s{counts['compiles']}"), backend=backend)(torch.randn(5, 4))
+                counts["compiles"] += 1
+        finally:
+            stop.set()
+
+    def poller() -> None:
+        while not stop.is_set():
+            counts["polls"] += 1
+            counts["true"] += torch.compiler.is_compiling()
+
+    run_threads({"compiler": compiler, "eager-poller": poller}, errors)
+    in_backend = bool(seen_in_backend) and all(seen_in_backend)
+    return {**counts, "is_compiling_in_backend": in_backend, "error_types": dict(errors.kinds)}
 
 
 @scenario
@@ -622,6 +711,7 @@ def worker_main(mode: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         faulthandler.dump_traceback_later(SCENARIO_TIMEOUT_S, exit=True)
+        reply: dict[str, Any]
         try:
             reply = {"ok": SCENARIOS[request["scenario"]](**request["kwargs"])}
         except BaseException as error:  # noqa: BLE001 - report to the test instead of dying
@@ -657,9 +747,11 @@ class Worker:
         self._selector = selectors.DefaultSelector()
         assert self._process.stdout is not None
         self._selector.register(self._process.stdout, selectors.EVENT_READ)
-        self.ready = self._read_result(timeout=SCENARIO_TIMEOUT_S)
+        self._ready: dict[str, Any] | None = None  # read lazily: both workers start importing torch at once
 
     def run(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        if self._ready is None:
+            self._ready = self._read_result(timeout=SCENARIO_TIMEOUT_S)
         assert self._process.stdin is not None
         self._process.stdin.write(json.dumps({"scenario": name, "kwargs": kwargs}) + "\n")
         self._process.stdin.flush()
@@ -696,23 +788,30 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def unfixed() -> Iterator[Worker]:
-    worker = Worker("unfixed")
-    yield worker
-    worker.close()
+def workers() -> Iterator[dict[str, Worker]]:
+    started = {mode: Worker(mode) for mode in ("unfixed", "fixed")}
+    yield started
+    for worker in started.values():
+        worker.close()
 
 
-@pytest.fixture(scope="module")
-def fixed() -> Iterator[Worker]:
-    worker = Worker("fixed")
-    yield worker
-    worker.close()
+@pytest.fixture
+def unfixed(workers: dict[str, Worker]) -> Worker:
+    return workers["unfixed"]
+
+
+@pytest.fixture
+def fixed(workers: dict[str, Worker]) -> Worker:
+    return workers["fixed"]
 
 
 def test_install_is_idempotent_and_reports_every_fix(fixed: Worker) -> None:
     result = fixed.run("install_report")
     first, second = result["first"]["fixes"], result["second"]["fixes"]
-    expected = {"fx_tracing_flag", "inductor_fx_trace", "block_mask_lock", "worker_thread_config", "recompile_limit", "cudagraph_tls", "cudagraphs_in_threads", "compile_counter"}
+    expected = {
+        "fx_tracing_flag", "is_compiling_flag", "inductor_fx_trace", "block_mask_lock", "worker_thread_config",
+        "recompile_limit", "cudagraph_tls", "cudagraphs_in_threads", "compile_counter",
+    }
     assert set(first) == set(second) == expected
     assert {k: v["applied"] for k, v in first.items()} == {k: v["applied"] for k, v in second.items()}
     assert all(v["reason"] for v in first.values())
@@ -733,6 +832,29 @@ def test_fx_tracing_flag_race(unfixed: Worker, fixed: Worker) -> None:
     after = fixed.run("fx_flag_race", seconds=2.0, max_errors=1)
     assert after["errors"] == 0, after
     assert after["calls"] >= 20 and after["traces"] >= 20, f"threads did not overlap: {after}"
+
+
+def test_fx_tracing_flag_compile_vs_call_race_as_on_torch_212(unfixed: Worker, fixed: Worker) -> None:
+    before = unfixed.run("fx_flag_compile_vs_call", seconds=3.0, max_errors=20, emulate_torch_212=True)
+    if before["errors"] == 0:
+        pytest.skip(f"compile-vs-call FX-flag race did not reproduce without the fix: {before}")
+    assert any("symbolically trace a dynamo-optimized function" in kind for kind in before["error_types"]), before
+
+    after = fixed.run("fx_flag_compile_vs_call", seconds=2.0, max_errors=1, emulate_torch_212=True)
+    assert after["errors"] == 0, after
+    assert after["calls"] >= 20 and after["compiles"] >= 3, f"threads did not overlap: {after}"
+
+
+def test_is_compiling_is_per_thread(unfixed: Worker, fixed: Worker) -> None:
+    before = unfixed.run("is_compiling_leak", seconds=2.0)
+    assert before["is_compiling_in_backend"], before
+    if before["true"] == 0:
+        pytest.skip(f"is_compiling() did not leak into another thread on this torch: {before}")
+
+    after = fixed.run("is_compiling_leak", seconds=2.0)
+    assert after["true"] == 0, after
+    assert after["is_compiling_in_backend"], "the compiling thread must still see is_compiling() during its compile"
+    assert after["polls"] >= 1000 and after["compiles"] >= 3, f"threads did not overlap: {after}"
 
 
 def test_fx_tracing_flag_still_refuses_tracing_compiled_code_in_same_thread(fixed: Worker) -> None:
@@ -823,7 +945,7 @@ def test_cudagraph_trees_from_worker_threads(unfixed: Worker, fixed: Worker) -> 
     assert after["configure_cudagraphs_without_lock"].startswith("refused"), after
 
 
-STRESS = {"threads": 3, "lengths": [64, 96, 128, 160, 192, 224], "steps": 8, "mask_block": 1}
+STRESS: dict[str, Any] = {"threads": 3, "lengths": [64, 96, 128, 160, 192, 224], "steps": 8, "mask_block": 1}
 
 
 def test_stress_threads_with_forced_recompiles(unfixed: Worker, fixed: Worker) -> None:
@@ -837,8 +959,7 @@ def test_stress_threads_with_forced_recompiles(unfixed: Worker, fixed: Worker) -
         pytest.skip(f"with fixes: 0 errors; but the same stress also ran clean without them here: {before}")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DFLASH_SLOW") != "1", reason="slow (inductor compiles); set DFLASH_SLOW=1")
+@pytest.mark.slow  # inductor compiles: ~30-50 s on 2 cores; runs with DFLASH_SLOW=1 (tests/conftest.py)
 def test_stress_inductor_flex_forward(fixed: Worker) -> None:
     kwargs = {"backend": "inductor", "with_backward": True, "threads": 3, "lengths": [128, 256], "steps": 6, "mask_block": 32}
     after = fixed.run("stress", **kwargs)

@@ -48,8 +48,10 @@ class DataError(UserError, ValueError):
 
     def __init__(self, where: str, what: str, problem: str, reason: str | None = None):
         super().__init__(f"{where}: {what}: {problem}" if what else f"{where}: {problem}")
-        # Indices are dropped from the grouping key so that `messages[2]` and `messages[5]` count together.
-        self.reason = reason or re.sub(r"\[\d+\]", "[*]", f"{what}: {problem}" if what else problem)
+        # The grouping key drops indices and the value found, so that `messages[2] ... got null`
+        # and `messages[5] ... got a number` count together.
+        general = re.sub(r", got .*$", "", problem)
+        self.reason = reason or re.sub(r"\[\d+\]", "[*]", f"{what}: {general}" if what else general)
 
 
 @dataclass
@@ -195,15 +197,16 @@ def _text(value: Any, where: str, what: str) -> str:
     return value
 
 
-def parse_messages(row: dict, where: str) -> list[dict[str, str]]:
-    """The validated message list of an OpenAI or ShareGPT row, with roles normalised to system/user/assistant."""
-    if "messages" in row:
-        key, role_key, content_key, roles = "messages", "role", "content", {r: r for r in _OPENAI_ROLES}
+def parse_messages(row: dict, where: str, openai_key: str = "messages") -> list[dict[str, str]]:
+    """The validated message list of an OpenAI (`row[openai_key]`) or ShareGPT (`row["conversations"]`)
+    row, with roles normalised to system/user/assistant."""
+    if openai_key in row:
+        key, role_key, content_key, roles = openai_key, "role", "content", {r: r for r in _OPENAI_ROLES}
     elif "conversations" in row:
         key, role_key, content_key, roles = "conversations", "from", "value", _SHAREGPT_ROLES
     else:
         keys = ", ".join(sorted(map(str, row))) or "none"
-        raise DataError(where, "row", f"expected a 'messages' or 'conversations' field (has: {keys})", reason="no 'messages' or 'conversations' field")
+        raise DataError(where, "row", f"expected a '{openai_key}' or 'conversations' field (has: {keys})", reason=f"no '{openai_key}' or 'conversations' field")
     items = row[key]
     if not isinstance(items, list):
         raise DataError(where, key, f"expected an array of messages, got {_json_type(items)}")

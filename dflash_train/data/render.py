@@ -1,11 +1,15 @@
 """Chat rendering: token ids and the assistant-only loss mask, from one function.
 
 `render_conversation` renders the whole conversation once with the tokenizer's own chat
-template and tokenizes that text in one go (so the ids are the ones the target reads), then marks
-the tokens the assistant wrote: loss_mask is 1 from the first token the assistant produced in a
-turn through the end-of-turn token it emitted (`<|im_end|>`, `<|eot_id|>`, ...), and 0 on
-everything the template adds: system prompt, role headers, the generation prompt, and the
-separator after the end-of-turn token.
+template, finds where each assistant answer begins (below), and tokenizes the text in two pieces
+cut where the last answer begins. The head is then exactly what `render_prompt` serves the
+target before that answer (history included, as a server re-tokenizes it), and the answer
+starts with a fresh token, as when the target generated it. (Tokenized in one go, a GPT-2-style
+tokenizer turns "</think>\\n\\n" + "4." into "\\n" "\\n" "4.", while the served prompt ends with
+the single token "\\n\\n".) Earlier answers are located inside the head by character offsets.
+loss_mask is 1 from the first token of an answer through the end-of-turn token the assistant
+emitted (`<|im_end|>`, `<|eot_id|>`, ...), and 0 on everything the template adds: system
+prompt, role headers, the generation prompt, the separator after the end-of-turn token.
 
 How an assistant turn k (message index k) is located, for any template:
   1. history = render(messages[:k]) must be a prefix of the full render (checked; a template that
@@ -41,6 +45,7 @@ answers no prompt and stays unmasked context.
 from __future__ import annotations
 
 import bisect
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -89,11 +94,7 @@ def _render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool
 
 
 def _first_difference(a: str, b: str) -> int:
-    limit = min(len(a), len(b))
-    index = 0
-    while index < limit and a[index] == b[index]:
-        index += 1
-    return index
+    return len(os.path.commonprefix([a, b]))
 
 
 def _not_a_prefix(what: str, prefix: str, full: str) -> RenderError:
@@ -113,6 +114,31 @@ def _token_aligned_common_prefix(tokenizer: Any, generation_prompt: str, rest: s
     return max([end for end in ends if end <= common], default=0)
 
 
+def _assistant_start(tokenizer: Any, messages: Messages, index: int, full: str, enable_thinking: bool | None) -> int:
+    """Character of `full` where the assistant's own text of message `index` begins."""
+    history = _render_text(tokenizer, messages[:index], False, enable_thinking)
+    if not full.startswith(history):
+        raise _not_a_prefix(f"rendering messages[:{index}]", history, full)
+    with_prompt = _render_text(tokenizer, messages[:index], True, enable_thinking)
+    if not with_prompt.startswith(history):
+        raise _not_a_prefix(f"messages[:{index}] with the generation prompt (without it)", history, with_prompt)
+    generation_prompt, rest = with_prompt[len(history) :], full[len(history) :]
+    if rest.startswith(generation_prompt):
+        return len(history) + len(generation_prompt)
+    # Legitimate only if the turn, rendered as it stood when written (as the last message), does
+    # begin with the generation prompt and the template rewrote it once later messages followed
+    # (Qwen3 drops the empty think block of earlier turns). Otherwise the data does not fit this
+    # prompt, e.g. reasoning rendered with enable_thinking=False.
+    as_written = _render_text(tokenizer, messages[: index + 1], False, enable_thinking)
+    if not as_written.startswith(history + generation_prompt):
+        raise RenderError(
+            f"assistant message {index} does not begin with the generation prompt {generation_prompt!r} "
+            f"(rendered: {as_written[len(history):len(history) + 60]!r}); was the data generated in another mode "
+            f"(enable_thinking={enable_thinking})?"
+        )
+    return len(history) + _token_aligned_common_prefix(tokenizer, generation_prompt, rest)
+
+
 def render_conversation(
     tokenizer: Any,
     messages: Messages,
@@ -126,45 +152,26 @@ def render_conversation(
     allow the assistant's tokens to be located.
     """
     full = _render_text(tokenizer, messages, False, enable_thinking)
-    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids: list[int] = encoding["input_ids"]
-    token_ends = [end for _, end in encoding["offset_mapping"]]
+    # An assistant message that opens the conversation answers no prompt: it stays context.
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant" and i > 0]
+    starts = [_assistant_start(tokenizer, messages, i, full, enable_thinking) for i in turns]
+    # Two pieces, cut where the last answer begins (see the module doc): the head is exactly the
+    # prompt served for that answer, and the answer starts with a fresh token.
+    cut = starts[-1] if starts else len(full)
+    encoded = tokenizer([full[:cut], full[cut:]], add_special_tokens=False, return_offsets_mapping=True)
+    head_ids, tail_ids = encoded["input_ids"]
+    input_ids: list[int] = head_ids + tail_ids
+    # Earlier answers lie inside the head: their first token is the first one ending after their
+    # start (a token straddling it, prompt whitespace merged with the answer's, holds assistant text).
+    head_ends = [end for _, end in encoded["offset_mapping"][0]]
+    token_starts = [bisect.bisect_right(head_ends, start) for start in starts[:-1]]
+    if starts:
+        token_starts.append(len(head_ids))
     special_ids = _special_token_ids(tokenizer)
     loss_mask = [0] * len(input_ids)
-
-    turn_starts = []
-    for index, message in enumerate(messages):
-        # An assistant message that opens the conversation answers no prompt: it stays context.
-        if message["role"] != "assistant" or index == 0:
-            continue
-        history = _render_text(tokenizer, messages[:index], False, enable_thinking)
-        if not full.startswith(history):
-            raise _not_a_prefix(f"rendering messages[:{index}]", history, full)
-        with_prompt = _render_text(tokenizer, messages[:index], True, enable_thinking)
-        if not with_prompt.startswith(history):
-            raise _not_a_prefix(f"messages[:{index}] with the generation prompt (without it)", history, with_prompt)
-        generation_prompt, rest = with_prompt[len(history):], full[len(history):]
-        if rest.startswith(generation_prompt):
-            start_char = len(history) + len(generation_prompt)
-        else:
-            # Legitimate only if the turn, rendered as it stood when written (as the last message),
-            # does begin with the generation prompt and the template rewrote it once later messages
-            # followed (Qwen3 drops the empty think block of earlier turns). Otherwise the data does
-            # not fit this prompt, e.g. reasoning rendered with enable_thinking=False.
-            as_written = _render_text(tokenizer, messages[: index + 1], False, enable_thinking)
-            if not as_written.startswith(history + generation_prompt):
-                raise RenderError(
-                    f"assistant message {index} does not begin with the generation prompt {generation_prompt!r} "
-                    f"(rendered: {as_written[len(history):len(history) + 60]!r}); was the data generated in another mode "
-                    f"(enable_thinking={enable_thinking})?"
-                )
-            start_char = len(history) + _token_aligned_common_prefix(tokenizer, generation_prompt, rest)
-        # First token that ends after the start: a token straddling the boundary (a newline of the
-        # prompt merged with one the assistant wrote) contains assistant text, so it is trained.
-        turn_starts.append((index, bisect.bisect_right(token_ends, start_char)))
-
-    for turn, (index, start) in enumerate(turn_starts):
-        stop = turn_starts[turn + 1][1] if turn + 1 < len(turn_starts) else len(input_ids)
+    for turn, (index, start) in enumerate(zip(turns, token_starts)):
+        stop = token_starts[turn + 1] if turn + 1 < len(token_starts) else len(input_ids)
+        # The answer runs through the first special token: the end-of-turn token the assistant emitted.
         end = next((i for i in range(start, stop) if input_ids[i] in special_ids), None)
         if end is None:
             raise RenderError(

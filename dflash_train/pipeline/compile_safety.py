@@ -10,8 +10,9 @@ installed torch actually contains or does, never on its version string.
 Public API
 ----------
 ``install_compile_safety(...) -> SafetyReport``
-    Call once in the main thread before any worker starts; idempotent.  Returns
-    (and prints) which fixes were applied and which were skipped, and why.
+    Call once in the main thread before any worker starts; idempotent.  The
+    report (``str()`` it, or ``verbose=True``) lists each fix as applied or
+    skipped, with the reason.
 ``configure_worker_thread(dynamo=..., inductor=...)``
     Call first thing inside every worker thread (applies config there).
 ``build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE=128)``
@@ -25,33 +26,38 @@ Public API
 
 The fixes
 ---------
-1. ``fx_tracing_flag`` (torch <= 2.13).  ``torch.fx._symbolic_trace._is_fx_tracing_flag``
-   is a process global set by every FX symbolic trace (user code, transformers,
-   inductor internals).  Dynamo's compiled-call wrapper checks it on *every* call
-   of a compiled function and raises "Detected that you are using FX to
-   symbolically trace a dynamo-optimized function" if it is set - so one thread
-   tracing makes another thread's compiled call fail.  2.14 made it thread-local
-   (``_is_fx_tracing_tls``).  Detection: the module has the attribute and it is a
-   plain ``bool`` global, and the only functions using it are the known reader
-   pair and writer.  Fix: the flag becomes a ``threading.local``: the module's
-   class gets a property so attribute access (``_set_compilation_env`` in
-   ``torch._higher_order_ops.utils``) goes to the thread-local, the two readers
-   (``is_fx_tracing``, ``is_fx_symbolic_tracing``) get their ``__code__`` replaced
-   in place (so references dynamo captured earlier and its constant-folding
-   tables keyed by function identity keep working), and ``Tracer.trace`` sets the
-   thread-local around the original (whose own writes to the now-unread module
-   global become dead).
+1. ``fx_tracing_flag`` (torch 2.11-2.13).  ``torch.fx._symbolic_trace._is_fx_tracing_flag``
+   is a process global set by every ``fx.Tracer.trace`` - user/library
+   ``symbolic_trace`` *and AOTAutograd's make_fx inside every compile*.
+   Dynamo's compiled-call wrapper checks it on *every* call of a compiled
+   function and raises "Detected that you are using FX to symbolically trace a
+   dynamo-optimized function" if set: one thread compiling makes another
+   thread's compiled call fail.  2.14 made it thread-local.  Detection: the
+   attribute is a plain ``bool`` module global and the module's only functions
+   using it are the known readers and writer (checked by bytecode).  Fix: a
+   ``threading.local`` behind (a) a property on the module's class, for
+   attribute access from other modules (``_set_compilation_env``), (b) the
+   readers ``is_fx_tracing``/``is_fx_symbolic_tracing``, whose ``__code__`` is
+   replaced in place (every existing reference keeps working), (c) a wrapper
+   on ``Tracer.trace`` (its own writes to the module global become dead).
+   ``is_compiling_flag`` (2.13+).  ``torch.compiler.is_compiling()`` returns a
+   process global that *any* thread's dynamo compile sets for its duration, so
+   eager code in other threads (transformers' ``is_torchdynamo_compiling``,
+   our target model) takes compile-only branches meanwhile.  This is also what
+   hides the FX-flag race on 2.13.  Same technique (``is_compiling`` and
+   ``_compile_session_context``); applied only once the FX flag is per-thread.
+   Detection: ``_compile_session_context`` writes the global.
    ``inductor_fx_trace`` (all versions): inductor FX-symbolic-traces a dummy
    function once per process (``loop_body.InterpreterShim._dummy_gm``, cached),
-   lazily, in whichever thread first lowers a loop body.  Besides the flag, an
-   FX symbolic trace patches ``torch.nn.Module.__call__``/``__getattr__``
-   process-wide for its duration, so any other thread calling a module then
-   fails ("module is not installed as a submodule").  We run that trace once at
-   install time, in the main thread, before workers exist.  Detection: the
-   cached ``_dummy_gm`` exists.
-   Limitation (every torch, including 2.14+): a user/library ``symbolic_trace``
-   in one thread while other threads call ``nn.Module``s is unsafe for the same
-   reason; no worker may FX-symbolic-trace while others run.
+   lazily, in whichever thread first lowers a loop body.  ``symbolic_trace``
+   also patches ``torch.nn.Module.__call__``/``__getattr__`` and ``math``
+   functions process-wide for its duration, so another thread calling a module
+   meanwhile fails ("module is not installed as a submodule") and other
+   threads' guards fail.  We run that trace at install time, before workers.
+   Limitation (every torch, 2.14+ too): user/library ``fx.symbolic_trace`` in
+   one thread while other threads run modules or compile is unsafe for that
+   reason; no worker may ``symbolic_trace`` while others run.  (make_fx is
+   fine: it autowraps nothing and its module wrapper just calls through.)
 2. ``block_mask_lock`` (2.13+, harmless elsewhere).  Eager ``create_block_mask``
    runs ``torch.fx.traceback.annotate({"fallback_to_eager": True})``, which
    mutates the global ``torch.fx.traceback.current_meta`` that another thread's
@@ -191,48 +197,66 @@ class RecompileAfterWarmupError(RuntimeError):
     """A thread marked warm (``mark_warmup_done(fail_on_recompile=True)``) compiled again."""
 
 
-# --------------------------------------------------------------------------- 1. FX flag
-
-_FX_FLAG = "_is_fx_tracing_flag"
-_FX_TLS = "_dflash_fx_tracing_tls"  # injected into torch.fx._symbolic_trace's globals
-
-
-class _FxTracingTLS(threading.local):
-    flag: bool = False  # class attribute: the value in threads that never traced
-
-
-class _ThreadLocalFxFlagModule(types.ModuleType):
-    """Module class for ``torch.fx._symbolic_trace``: attribute access to the flag
-    from other modules lands in the thread-local.  (Globals of the module's own
-    functions bypass this; those functions are patched separately.)"""
-
-    @property
-    def _is_fx_tracing_flag(self) -> bool:
-        return vars(self)[_FX_TLS].flag
-
-    @_is_fx_tracing_flag.setter
-    def _is_fx_tracing_flag(self, value: bool) -> None:
-        vars(self)[_FX_TLS].flag = bool(value)
+# --------------------------------------------------------------------------- 1. per-thread flags
+#
+# Both torch.fx._symbolic_trace._is_fx_tracing_flag and torch.compiler._is_compiling_flag
+# are module-global bools.  A module global cannot be made thread-local in place, so:
+#   * the module's class gets a property of that name -> attribute access from other
+#     modules (``torch.fx._symbolic_trace._is_fx_tracing_flag = False``) hits a
+#     threading.local stored in the module under ``tls_name``;
+#   * the module's own functions (LOAD_GLOBAL/STORE_GLOBAL bypass the property) get
+#     their ``__code__`` replaced in place by the bodies below, which keeps every
+#     reference to them (captured by dynamo, imported by name, keys of dynamo's
+#     constant-folding tables) valid.  The bodies run with *that* module's globals,
+#     hence the names undefined here.
+# Only applied when the module's functions using the flag are exactly the known ones.
 
 
-# The bodies below are transplanted into torch.fx._symbolic_trace's readers and
-# run with *that* module's globals, hence the names undefined here.
+class _FlagTLS(threading.local):
+    flag: bool = False  # class attribute: the value in threads that never set it
+
+
+def _thread_local_flag_module_class(flag: str, tls_name: str) -> type[types.ModuleType]:
+    def get(module: types.ModuleType) -> bool:
+        return vars(module)[tls_name].flag
+
+    def set_(module: types.ModuleType, value: bool) -> None:
+        vars(module)[tls_name].flag = bool(value)
+
+    return type(f"_ThreadLocal{flag.title().replace('_', '')}Module", (types.ModuleType,), {flag: property(get, set_)})
+
+
+_FX_FLAG, _FX_TLS = "_is_fx_tracing_flag", "_dflash_fx_tracing_tls"
+_COMPILING_FLAG, _COMPILING_TLS = "_is_compiling_flag", "_dflash_is_compiling_tls"
+
+
 def _tls_is_fx_tracing() -> bool:
-    is_fx_tracing_warning()  # noqa: F821
-    return _dflash_fx_tracing_tls.flag  # noqa: F821
+    is_fx_tracing_warning()  # type: ignore[name-defined]  # noqa: F821
+    return _dflash_fx_tracing_tls.flag  # type: ignore[name-defined]  # noqa: F821
 
 
 def _tls_is_fx_tracing_no_warning() -> bool:
-    return _dflash_fx_tracing_tls.flag  # noqa: F821
+    return _dflash_fx_tracing_tls.flag  # type: ignore[name-defined]  # noqa: F821
 
 
 def _tls_is_fx_symbolic_tracing() -> bool:
-    return _dflash_fx_tracing_tls.flag and not torch.compiler.is_compiling()  # noqa: F821
+    return _dflash_fx_tracing_tls.flag and not torch.compiler.is_compiling()  # type: ignore[name-defined]  # noqa: F821
 
 
-def _expected_original_names(replacement: Callable[..., Any]) -> set[str]:
-    """co_names the upstream reader must have for ``replacement`` to be faithful."""
-    return (set(replacement.__code__.co_names) - {_FX_TLS, "flag"}) | {_FX_FLAG}
+def _tls_is_compiling() -> bool:
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return _dflash_is_compiling_tls.flag  # type: ignore[name-defined]  # noqa: F821
+
+
+def _tls_compile_session_context() -> Iterator[None]:
+    old = _dflash_is_compiling_tls.flag  # type: ignore[name-defined]  # noqa: F821
+    try:
+        _dflash_is_compiling_tls.flag = True  # type: ignore[name-defined]  # noqa: F821
+        yield
+    finally:
+        _dflash_is_compiling_tls.flag = old  # type: ignore[name-defined]  # noqa: F821
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -265,58 +289,107 @@ def _functions_of(module: types.ModuleType) -> Iterator[tuple[str, types.Functio
                 yield name, fn
 
 
-def _flag_users(module: types.ModuleType) -> dict[str, set[str]]:
-    """{qualified function name: {"LOAD_GLOBAL"/"STORE_GLOBAL"...}} for the flag."""
+def _global_users(module: types.ModuleType, name: str) -> dict[str, set[str]]:
+    """{qualified function name: {"LOAD_GLOBAL", "STORE_GLOBAL"}} for global ``name``."""
     users: dict[str, set[str]] = {}
-    for name, fn in _functions_of(module):
+    for qualname, fn in _functions_of(module):
         ops = {
             ins.opname
             for code in _code_objects(fn.__code__)
-            if _FX_FLAG in code.co_names
+            if name in code.co_names
             for ins in dis.get_instructions(code)
-            if ins.argval == _FX_FLAG and "GLOBAL" in ins.opname
+            if ins.argval == name and "GLOBAL" in ins.opname
         }
         if ops:
-            users[name] = ops
+            users[qualname] = ops
     return users
+
+
+def _function_at(module: types.ModuleType, qualname: str) -> types.FunctionType:
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = vars(obj)[part]
+    return inspect.unwrap(obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj)
+
+
+def _shape(code: types.CodeType) -> tuple[int, int]:
+    kinds = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    return code.co_argcount + code.co_kwonlyargcount, code.co_flags & kinds
+
+
+def _make_flag_thread_local(
+    module: types.ModuleType,
+    flag: str,
+    tls_name: str,
+    replacements: Mapping[str, Callable[..., Any]],
+    known_users: Mapping[str, set[str]],
+) -> tuple[_FlagTLS | None, str]:
+    """Make ``module.<flag>`` per-thread (see the comment above).  Returns the
+    thread-local, or None and why not."""
+    namespace = vars(module)
+    if tls_name in namespace:
+        return namespace[tls_name], "already installed"
+    if flag not in namespace:
+        return None, f"{module.__name__} has no {flag}"
+    if type(namespace[flag]) is not bool:
+        return None, f"{module.__name__}.{flag} is a {type(namespace[flag]).__name__}, not a plain bool global"
+    if type(module) is not types.ModuleType:
+        return None, f"{module.__name__} already has a custom module class {type(module).__name__}"
+    users = _global_users(module, flag)
+    if users.keys() != known_users.keys() or any(not ops <= known_users[n] for n, ops in users.items()):
+        return None, f"unexpected users of {module.__name__}.{flag}: {users}"
+    for qualname, replacement in replacements.items():
+        code = _function_at(module, qualname).__code__
+        expected = (set(replacement.__code__.co_names) - {tls_name, "flag"}) | {flag}
+        if set(code.co_names) != expected or code.co_freevars or _shape(code) != _shape(replacement.__code__):
+            return None, f"{module.__name__}.{qualname} is not the known flag accessor (names {code.co_names})"
+
+    tls = _FlagTLS()
+    namespace[tls_name] = tls
+    for qualname, replacement in replacements.items():
+        _function_at(module, qualname).__code__ = replacement.__code__
+    module.__class__ = _thread_local_flag_module_class(flag, tls_name)
+    return tls, "installed"
+
+
+def _check_flag_is_per_thread(read: Callable[[], bool], set_in_thread: Callable[[bool], None]) -> None:
+    seen_in_other_thread: list[bool] = []
+
+    def probe() -> None:
+        set_in_thread(True)
+        try:
+            seen_in_other_thread.append(read())
+        finally:
+            set_in_thread(False)
+
+    _run_in_thread(probe)
+    if seen_in_other_thread != [True] or read():
+        raise RuntimeError(f"thread-local flag self-check failed: {seen_in_other_thread}, here {read()}")
 
 
 def _install_fx_flag_fix() -> FixResult:
     name = "fx_tracing_flag"
     import torch.fx._symbolic_trace as st
 
-    namespace = vars(st)
-    if _FX_TLS in namespace:
-        return FixResult(name, True, "already installed: the FX tracing flag is per-thread")
-    if _FX_FLAG not in namespace:
-        upstream = [n for n in namespace if "tracing" in n and ("tls" in n or "local" in n)]
+    if _FX_FLAG not in vars(st) and _FX_TLS not in vars(st):
+        upstream = [n for n in vars(st) if "tracing" in n and ("tls" in n or "local" in n)]
         return FixResult(name, False, f"not needed: {st.__name__} has no {_FX_FLAG} (upstream keeps it thread-local: {upstream})")
-    if type(namespace[_FX_FLAG]) is not bool:
-        return FixResult(name, False, f"unsupported: {_FX_FLAG} is a {type(namespace[_FX_FLAG]).__name__}, not a plain bool global")
-    if type(st) is not types.ModuleType:
-        return FixResult(name, False, f"unsupported: {st.__name__} already has a custom module class {type(st).__name__}")
-
-    users = _flag_users(st)
-    readers = {"is_fx_tracing": {"LOAD_GLOBAL"}, "is_fx_symbolic_tracing": {"LOAD_GLOBAL"}}
-    known = {**readers, "Tracer.trace": {"LOAD_GLOBAL", "STORE_GLOBAL"}}
-    if users.keys() != known.keys() or any(not ops <= known[n] for n, ops in users.items()):
-        return FixResult(name, False, f"unsupported: unexpected users of {_FX_FLAG} in {st.__name__}: {users}")
-
-    replacements: dict[str, Callable[..., Any]] = {
-        "is_fx_tracing": _tls_is_fx_tracing if "is_fx_tracing_warning" in namespace else _tls_is_fx_tracing_no_warning,
+    replacements = {
+        "is_fx_tracing": _tls_is_fx_tracing if "is_fx_tracing_warning" in vars(st) else _tls_is_fx_tracing_no_warning,
         "is_fx_symbolic_tracing": _tls_is_fx_symbolic_tracing,
     }
-    for reader, replacement in replacements.items():
-        original = inspect.unwrap(namespace[reader])
-        if set(original.__code__.co_names) != _expected_original_names(replacement) or original.__code__.co_freevars:
-            return FixResult(name, False, f"unsupported: {reader} reads {original.__code__.co_names}, not the known flag check")
+    known_users = {
+        "is_fx_tracing": {"LOAD_GLOBAL"},
+        "is_fx_symbolic_tracing": {"LOAD_GLOBAL"},
+        "Tracer.trace": {"LOAD_GLOBAL", "STORE_GLOBAL"},
+    }
+    tls, outcome = _make_flag_thread_local(st, _FX_FLAG, _FX_TLS, replacements, known_users)
+    if tls is None:
+        return FixResult(name, False, f"unsupported: {outcome}")
+    if outcome == "already installed":
+        return FixResult(name, True, "already installed: the FX tracing flag is per-thread")
 
-    tls = _FxTracingTLS()
-    namespace[_FX_TLS] = tls
-    for reader, replacement in replacements.items():
-        inspect.unwrap(namespace[reader]).__code__ = replacement.__code__
-    st.__class__ = _ThreadLocalFxFlagModule
-
+    # Tracer.trace's own writes go to the (now unread) module global; set ours around it.
     original_trace = st.Tracer.trace
 
     @functools.wraps(original_trace)
@@ -329,24 +402,45 @@ def _install_fx_flag_fix() -> FixResult:
             tls.flag = previous
 
     st.Tracer.trace = trace  # type: ignore[method-assign]
-
-    seen_in_other_thread: list[bool] = []
-
-    def probe() -> None:
-        st._is_fx_tracing_flag = True
-        try:
-            seen_in_other_thread.append(st.is_fx_symbolic_tracing())
-        finally:
-            st._is_fx_tracing_flag = False
-
-    _run_in_thread(probe)
-    if seen_in_other_thread != [True] or st.is_fx_symbolic_tracing():
-        raise RuntimeError(f"FX tracing flag patch self-check failed: {seen_in_other_thread}")
+    _check_flag_is_per_thread(st.is_fx_symbolic_tracing, lambda value: setattr(st, _FX_FLAG, value))
     return FixResult(
         name,
         True,
-        f"{_FX_FLAG} was a process-global bool; now thread-local (readers is_fx_tracing/is_fx_symbolic_tracing, "
-        "writer Tracer.trace, module attribute access)",
+        f"{_FX_FLAG} was a process-global bool set by every FX trace (incl. AOTAutograd's make_fx in a compiling thread); "
+        "now thread-local (is_fx_tracing, is_fx_symbolic_tracing, Tracer.trace, module attribute)",
+    )
+
+
+def _fx_flag_is_per_thread() -> bool:
+    import torch.fx._symbolic_trace as st
+
+    return _FX_TLS in vars(st) or _FX_FLAG not in vars(st)
+
+
+def _install_is_compiling_fix() -> FixResult:
+    name = "is_compiling_flag"
+    from torch import compiler
+
+    namespace = vars(compiler)
+    if _COMPILING_TLS in namespace:
+        return FixResult(name, True, "already installed: torch.compiler.is_compiling() is per-thread")
+    session = namespace.get("_compile_session_context")
+    if session is None or "STORE_GLOBAL" not in _global_users(compiler, _COMPILING_FLAG).get("_compile_session_context", set()):
+        return FixResult(name, False, "not needed: dynamo compiles do not set torch.compiler._is_compiling_flag (only export)")
+    if not _fx_flag_is_per_thread():
+        # The global is_compiling() is what hides the global FX flag during other threads' compiles.
+        return FixResult(name, False, "skipped: the FX tracing flag is process-global, and a global is_compiling() hides it")
+    replacements = {"is_compiling": _tls_is_compiling, "_compile_session_context": _tls_compile_session_context}
+    known_users = {"is_compiling": {"LOAD_GLOBAL"}, "_compile_session_context": {"LOAD_GLOBAL", "STORE_GLOBAL"}}
+    tls, outcome = _make_flag_thread_local(compiler, _COMPILING_FLAG, _COMPILING_TLS, replacements, known_users)
+    if tls is None:
+        return FixResult(name, False, f"unsupported: {outcome}")
+    _check_flag_is_per_thread(compiler.is_compiling, lambda value: setattr(compiler, _COMPILING_FLAG, value))
+    return FixResult(
+        name,
+        True,
+        "torch.compiler.is_compiling() read a process-global that any thread's dynamo compile sets: eager code in other "
+        "threads (transformers' is_torchdynamo_compiling, flex helpers) took compile-only branches; now per-thread",
     )
 
 
@@ -424,10 +518,14 @@ def _check_mask_race() -> FixResult:
         if "annotate" in _source_or_empty(getattr(flex, helper, None))
     ]
     writes_global_meta = isinstance(getattr(fx_traceback, "current_meta", None), dict) and hasattr(fx_traceback, "annotate")
-    lock_name = "torch._dynamo.convert_frame.compile_lock" if lock is not None else "a private lock (no dynamo compile lock found: masks only serialised among themselves)"
+    if lock is not None:
+        lock_name = "torch._dynamo.convert_frame.compile_lock"
+    else:
+        lock_name = "a private lock (no dynamo compile lock found: masks are only serialised among themselves)"
     if annotating and writes_global_meta:
-        return FixResult(name, lock is not None, f"flex {', '.join(annotating)} call fx.traceback.annotate, which writes the global fx.traceback.current_meta; build_block_mask holds {lock_name}")
-    return FixResult(name, False, f"not needed (create_block_mask writes no global FX metadata); build_block_mask still holds {lock_name}")
+        why = f"flex {', '.join(annotating)} call fx.traceback.annotate, which writes the global fx.traceback.current_meta"
+        return FixResult(name, lock is not None, f"{why}; build_block_mask holds {lock_name}")
+    return FixResult(name, False, f"not needed (mask building writes no global FX metadata); build_block_mask holds {lock_name}")
 
 
 def _source_or_empty(obj: Any) -> str:
@@ -512,7 +610,7 @@ def _install_config_policy(recompile_limit: int | None, fail_on_recompile_limit_
             thread_local,
             "dynamo/inductor config is per-thread (ContextVar): configure_worker_thread() applies it inside each worker"
             if thread_local
-            else "config is process-global here: configure_worker_thread() sets it once and rejects conflicting values from other threads",
+            else "config is process-global here: configure_worker_thread() sets it, rejecting conflicting values across threads",
         )
     ]
     if recompile_limit is None:
@@ -522,7 +620,8 @@ def _install_config_policy(recompile_limit: int | None, fail_on_recompile_limit_
             FixResult(
                 "recompile_limit",
                 True,
-                f"recompile_limit={dynamo_defaults['recompile_limit']}, accumulated_recompile_limit={dynamo_defaults['accumulated_recompile_limit']}"
+                f"recompile_limit={dynamo_defaults['recompile_limit']}, "
+                f"accumulated_recompile_limit={dynamo_defaults['accumulated_recompile_limit']}"
                 f"{', fail_on_recompile_limit_hit=True' if fail_on_recompile_limit_hit else ''}: threads missing the same shape "
                 f"concurrently each compile it and each copy counts{process_default_note}",
             )
@@ -563,7 +662,8 @@ def configure_worker_thread(
                     claim = _GLOBAL_CLAIMS.setdefault((module_key, key), (value, thread_name))
                 if claim[0] != value:
                     raise ValueError(
-                        f"{module.__name__}.{key}: thread {thread_name!r} wants {value!r} but thread {claim[1]!r} set {claim[0]!r}, "
+                        f"{module.__name__}.{key}: thread {thread_name!r} wants {value!r} but thread {claim[1]!r} "
+                        f"set {claim[0]!r}, "
                         "and config is process-global on this torch"
                     )
             setattr(module, key, value)
@@ -625,7 +725,7 @@ def _install_cudagraph_tls_fix() -> FixResult:
         return FixResult(name, False, "not needed: cudagraph_trees.get_obj already works in new threads")
     if not (hasattr(cgt, "local") and hasattr(torch._C, "_stash_obj_in_tls") and hasattr(torch._C, "_is_key_in_tls")):
         return FixResult(name, False, f"unsupported: get_obj fails in new threads ({why}) and the TLS hooks are missing")
-    cgt.get_obj = _lazy_tls_get_obj(cgt)
+    cgt.get_obj = _lazy_tls_get_obj(cgt)  # type: ignore[assignment]
     works, after = _cudagraph_get_obj_works_in_new_thread(cgt)
     if not works:
         raise RuntimeError(f"cudagraph TLS backport self-check failed: {after}")
@@ -749,7 +849,7 @@ def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
     limit_logger = logging.getLogger(_LIMIT_HIT_LOGGER)
     if not any(isinstance(h, _RecompileLimitHitHandler) for h in limit_logger.handlers):
         limit_logger.addHandler(_RecompileLimitHitHandler(level=logging.WARNING))
-    if original is not None and callable(original):
+    if handler is not None and callable(original):
 
         @contextlib.contextmanager
         def install_callbacks(trigger: Any, compile_id: str) -> Iterator[None]:
@@ -816,6 +916,7 @@ def install_compile_safety(
         if fixes:
             results = (
                 _install_fx_flag_fix(),
+                _install_is_compiling_fix(),
                 _prime_inductor_fx_trace(),
                 _check_mask_race(),
                 *_install_config_policy(recompile_limit, fail_on_recompile_limit_hit),

@@ -243,10 +243,16 @@ def train(
 
     # --- compile safety (process-wide, idempotent) -----------------------------------------
     backends = {d: resolve_backend(config.attention, d) for d in drafter_devices}
-    if "flex" in backends.values():
-        from .compile_safety import install_compile_safety
+    compiles = "flex" in backends.values() or config.compile == "on" or (
+        config.compile == "auto" and any(d.type == "cuda" for d in drafter_devices))
+    buckets = sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
+    if compiles:
+        from .compile_safety import install_compile_safety, recompile_limit_for
 
-        report = install_compile_safety()
+        threads = sum(len(plan.devices) for plan in plans)
+        report = install_compile_safety(
+            recompile_limit=recompile_limit_for(len(buckets), threads), fail_on_recompile_limit_hit=True,
+        )
         print(f"compile safety: {report}", file=log)
 
     # --- drafters, one worker per (drafter, replica) ------------------------------------------
@@ -320,10 +326,9 @@ def train(
                 attention_backend=backends[device], autocast_dtype=autocast_dtype(device),
                 clip_grad=plan.config.clip_grad, save_every=config.save_every,
                 keep_checkpoints=config.keep_checkpoints, checkpoint_state=checkpoint_state(plan),
-                on_step_done=step_hook,
+                on_step_done=step_hook, compile_safety=compiles, fail_on_recompile=config.fail_on_recompile,
             ))
 
-    buckets = sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
     planner = BatchPlanner(
         samples, batch_size=config.batch_size, batches_per_step=batches_per_step, buckets=buckets,
         seed=config.seed, objectives={plan.name: plan.objective for plan in plans},
@@ -331,7 +336,8 @@ def train(
     )
     target_workers = [
         TargetWorker(f"target-{t}", stop, LiveTarget(tgt, layer_union), planner, index=t,
-                     num_target_workers=num_targets, start_step=start_step, total_steps=end_step, routes=routes)
+                     num_target_workers=num_targets, start_step=start_step, total_steps=end_step, routes=routes,
+                     compile_safety=compiles)
         for t, tgt in enumerate(targets)
     ]
     workers = target_workers + drafter_workers
@@ -478,20 +484,25 @@ def _step_record(reports: list[StepReport], stats: RunningStats, elapsed: float)
 
 
 def _worker_stats(workers) -> dict:
-    return {
-        w.name: {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
+    stats = {}
+    for w in workers:
+        entry = {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
                  "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2)}
-        for w in workers
-    }
+        if isinstance(w, DrafterWorker):
+            entry.update(compiles=w.compiles, recompiles_after_warmup=w.recompiles_after_warmup)
+        stats[w.name] = entry
+    return stats
 
 
 def _pipeline_note(workers, depth: float) -> str:
     """Who is the bottleneck at a glance: busy fraction per worker and mean queue depth."""
     busy = " ".join(f"{w.name.split('[')[0].replace('target-', 't').replace('drafter-', 'd')} {w.times.busy_fraction():.2f}"
                     for w in workers)
-    compiles = _recompile_snapshot()
-    total = sum(v.get("compiles", 0) for v in compiles.values()) if compiles else 0
-    return f" | busy {busy} | queue {depth:.1f}" + (f" | compiles {total}" if compiles else "")
+    drafters = [w for w in workers if isinstance(w, DrafterWorker)]
+    compiled = sum(w.compiles for w in drafters)
+    recompiled = sum(w.recompiles_after_warmup for w in drafters)
+    note = f" | busy {busy} | queue {depth:.1f}"
+    return note + (f" | compiles {compiled} (recompiles {recompiled})" if any(w.compile_safety for w in drafters) else "")
 
 
 def _step_line(record: dict, name: str | None, total: int, eta: float) -> str:
@@ -547,9 +558,9 @@ def _summary_text(summary: dict, config: TrainConfig) -> str:
             lines.append(f"    exported HF folder: {entry['export']}")
     lines.append("  workers (busy = computing / (computing + waiting)):")
     for name, w in summary["workers"].items():
-        lines.append(f"    {name:<24} busy {w['busy']:.2f}  compute {w['computing_s']}s  wait {w['waiting_s']}s  items {w['items']}")
+        compiles = f"  compiles {w['compiles']} (after warm-up {w['recompiles_after_warmup']})" if "compiles" in w else ""
+        lines.append(f"    {name:<24} busy {w['busy']:.2f}  compute {w['computing_s']}s  wait {w['waiting_s']}s  "
+                     f"items {w['items']}{compiles}")
     lines.append(f"  mean queue depth {summary['mean_queue_depth']} | gradient sync {summary['gradient_sync_s']}s")
-    if summary["recompiles"]:
-        lines.append(f"  compiles per thread: {summary['recompiles']}")
     lines.append("=" * 72)
     return "\n".join(lines)

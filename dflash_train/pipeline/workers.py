@@ -24,6 +24,7 @@ from ..checkpoint import save_checkpoint
 from ..objective import ObjectiveConfig
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, training_step
 from .batches import BatchPlanner, HostBatch
+from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
 from .runtime import POLL_SECONDS, PipelineStopped, StopSignal, Worker, get, put
 
 
@@ -65,8 +66,10 @@ class TargetWorker(Worker):
         start_step: int,
         total_steps: int,
         routes: Callable[[int, int], list[queue.Queue]],
+        compile_safety: bool = False,
     ):
         super().__init__(name, stop)
+        self.compile_safety = compile_safety
         self.source = source
         self.planner = planner
         self.index = index
@@ -79,6 +82,8 @@ class TargetWorker(Worker):
     def work(self) -> None:
         if self.source.device.type == "cuda":
             torch.cuda.set_device(self.source.device)
+        if self.compile_safety:
+            configure_worker_thread()
         per_step = self.planner.batches_per_step
         for step in range(self.start_step, self.total_steps):
             mine = [j for j in range(per_step) if (step * per_step + j) % self.num_target_workers == self.index]
@@ -227,8 +232,15 @@ class DrafterWorker(Worker):
         keep_checkpoints: int,
         checkpoint_state: Callable[[int], dict],
         on_step_done: Callable[["DrafterWorker", int], None] | None = None,
+        compile_safety: bool = False,
+        fail_on_recompile: bool = False,
     ):
         super().__init__(thread_name, stop)
+        self.compile_safety = compile_safety
+        self.fail_on_recompile = fail_on_recompile
+        self.seen_shapes: set[tuple] = set()
+        self.compiles = 0
+        self.recompiles_after_warmup = 0
         self.setup = setup
         self.inputs = inputs
         self.batch_indices = batch_indices
@@ -280,6 +292,23 @@ class DrafterWorker(Worker):
             loss_normalizer=item.host.normalizers[key],
         )
 
+    def _thread_compiles(self) -> int:
+        return recompile_snapshot().get(self.name, {}).get("compiles", 0) if self.compile_safety else 0
+
+    def _account_compiles(self, shape: tuple, before: int) -> None:
+        """A shape's first step compiles (warm-up, per bucket); any compile on a shape seen
+        before is a recompile: counted, and an error with --fail-on-recompile."""
+        new = self._thread_compiles() - before
+        self.compiles += new
+        if shape in self.seen_shapes and new > 0:
+            self.recompiles_after_warmup += new
+            if self.fail_on_recompile:
+                raise RecompileAfterWarmupError(
+                    f"{self.name}: {new} compile(s) on an already-compiled shape {shape} "
+                    f"(--fail-on-recompile); see TORCH_LOGS=recompiles for the failing guard"
+                )
+        self.seen_shapes.add(shape)
+
     def _save(self, step: int) -> None:
         if self.setup.run_dir is None or step <= self.saved_step:
             return
@@ -294,6 +323,8 @@ class DrafterWorker(Worker):
         if setup.device.type == "cuda":
             torch.cuda.set_device(setup.device)
         setup.drafter.train()
+        if self.compile_safety:
+            configure_worker_thread()
         sync = (lambda: self.reducer.sync(setup.rank)) if self.reducer is not None else None
         try:
             incoming = self._receive(self.start_step) if self.start_step < self.total_steps else None
@@ -303,12 +334,15 @@ class DrafterWorker(Worker):
                 # this step's compute instead of following it.
                 incoming = self._receive(step + 1) if step + 1 < self.total_steps else None
                 started = time.perf_counter()
+                shape = tuple(tuple(b.input_ids.shape) for b in micro_batches)
+                compiles_before = self._thread_compiles()
                 result = training_step(
                     setup.drafter, setup.optimizer, setup.scheduler, micro_batches, setup.frozen, setup.objective,
                     attention_backend=self.attention_backend, clip_grad=self.clip_grad,
                     autocast_dtype=self.autocast_dtype, sync_gradients=sync,
                 )
                 seconds = time.perf_counter() - started
+                self._account_compiles(shape, compiles_before)
                 self.times.computing += seconds
                 self.times.waiting += waited
                 self.times.items += 1

