@@ -107,7 +107,10 @@ def attend(
 ) -> torch.Tensor:
     """q: [b, heads, Q, d]; k, v: [b, kv_heads, K, d] (grouped-query heads allowed)."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        # Inside a compiled drafter forward the surrounding graph compiles flex itself;
+        # called eagerly, flex must go through torch.compile to get its fused kernel.
+        flex = flex_attention if torch.compiler.is_compiling() else _flex()
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
