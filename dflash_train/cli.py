@@ -121,4 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m` this file runs as __main__; commands register into the importable
+    # module, so dispatch through it.
+    from dflash_train.cli import main as package_main
+
+    sys.exit(package_main())

@@ -232,7 +232,16 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         inv_freq, self.rope_scaling = _rope_frequencies(config)
+        # float32 buffer that survives `.to(torch.bfloat16)`: rounded frequencies drift the
+        # rotation angles by radians within a few hundred positions (the reference keeps
+        # them in float32 too).
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        result = super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        return result
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [b, L] -> cos, sin [b, L, head_dim] (float32)."""

@@ -59,6 +59,9 @@ class TargetSpec:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         rope = dict(getattr(config, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):
+            # Gemma 3 keeps one rope per layer type; the drafter's layers are full attention.
+            rope = dict(rope["full_attention"])
         if "rope_theta" not in rope:
             rope["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
         rope.setdefault("rope_type", "default")
