@@ -819,7 +819,12 @@ def load_pair(target_path: str, drafter_path: str, device: torch.device, dtype: 
     from .target import load_target
 
     target = load_target(target_path, device, dtype)
-    drafter = load_exported_drafter(drafter_path, device).to(dtype).eval()
+    drafter = load_exported_drafter(drafter_path, device).eval()
+    # Cast the weights only: `drafter.to(bfloat16)` would also round the float32 RoPE inverse
+    # frequencies (a buffer) to 8 mantissa bits, i.e. rotation angles off by ~0.4 % of
+    # position x frequency, radians at a few hundred tokens; the reference keeps them in float32.
+    for param in drafter.parameters():
+        param.data = param.data.to(dtype)
     check_pair(target, drafter)
     return target, drafter
 

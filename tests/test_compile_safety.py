@@ -84,6 +84,21 @@ def run_threads(targets: dict[str, Callable[[], None]], errors: ErrorLog) -> Non
         thread.join()
 
 
+@contextlib.contextmanager
+def main_thread_dynamo_config_restored(*keys: str) -> Iterator[None]:
+    """Unfixed scenarios set dynamo config inside worker threads, as naive code would.
+    Where config is process-global (torch <= 2.11) that outlives the scenario; restore
+    the main thread's values afterwards so later scenarios start from the defaults."""
+    import torch
+
+    saved = {key: getattr(torch._dynamo.config, key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(torch._dynamo.config, key, value)
+
+
 def fresh_function(template: Callable[..., Any], tag: str) -> types.FunctionType:
     """A copy of ``template`` with its own code object, hence its own dynamo cache:
     every call of a fresh copy is a real compile."""
@@ -205,22 +220,27 @@ def scenario_fx_flag_race(seconds: float, max_errors: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def dynamo_compiles_do_not_set_is_compiling() -> Iterator[None]:
-    """torch <= 2.12 behaviour: convert_frame had no ``torch.compiler._compile_session_context``,
-    so a compile did not make ``is_compiling()`` True (in any thread) outside traced code.
-    2.13's process-global session flag is what hides the FX flag from other threads there."""
+def dynamo_compiles_do_not_set_is_compiling() -> Iterator[bool]:
+    """torch <= 2.12 behaviour: a dynamo compile does not make ``is_compiling()`` True (in
+    any thread) outside traced code.  2.13's convert_frame enters
+    ``torch.compiler._compile_session_context``, whose process-global flag is what hides
+    the FX flag from other threads there; it is swapped for a no-op here.  Yields whether
+    anything had to be swapped (False: this torch already behaves so, e.g. 2.11/2.12)."""
     import torch
 
-    session = torch.compiler._compile_session_context
+    session = vars(torch.compiler).get("_compile_session_context")
+    if session is None:
+        yield False
+        return
     torch.compiler._compile_session_context = contextlib.nullcontext  # type: ignore[assignment]
     try:
-        yield
+        yield True
     finally:
         torch.compiler._compile_session_context = session
 
 
 @scenario
-def scenario_fx_flag_compile_vs_call(seconds: float, max_errors: int, emulate_torch_212: bool) -> dict[str, Any]:
+def scenario_fx_flag_compile_vs_call(seconds: float, max_errors: int, as_on_torch_212: bool) -> dict[str, Any]:
     """The race as it happens in the trainer: one thread compiles (AOTAutograd's make_fx
     runs Tracer.trace, setting the FX flag) while another calls a compiled function."""
     import torch
@@ -251,9 +271,9 @@ def scenario_fx_flag_compile_vs_call(seconds: float, max_errors: int, emulate_to
         finally:
             stop.set()
 
-    with dynamo_compiles_do_not_set_is_compiling() if emulate_torch_212 else contextlib.nullcontext():
+    with dynamo_compiles_do_not_set_is_compiling() if as_on_torch_212 else contextlib.nullcontext(False) as emulated:
         run_threads({"compiler": compiler, "compiled-caller": caller}, errors)
-    return {"errors": errors.total, "error_types": dict(errors.kinds), **counts}
+    return {"errors": errors.total, "error_types": dict(errors.kinds), "emulated_212": emulated, **counts}
 
 
 @scenario
@@ -382,7 +402,8 @@ def scenario_shared_shape_compiles(threads: int, shapes: int) -> dict[str, Any]:
             except Exception as error:  # noqa: BLE001
                 errors.add_exception("call", error)
 
-    run_threads({f"shared-{i}": worker for i in range(threads)}, errors)
+    with main_thread_dynamo_config_restored("fail_on_recompile_limit_hit"):
+        run_threads({f"shared-{i}": worker for i in range(threads)}, errors)
     result: dict[str, Any] = {"errors": errors.total, "error_types": dict(errors.kinds), "recompile_limit_in_workers": limits}
     if FIXED:
         from dflash_train.pipeline.compile_safety import recompile_snapshot
@@ -442,6 +463,31 @@ def scenario_worker_config() -> dict[str, Any]:
 
 
 @scenario
+def scenario_worker_config_conflict() -> dict[str, Any]:
+    """A worker asks for a recompile limit other than the installed one.  Where config is
+    process-global that would silently change it for every thread (last writer wins)."""
+    import torch
+
+    from dflash_train.pipeline.compile_safety import configure_worker_thread
+
+    installed = torch._dynamo.config.recompile_limit
+    outcome: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            configure_worker_thread(dynamo={"recompile_limit": installed + 1})
+            outcome["accepted"] = torch._dynamo.config.recompile_limit
+        except ValueError as error:
+            outcome["refused"] = str(error)
+
+    errors = ErrorLog()
+    run_threads({"conflicting-worker": worker}, errors)
+    main_after = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = installed
+    return {**outcome, "installed": installed, "main_after": main_after, "error_types": dict(errors.kinds)}
+
+
+@scenario
 def scenario_compile_counter() -> dict[str, Any]:
     """Threads with known numbers of compiles; one forward's backward is compiled
     lazily from another thread (as autograd's device thread does on CUDA)."""
@@ -493,10 +539,14 @@ def scenario_silent_limit_hit() -> dict[str, Any]:
     from dflash_train.pipeline.compile_safety import configure_worker_thread, recompile_snapshot
 
     def worker() -> None:
-        configure_worker_thread(dynamo={"recompile_limit": 2})
-        compiled = torch.compile(fresh_function(pointwise, "limit_hit"), backend="aot_eager", dynamic=False)
-        for size in (2, 3, 4, 4):  # size 4 would be a 3rd entry: run eagerly from then on, logged once
-            compiled(torch.randn(size))
+        configure_worker_thread()
+        # config.patch, not configure_worker_thread(dynamo=...): where config is process-global
+        # configure_worker_thread refuses a limit that differs from the installed default.
+        # Patched in the one running thread (so per-thread or global alike), restored after.
+        with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+            compiled = torch.compile(fresh_function(pointwise, "limit_hit"), backend="aot_eager", dynamic=False)
+            for size in (2, 3, 4, 4):  # size 4 would be a 3rd entry: run eagerly from then on, logged once
+                compiled(torch.randn(size))
 
     errors = ErrorLog()
     run_threads({"limit-hitter": worker}, errors)
@@ -603,7 +653,9 @@ def scenario_cudagraph_threads() -> dict[str, Any]:
             result["reinstall"] = install_compile_safety().fix("cudagraph_tls").__dict__
             result["legacy_get_obj_after_fix"] = probe()
             result["allowed"] = list(cudagraphs_allowed_in_threads())
-            lock = cgt.__dict__.pop("graph_capture_lock")  # as on torch <= 2.12
+            result["has_capture_lock"] = "graph_capture_lock" in vars(cgt)
+            missing = object()
+            lock = vars(cgt).pop("graph_capture_lock", missing)  # as on torch <= 2.12
             try:
                 result["allowed_without_capture_lock"] = list(cudagraphs_allowed_in_threads())
                 try:
@@ -612,7 +664,8 @@ def scenario_cudagraph_threads() -> dict[str, Any]:
                 except RuntimeError as error:
                     result["configure_cudagraphs_without_lock"] = f"refused: {error}"
             finally:
-                cgt.graph_capture_lock = lock
+                if lock is not missing:
+                    cgt.graph_capture_lock = lock
     finally:
         cgt.get_obj = original_get_obj
     return result
@@ -644,6 +697,7 @@ def scenario_stress(
         with torch.no_grad():
             while not stop.is_set():
                 target_model(torch.randn(4, 32))
+                time.sleep(0.001)  # a GIL-bound loop of tiny ops would starve the compiling threads
 
     def drafter(index: int) -> Callable[[], None]:
         def run() -> None:
@@ -681,7 +735,8 @@ def scenario_stress(
         finally:
             stop.set()
 
-    run_threads({"target": target, "drafters": drafters_then_stop}, errors)
+    with main_thread_dynamo_config_restored("fail_on_recompile_limit_hit"):
+        run_threads({"target": target, "drafters": drafters_then_stop}, errors)
     result: dict[str, Any] = {
         "errors": errors.total,
         "error_types": dict(errors.kinds),
@@ -698,6 +753,7 @@ def scenario_stress(
 def worker_main(mode: str) -> None:
     global FIXED
     FIXED = mode == "fixed"
+    faulthandler.enable()  # a crash prints every thread's stack to stderr (shown by the test)
     import torch  # noqa: F401 - import cost before the ready line, not inside a scenario
 
     ready: dict[str, Any] = {"mode": mode}
@@ -707,17 +763,22 @@ def worker_main(mode: str) -> None:
         ready["report"] = install_compile_safety().as_dict()
     else:
         import torch._dynamo  # noqa: F401
+
+        if torch.cuda._is_compiled() and not torch.cuda.is_available():
+            # CUDA wheel without a GPU: concurrent first compiles can SIGSEGV this worker
+            # (fix 7, tested on its own in fresh processes); keep the other scenarios alive.
+            torch._C._ensureCUDADeviceGuardSet()
     print(RESULT_PREFIX + json.dumps(ready), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         faulthandler.dump_traceback_later(SCENARIO_TIMEOUT_S, exit=True)
-        reply: dict[str, Any]
+        reply: dict[str, Any] = {"id": request["id"]}
         try:
-            reply = {"ok": SCENARIOS[request["scenario"]](**request["kwargs"])}
+            reply["ok"] = SCENARIOS[request["scenario"]](**request["kwargs"])
         except BaseException as error:  # noqa: BLE001 - report to the test instead of dying
             import traceback
 
-            reply = {"exception": "".join(traceback.format_exception(error))}
+            reply["exception"] = "".join(traceback.format_exception(error))
         finally:
             faulthandler.cancel_dump_traceback_later()
         print(RESULT_PREFIX + json.dumps(reply, default=str), flush=True)
@@ -729,7 +790,8 @@ def worker_main(mode: str) -> None:
 
 
 class Worker:
-    """One worker subprocess; ``run`` executes a scenario there and returns its dict."""
+    """One worker subprocess.  ``run`` executes a scenario there and returns its dict;
+    ``submit`` + ``result`` let the unfixed and the fixed worker run at the same time."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -748,19 +810,41 @@ class Worker:
         assert self._process.stdout is not None
         self._selector.register(self._process.stdout, selectors.EVENT_READ)
         self._ready: dict[str, Any] | None = None  # read lazily: both workers start importing torch at once
+        self._next_id = 0
 
-    def run(self, name: str, **kwargs: Any) -> dict[str, Any]:
+    @property
+    def ready(self) -> dict[str, Any]:
+        """The start-up line: ``{"mode": ..., "report": install_compile_safety().as_dict()}`` (fixed)."""
         if self._ready is None:
-            self._ready = self._read_result(timeout=SCENARIO_TIMEOUT_S)
+            self._ready = self._read_reply(timeout=SCENARIO_TIMEOUT_S)
+        return self._ready
+
+    def fix(self, name: str) -> dict[str, Any]:
+        """``{"applied": bool, "reason": str}`` of one fix in the fixed worker's install report."""
+        return self.ready["report"]["fixes"][name]
+
+    def submit(self, name: str, **kwargs: Any) -> tuple[str, int]:
+        self.ready  # noqa: B018 - the ready line comes first
+        self._next_id += 1
         assert self._process.stdin is not None
-        self._process.stdin.write(json.dumps({"scenario": name, "kwargs": kwargs}) + "\n")
+        self._process.stdin.write(json.dumps({"id": self._next_id, "scenario": name, "kwargs": kwargs}) + "\n")
         self._process.stdin.flush()
-        reply = self._read_result(timeout=SCENARIO_TIMEOUT_S + 10)
+        return name, self._next_id
+
+    def result(self, ticket: tuple[str, int]) -> dict[str, Any]:
+        name, request_id = ticket
+        while True:
+            reply = self._read_reply(timeout=SCENARIO_TIMEOUT_S + 10)
+            if reply.get("id") == request_id:
+                break  # older replies belong to requests whose test already failed
         if "exception" in reply:
             raise AssertionError(f"scenario {name} raised in the {self.mode} worker:\n{reply['exception']}")
         return reply["ok"]
 
-    def _read_result(self, timeout: float) -> dict[str, Any]:
+    def run(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        return self.result(self.submit(name, **kwargs))
+
+    def _read_reply(self, timeout: float) -> dict[str, Any]:
         assert self._process.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -777,20 +861,45 @@ class Worker:
         self._stderr.seek(0)
         return self._stderr.read()[-chars:]
 
-    def close(self) -> None:
-        if self._process.stdin is not None:
+    def stop(self) -> None:
+        """Ask the worker to exit (end of its stdin); ``close`` waits for it."""
+        if self._process.stdin is not None and not self._process.stdin.closed:
             self._process.stdin.close()
+
+    def close(self) -> None:
+        self.stop()
         try:
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._process.kill()
+            self._process.wait()
         self._stderr.close()
+
+
+def run_both(
+    unfixed: Worker, fixed: Worker, name: str, before: dict[str, Any], after: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``name`` in the unfixed worker (kwargs ``before``) and the fixed one (``after``) at
+    the same time: each worker is its own process, and each scenario is GIL-bound."""
+    tickets = unfixed.submit(name, **before), fixed.submit(name, **after)
+    results = []
+    for worker, ticket in zip((unfixed, fixed), tickets):
+        try:
+            results.append(worker.result(ticket))
+        except AssertionError as error:
+            results.append(error)
+    for result in results:
+        if isinstance(result, AssertionError):
+            raise result
+    return results[0], results[1]
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[dict[str, Worker]]:
     started = {mode: Worker(mode) for mode in ("unfixed", "fixed")}
     yield started
+    for worker in started.values():
+        worker.stop()  # both exit at once
     for worker in started.values():
         worker.close()
 
@@ -810,7 +919,7 @@ def test_install_is_idempotent_and_reports_every_fix(fixed: Worker) -> None:
     first, second = result["first"]["fixes"], result["second"]["fixes"]
     expected = {
         "fx_tracing_flag", "is_compiling_flag", "inductor_fx_trace", "block_mask_lock", "worker_thread_config",
-        "recompile_limit", "cudagraph_tls", "cudagraphs_in_threads", "compile_counter",
+        "recompile_limit", "cudagraph_tls", "cudagraphs_in_threads", "compile_counter", "cuda_guard_prime",
     }
     assert set(first) == set(second) == expected
     assert {k: v["applied"] for k, v in first.items()} == {k: v["applied"] for k, v in second.items()}
@@ -823,72 +932,99 @@ def test_install_is_idempotent_and_reports_every_fix(fixed: Worker) -> None:
     assert result["flag_attr"] is False
 
 
-def test_fx_tracing_flag_race(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("fx_flag_race", seconds=3.0, max_errors=20)
-    if before["errors"] == 0:
-        pytest.skip(f"FX-flag race did not reproduce on this torch without the fix: {before}")
-    assert any("symbolically trace a dynamo-optimized function" in kind for kind in before["error_types"]), before
+FX_REFUSAL = "symbolically trace a dynamo-optimized function"
 
-    after = fixed.run("fx_flag_race", seconds=2.0, max_errors=1)
+
+def test_fx_tracing_flag_race(unfixed: Worker, fixed: Worker) -> None:
+    before, after = run_both(
+        unfixed, fixed, "fx_flag_race", before={"seconds": 3.0, "max_errors": 20}, after={"seconds": 2.0, "max_errors": 1}
+    )
     assert after["errors"] == 0, after
     assert after["calls"] >= 20 and after["traces"] >= 20, f"threads did not overlap: {after}"
+    if before["errors"] == 0:
+        pytest.skip(f"FX-flag race did not reproduce on this torch without the fix: {before}")
+    assert any(FX_REFUSAL in kind for kind in before["error_types"]), before
 
 
 def test_fx_tracing_flag_compile_vs_call_race_as_on_torch_212(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("fx_flag_compile_vs_call", seconds=3.0, max_errors=20, emulate_torch_212=True)
-    if before["errors"] == 0:
-        pytest.skip(f"compile-vs-call FX-flag race did not reproduce without the fix: {before}")
-    assert any("symbolically trace a dynamo-optimized function" in kind for kind in before["error_types"]), before
-
-    after = fixed.run("fx_flag_compile_vs_call", seconds=2.0, max_errors=1, emulate_torch_212=True)
+    # torch <= 2.12 (2.11 included) as it is; on 2.13+ with its compile-session flag disabled.
+    kwargs = {"as_on_torch_212": True}
+    before, after = run_both(
+        unfixed, fixed, "fx_flag_compile_vs_call",
+        before={"seconds": 3.0, "max_errors": 20, **kwargs}, after={"seconds": 2.0, "max_errors": 1, **kwargs},
+    )
     assert after["errors"] == 0, after
     assert after["calls"] >= 20 and after["compiles"] >= 3, f"threads did not overlap: {after}"
+    if before["errors"] == 0:
+        pytest.skip(f"compile-vs-call FX-flag race did not reproduce without the fix: {before}")
+    assert any(FX_REFUSAL in kind for kind in before["error_types"]), before
 
 
 def test_is_compiling_is_per_thread(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("is_compiling_leak", seconds=2.0)
-    assert before["is_compiling_in_backend"], before
-    if before["true"] == 0:
-        pytest.skip(f"is_compiling() did not leak into another thread on this torch: {before}")
-
-    after = fixed.run("is_compiling_leak", seconds=2.0)
+    before, after = run_both(unfixed, fixed, "is_compiling_leak", before={"seconds": 1.5}, after={"seconds": 1.5})
     assert after["true"] == 0, after
+    assert after["compiles"] >= 3 and after["polls"] >= 1000, f"threads did not overlap: {after}"
+    if not before["is_compiling_in_backend"]:
+        # torch <= 2.12: only export sets torch.compiler._is_compiling_flag.
+        assert before["true"] == 0 and not after["is_compiling_in_backend"], (before, after)
+        assert not fixed.fix("is_compiling_flag")["applied"], fixed.fix("is_compiling_flag")
+        pytest.skip(
+            "a dynamo compile on this torch leaves torch.compiler.is_compiling() False outside traced code, even in "
+            "the compiling thread's own backend (no process-global compile-session flag), so no other thread can "
+            f"see it True; install report: {fixed.fix('is_compiling_flag')['reason']}"
+        )
     assert after["is_compiling_in_backend"], "the compiling thread must still see is_compiling() during its compile"
-    assert after["polls"] >= 1000 and after["compiles"] >= 3, f"threads did not overlap: {after}"
+    if before["true"] == 0:
+        pytest.skip(f"is_compiling() did not leak into another thread within {before['polls']} polls: {before}")
 
 
 def test_fx_tracing_flag_still_refuses_tracing_compiled_code_in_same_thread(fixed: Worker) -> None:
     result = fixed.run("fx_flag_same_thread")
-    assert result["raised"] and "symbolically trace a dynamo-optimized function" in result["raised"]
+    assert result["raised"] and FX_REFUSAL in result["raised"]
 
 
 def test_block_mask_race(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("mask_race", seconds=15.0, max_errors=3, q_len=256, block_size=1)
-    if before["errors"] == 0:
-        pytest.skip(f"mask/compile race did not reproduce on this torch without the fix: {before}")
-
-    after = fixed.run("mask_race", seconds=4.0, max_errors=1, q_len=256, block_size=1)
+    mask_fix = fixed.fix("block_mask_lock")
+    if not mask_fix["applied"] and mask_fix["reason"].startswith("not needed"):
+        # Check the detection against behaviour, briefly, before skipping.
+        before = unfixed.run("mask_race", seconds=2.0, max_errors=1, q_len=256, block_size=1)
+        assert before["errors"] == 0, f"install reported the mask race as impossible, yet: {before}"
+        pytest.skip(
+            "this torch's create_block_mask helpers do not call fx.traceback.annotate, so building a mask writes no "
+            "global FX metadata that another thread's compile could read (0 errors without the lock in 2 s: "
+            f"{before['masks']} masks, {before['compiles']} compiles); install report: {mask_fix['reason']}"
+        )
+    before, after = run_both(
+        unfixed, fixed, "mask_race",
+        before={"seconds": 15.0, "max_errors": 3, "q_len": 256, "block_size": 1},
+        after={"seconds": 4.0, "max_errors": 1, "q_len": 256, "block_size": 1},
+    )
     assert after["errors"] == 0, after
     assert after["masks"] >= 5 and after["compiles"] >= 5, f"threads did not overlap: {after}"
+    if before["errors"] == 0:
+        pytest.skip(f"mask/compile race did not reproduce on this torch without the fix: {before}")
 
 
 def test_shared_shape_compiles_need_a_raised_recompile_limit(unfixed: Worker, fixed: Worker) -> None:
     threads, shapes = 4, 4
-    before = unfixed.run("shared_shape_compiles", threads=threads, shapes=shapes)
-    if before["errors"] == 0:
-        pytest.skip(f"concurrent misses did not exceed the default recompile limit here: {before}")
-    assert any("FailOnRecompileLimitHit" in kind for kind in before["error_types"]), before
-
-    after = fixed.run("shared_shape_compiles", threads=threads, shapes=shapes)
+    kwargs = {"threads": threads, "shapes": shapes}
+    before, after = run_both(unfixed, fixed, "shared_shape_compiles", before=kwargs, after=kwargs)
     assert after["errors"] == 0, after
     assert after["compiles"] >= shapes
     assert min(after["recompile_limit_in_workers"]) >= threads * shapes
+    if before["errors"] == 0:
+        pytest.skip(f"concurrent misses did not exceed the default recompile limit here: {before}")
+    assert any("FailOnRecompileLimitHit" in kind for kind in before["error_types"]), before
 
 
 def test_configure_worker_thread_applies_config_in_the_worker(unfixed: Worker, fixed: Worker) -> None:
     before = unfixed.run("worker_config")
     if before["worker"]["recompile_limit"] == 2:
-        pytest.skip(f"config is process-global on this torch (main-thread values reach workers): {before}")
+        assert not fixed.fix("worker_thread_config")["applied"], fixed.fix("worker_thread_config")
+        pytest.skip(
+            "dynamo/inductor config is process-global on this torch: values set in the main thread reach worker "
+            f"threads, so there is no per-thread config to apply (conflicts are refused instead, tested below): {before}"
+        )
     assert before["worker"]["fallback_random"] is False and not before["error_types"], before
 
     after = fixed.run("worker_config")
@@ -896,6 +1032,17 @@ def test_configure_worker_thread_applies_config_in_the_worker(unfixed: Worker, f
     # dynamo itself honoured the worker's values: the third shape hit the limit of 2 and failed loudly.
     assert list(after["error_types"]) and all("FailOnRecompileLimitHit" in k for k in after["error_types"]), after
     assert after["main_recompile_limit_after"] == after["main_recompile_limit_before"], "leaked into the main thread"
+
+
+def test_configure_worker_thread_refuses_conflicts_where_config_is_global(fixed: Worker) -> None:
+    config_fix = fixed.fix("worker_thread_config")
+    result = fixed.run("worker_config_conflict")
+    assert not result["error_types"], result
+    if config_fix["applied"]:
+        assert result.get("accepted") == result["installed"] + 1 and result["main_after"] == result["installed"], result
+        pytest.skip(f"config is per-thread on this torch, so threads cannot overwrite each other's: {config_fix['reason']}")
+    assert "process-global" in result.get("refused", ""), result
+    assert result["main_after"] == result["installed"], "a refused value must not have been applied"
 
 
 def test_recompile_counter_counts_per_thread(fixed: Worker) -> None:
@@ -931,26 +1078,78 @@ def test_fail_on_recompile_after_warmup(fixed: Worker) -> None:
 
 
 def test_cudagraph_trees_from_worker_threads(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("cudagraph_threads")
+    before, after = run_both(unfixed, fixed, "cudagraph_threads", before={}, after={})
     # 2.12's get_obj run on this torch: the assertion reproduces whatever the version.
     assert before["legacy_get_obj"].startswith("AssertionError"), before
-
-    after = fixed.run("cudagraph_threads")
     assert after["reinstall"]["applied"], after
     assert after["legacy_get_obj_after_fix"] == "ok", after
-    assert after["this_torch"] == "ok"
-    assert after["allowed"][0] is True, after
+    assert after["this_torch"] == "ok", after
+    if after["has_capture_lock"]:
+        assert after["allowed"][0] is True, after
+    else:  # torch <= 2.12: per-thread state is fixed, but captures are not serialised
+        assert after["allowed"][0] is False and "graph_capture_lock" in after["allowed"][1], after
     assert after["allowed_without_capture_lock"][0] is False
     assert "graph_capture_lock" in after["allowed_without_capture_lock"][1]
     assert after["configure_cudagraphs_without_lock"].startswith("refused"), after
 
 
-STRESS: dict[str, Any] = {"threads": 3, "lengths": [64, 96, 128, 160, 192, 224], "steps": 8, "mask_block": 1}
+# Threads entering FakeTensorMode (as every compile does) for the first time at once.
+CUDA_GUARD_PROBE = """
+import sys, threading, torch
+if sys.argv[1] == "fixed":
+    from dflash_train.pipeline.compile_safety import install_compile_safety
+    assert install_compile_safety().fix("cuda_guard_prime").applied
+from torch._subclasses.fake_tensor import FakeTensorMode
+barrier = threading.Barrier(4)
+def enter():
+    barrier.wait()
+    for _ in range(50):
+        with FakeTensorMode():
+            pass
+threads = [threading.Thread(target=enter) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("survived")
+"""
+
+
+def test_cuda_guard_first_use_race() -> None:
+    import torch
+
+    if not torch.cuda._is_compiled() or torch.cuda.is_available():
+        pytest.skip(
+            f"torch {torch.__version__} is a CPU build or sees a GPU (cuda compiled: {torch.cuda._is_compiled()}), so "
+            "FakeTensorMode never swaps in the no-op CUDA device guard whose first concurrent use crashes"
+        )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def probes(mode: str, count: int) -> list[subprocess.CompletedProcess[str]]:
+        started = [
+            subprocess.Popen([sys.executable, "-c", CUDA_GUARD_PROBE, mode], cwd=REPO_ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(count)
+        ]
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in started]
+
+    before = probes("unfixed", 3)  # each crashes with a probability of about 0.8 here
+    after = probes("fixed", 3)
+    assert all(run.returncode == 0 and "survived" in run.stdout for run in after), [(r.returncode, r.stderr[-2000:]) for r in after]
+    crashed = [run.returncode for run in before if run.returncode != 0]
+    if not crashed:
+        pytest.skip("3 unfixed processes entered FakeTensorMode from 4 threads at once without crashing")
+    assert all(code == -11 for code in crashed), [(r.returncode, r.stderr[-2000:]) for r in before]
+
+
+# 4 lengths x 3 threads that miss each new length together: 12 flex entries > dynamo's default
+# limit of 8, so the unfixed run hits it at the third or fourth length.
+STRESS: dict[str, Any] = {"threads": 3, "lengths": [64, 96, 128, 160], "steps": 5, "mask_block": 1}
 
 
 def test_stress_threads_with_forced_recompiles(unfixed: Worker, fixed: Worker) -> None:
-    before = unfixed.run("stress", backend="aot_eager", with_backward=True, **STRESS)
-    after = fixed.run("stress", backend="aot_eager", with_backward=True, **STRESS)
+    kwargs = {"backend": "aot_eager", "with_backward": True, **STRESS}
+    before, after = run_both(unfixed, fixed, "stress", before=kwargs, after=kwargs)
     assert after["errors"] == 0, after
     assert after["steps"] == {f"drafter-{i}": STRESS["steps"] for i in range(STRESS["threads"])}, after
     # flex and the head forward compile once per length, the head backward once per length too

@@ -301,6 +301,24 @@ def test_same_tokens_and_acceptance_lengths_as_the_reference(which, request, ref
     assert block in lengths and max(lengths.count(k) for k in range(2, block)) > 0
 
 
+def test_bfloat16_drafter_keeps_float32_rope_and_matches_the_reference(fitted, reference_module, tmp_path):
+    """The eval loader casts the drafter's weights, not its RoPE frequencies (a float32 buffer
+    that `.to(bfloat16)` would round), and then agrees with the reference in bfloat16 too."""
+    from dflash import DFlashDraftModel
+
+    fitted.target.model.save_pretrained(tmp_path / "target")
+    export_model(fitted.drafter, tmp_path / "drafter", dtype=torch.bfloat16)
+    target, drafter = evaluate.load_pair(str(tmp_path / "target"), str(tmp_path / "drafter"), torch.device("cpu"), torch.bfloat16)
+    assert drafter.fc.weight.dtype == torch.bfloat16 and drafter.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(drafter.inv_freq, fitted.drafter.inv_freq, rtol=0, atol=0)
+    reference = DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.bfloat16).eval()
+    for prompt in fitted.prompts[:3]:
+        ours = generate(target, drafter, prompt, 40)
+        theirs = reference_module.dflash_generate(reference, target.model, torch.tensor([prompt]), 40, None, return_stats=True)
+        assert ours.tokens == theirs.output_ids[0, len(prompt):].tolist()
+        assert ours.acceptance_lengths == list(theirs.acceptance_lengths)
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling: exact
 # --------------------------------------------------------------------------------------------
@@ -623,6 +641,21 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
 
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--bench", "gsm8k"]) == 2
     assert "gsm8k is not available offline" in capsys.readouterr().err
+    assert cli.main(["eval", "--target", "x", "--drafter", "y", "--max-new-tokens", "0"]) == 2
+    assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_in_training_evaluator_from_a_benchmark(chat_pair):
+    from dflash_train.export import load_exported_drafter
+    from dflash_train.target import load_target
+
+    target = load_target(chat_pair / "target")
+    evaluator = InTrainingEvaluator.from_benchmark(target, "mtbench", limit=2, max_new_tokens=6)
+    assert len(evaluator.prompts) == 2 and evaluator.stop_token_ids == [target.tokenizer.eos_token_id]
+    # The rendered prompt is the chat template with the generation prompt added.
+    assert target.tokenizer.decode(evaluator.prompts[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    metrics = evaluator.measure(load_exported_drafter(chat_pair / "drafter"))
+    assert metrics["tokens"] >= 2 and metrics["tau"] >= 1
 
 
 def test_bench_script_runs_on_cpu(chat_pair, tmp_path, reference_module):

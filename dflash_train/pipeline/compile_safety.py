@@ -73,7 +73,8 @@ The fixes
    start with an empty context).  Detection: a probe thread sets a value and
    the main thread looks.  ``configure_worker_thread`` applies overrides inside
    the worker; where config is process-global it instead refuses conflicting
-   values from different threads.  Inductor options that must also govern the
+   values from different threads (the installed recompile limits included: a
+   worker changing them would change them for every thread).  Inductor options that must also govern the
    lazily compiled backward (which on CUDA runs in the autograd device thread,
    not in the worker) belong in ``torch.compile(options=...)``.
    ``torch.compiler.set_stance`` is process-wide on every version: only the main
@@ -107,6 +108,14 @@ The fixes
    warning dynamo logs in the thread that hit it.
    ``install_compile_safety(fixes=False)`` installs only this counter, to
    measure an unfixed run the same way.
+7. ``cuda_guard_prime`` (CUDA builds of torch on a machine without a usable GPU,
+   e.g. PyPI's default Linux wheel in CPU-only CI).  There ``FakeTensorMode.__enter__``
+   - entered by every compile - calls ``torch._C._ensureCUDADeviceGuardSet()`` to
+   swap in a no-op CUDA device guard; its first calls from several threads at
+   once crash the process (SIGSEGV, seen on 2.11.0+cu130; calls after one
+   completed call are safe).  We make that first call at install time.
+   Detection: CUDA compiled but not available, and ``FakeTensorMode.__enter__``
+   calls it.
 """
 
 from __future__ import annotations
@@ -444,6 +453,31 @@ def _install_is_compiling_fix() -> FixResult:
     )
 
 
+def _prime_cuda_device_guard() -> FixResult:
+    name = "cuda_guard_prime"
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is None:
+        return FixResult(name, False, "not needed: torch._C has no _ensureCUDADeviceGuardSet")
+    if not torch.cuda._is_compiled():
+        return FixResult(name, False, "not needed: a CPU build of torch (no CUDA device guard to swap)")
+    if torch.cuda.is_available():
+        return FixResult(name, False, "not needed: CUDA is available, so compiles do not swap the CUDA device guard")
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as error:
+        return FixResult(name, False, f"not needed: no FakeTensorMode ({error})")
+    if "_ensureCUDADeviceGuardSet" not in _source_or_empty(FakeTensorMode.__enter__):
+        return FixResult(name, False, "not needed: FakeTensorMode.__enter__ does not call _ensureCUDADeviceGuardSet")
+    ensure()
+    return FixResult(
+        name,
+        True,
+        "CUDA build without a usable GPU: every compile's FakeTensorMode.__enter__ calls "
+        "torch._C._ensureCUDADeviceGuardSet(), whose first concurrent calls crash the process (SIGSEGV); "
+        "called once now in the installing thread",
+    )
+
+
 def _prime_inductor_fx_trace() -> FixResult:
     name = "inductor_fx_trace"
     try:
@@ -592,6 +626,13 @@ def _install_config_policy(recompile_limit: int | None, fail_on_recompile_limit_
 
     for key, value in dynamo_defaults.items():
         setattr(config, key, value)
+    if not thread_local:
+        # The installed values are already every thread's: a worker asking for another
+        # one would change them for all threads, so it conflicts with the installer.
+        owner = f"install_compile_safety() in {threading.current_thread().name}"
+        with _GLOBAL_CLAIMS_LOCK:
+            for key, value in dynamo_defaults.items():
+                _GLOBAL_CLAIMS[("dynamo", key)] = (value, owner)
     process_default_note = ""
     if thread_local:
         # Threads that never call configure_worker_thread (target worker, autograd
@@ -915,6 +956,7 @@ def install_compile_safety(
         counter = _install_compile_counter(fail_on_recompile_after_warmup)
         if fixes:
             results = (
+                _prime_cuda_device_guard(),
                 _install_fx_flag_fix(),
                 _install_is_compiling_fix(),
                 _prime_inductor_fx_trace(),

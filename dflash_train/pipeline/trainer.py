@@ -204,11 +204,31 @@ def train(
 
     # --- target(s) and data ------------------------------------------------------------
     targets: list[Target] = [] if target is None else [target] if isinstance(target, Target) else list(target)
+    cache = None
+    if config.features:
+        from ..data.feature_cache import FeatureCache
+
+        if config.data:
+            raise ConfigError(f"pass --data or --features, not both: the feature cache {config.features} holds its own samples")
+        cache = FeatureCache(config.features)
+        if not targets:
+            # No target forward runs; its embedding, head and tokenizer are still needed: one copy,
+            # on the CPU, in the drafters' dtype, serves every target worker.
+            path = config.target or cache.target
+            print(f"loading target {path} on cpu (embedding, head, tokenizer; features from {config.features})", file=log)
+            targets.append(load_target(path, "cpu", torch.bfloat16 if any(d.type == "cuda" for d in drafter_devices) else None))
+        cache.check_target(targets[0])
+        targets += targets[:1] * (len(target_devices) - len(targets))
     for device in target_devices[len(targets):]:
         print(f"loading target {config.target} on {device}", file=log)
         targets.append(load_target(config.target, device))
     tokenizer = targets[0].tokenizer
     spec = targets[0].spec
+    if samples is None and cache is not None:
+        samples, cache_stats = cache.training_samples(config.max_seq_len, config.min_supervised_tokens)
+        print(cache_stats.summary(), file=log)
+        if not samples:
+            raise ConfigError(f"no usable training rows in the feature cache {config.features} (see the reasons above)")
     if samples is None:
         samples = load_samples(config, tokenizer, log)
 
@@ -223,6 +243,12 @@ def train(
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
         )
     layer_union = sorted({k for plan in plans for k in plan.drafter_config.target_layer_ids})
+    # With a cache, each target worker reads features on its device instead of running the model.
+    sources = None
+    if cache is not None:
+        sources = [cache.source(target_devices[t % len(target_devices)], layer_union) for t in range(len(targets))]
+        print(f"features: cache {config.features} ({len(cache)} samples, layers {cache.layer_ids}, {cache.dtype}) "
+              f"read on {', '.join(str(s.device) for s in sources)}", file=log)
 
     # --- resume ----------------------------------------------------------------------------
     start_step, resumed = 0, {}
@@ -335,7 +361,7 @@ def train(
         pad_id=(tokenizer.pad_token_id or 0) if tokenizer is not None else 0,
     )
     target_workers = [
-        TargetWorker(f"target-{t}", stop, LiveTarget(tgt, layer_union), planner, index=t,
+        TargetWorker(f"target-{t}", stop, sources[t] if sources else LiveTarget(tgt, layer_union), planner, index=t,
                      num_target_workers=num_targets, start_step=start_step, total_steps=end_step, routes=routes,
                      compile_safety=compiles)
         for t, tgt in enumerate(targets)
