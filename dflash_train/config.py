@@ -225,6 +225,10 @@ class TrainConfig:
     resume: bool = option(False, "continue from the latest complete checkpoint in `out`")
     fail_on_recompile: bool = option(False, "error on any compile after a bucket's first step")
     export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training")
+    eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)")
+    eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
+    eval_limit: int = option(8, "prompts used by --eval-every")
+    eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
 
     def validate(self) -> None:
         if self.mode not in ("replicas", "variants"):
@@ -247,5 +251,7 @@ class TrainConfig:
             raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
+        if self.eval_every < 0 or self.eval_limit < 1 or self.eval_max_new_tokens < 1:
+            raise ConfigError("eval_every must be >= 0, eval_limit and eval_max_new_tokens >= 1")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError("warmup_ratio must be in [0, 1)")

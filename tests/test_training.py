@@ -96,3 +96,27 @@ def test_checkpoints_are_pruned_to_keep(tmp_path, target):
 def test_clear_errors(tmp_path, target, overrides, error, match):
     with pytest.raises(error, match=match):
         _run(tmp_path, pattern_samples(8), target, **overrides)
+
+
+def test_cli_trains_on_real_smollm2_data_with_in_training_eval(tmp_path, smollm2_dir):
+    """The whole command on the real target and real regenerated rows: rendering, training,
+    real tau every 2 steps by speculative decoding, checkpoint, export."""
+    from dflash_train.cli import main
+
+    data = Path(__file__).parent / "data" / "smollm2_regenerated_64.jsonl.gz"
+    code = main([
+        "train", "--target", str(smollm2_dir), "--data", str(data), "--out", str(tmp_path),
+        "--steps", "4", "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
+        "--block-size", "4", "--min-supervised-tokens", "8", "--device", "cpu", "--log-every", "2",
+        "--eval-every", "2", "--eval-limit", "2", "--eval-max-new-tokens", "6",
+    ])
+    assert code == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [("tau_real" in r) for r in records] == [False, True, False, True]
+    assert all(1.0 <= r["tau_real"] <= 4.0 for r in records if "tau_real" in r)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["drafter_config"]["mask_token_id"] == 16  # SmolLM2's <empty_output>, by the documented rule
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "again"), "--dtype", "float32"]) == 0
+    assert (tmp_path / "again" / "config.json").is_file()

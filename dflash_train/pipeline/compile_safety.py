@@ -74,8 +74,8 @@ The fixes
    the main thread looks.  ``configure_worker_thread`` applies overrides inside
    the worker; where config is process-global it instead refuses conflicting
    values from different threads (the installed recompile limits included: a
-   worker changing them would change them for every thread).  Inductor options that must also govern the
-   lazily compiled backward (which on CUDA runs in the autograd device thread,
+   worker changing them would change them for every thread).  Inductor options
+   that must also govern the lazily compiled backward (which on CUDA runs in the autograd device thread,
    not in the worker) belong in ``torch.compile(options=...)``.
    ``torch.compiler.set_stance`` is process-wide on every version: only the main
    thread should call it.
@@ -91,7 +91,9 @@ The fixes
 5. ``cudagraph_tls`` (torch <= 2.12).  ``cudagraph_trees.get_obj`` asserts in a
    Python thread other than the importing one (its TLS was initialised only at
    import).  2.13 initialises it lazily; we backport that ``get_obj``.
-   Detection: call ``get_obj`` in a fresh probe thread.  2.13 also serialises
+   Detection: call ``get_obj`` in a fresh probe thread (which then stays parked
+   until exit: a thread holding stashed TLS objects that exits during interpreter
+   shutdown aborts the process).  2.13 also serialises
    graph capture across threads (``graph_capture_lock``); without that lock we
    *refuse* CUDA-graph trees in worker threads: see
    ``cudagraphs_allowed_in_threads``; ``configure_worker_thread`` raises if
@@ -714,17 +716,46 @@ def configure_worker_thread(
 # --------------------------------------------------------------------------- 5. CUDA graphs
 
 
+_PARK_FOREVER = threading.Event()  # never set
+_GET_OBJ_WORKS: set[Any] = set()  # get_obj functions that worked in a new thread
+
+
+def _run_in_parked_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a fresh daemon thread that then waits until the process exits.
+    For probes that stash Python objects in the thread's C++ TLS (cudagraph trees'
+    get_obj does, via ``torch._C._stash_obj_in_tls``): a thread whose TLS holds them
+    exits by re-taking the GIL in their destructors, and if the interpreter is shutting
+    down meanwhile the process aborts ("terminate called without an active exception"
+    or SIGSEGV; seen on 2.11 and 2.13 when a script exits right after the probe)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+        _PARK_FOREVER.wait()
+
+    threading.Thread(target=run, name="dflash-compile-safety-cudagraph-probe", daemon=True).start()
+    done.wait()
+
+
 def _cudagraph_get_obj_works_in_new_thread(cgt: types.ModuleType) -> tuple[bool, str]:
+    get_obj = cgt.get_obj
+    if get_obj in _GET_OBJ_WORKS:  # a probe thread per call would pile up parked threads
+        return True, ""
     outcome: list[str] = []
 
     def probe() -> None:
         try:
-            cgt.get_obj(cgt.local, "tree_manager_containers")
+            get_obj(cgt.local, "tree_manager_containers")
             outcome.append("")
         except Exception as error:  # noqa: BLE001 - AssertionError on <=2.12, RuntimeError under python -O
             outcome.append(f"{type(error).__name__}: {error}")
 
-    _run_in_thread(probe)
+    _run_in_parked_thread(probe)
+    if outcome == [""]:
+        _GET_OBJ_WORKS.add(get_obj)
     return outcome == [""], outcome[0] if outcome else "probe thread died"
 
 

@@ -232,6 +232,15 @@ def train(
     if samples is None:
         samples = load_samples(config, tokenizer, log)
 
+    evaluator = None
+    if config.eval_every:
+        from ..evaluate import InTrainingEvaluator
+
+        evaluator = InTrainingEvaluator.from_benchmark(
+            targets[0], config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens)
+        print(f"in-training eval: real tau every {config.eval_every} steps on {len(evaluator.prompts)} "
+              f"{config.eval_bench} prompts, {config.eval_max_new_tokens} new tokens, on {targets[0].device}", file=log)
+
     mask_token_id = resolve_mask_token_id(config.mask_token_id, tokenizer, targets[0].embed_weight.shape[0])
     for plan in plans:
         plan.drafter_config = DrafterConfig.from_target(
@@ -305,6 +314,16 @@ def train(
     def checkpoint_state(plan: DrafterPlan):
         return lambda step: {"train_config": dataclasses.asdict(plan.config), "layer_union": layer_union}
 
+    evaluation = None
+    if evaluator is not None:
+        evaluation_lock = threading.Lock()  # one decode at a time on the shared target
+
+        def evaluation(worker: DrafterWorker, step: int) -> dict | None:
+            if (step + 1) % config.eval_every and step + 1 != end_step:
+                return None
+            with evaluation_lock:
+                return evaluator.measure(worker.setup.drafter)
+
     drafter_workers: list[DrafterWorker] = []
     reducers: list[GradientReducer] = []
     for plan in plans:
@@ -353,6 +372,7 @@ def train(
                 clip_grad=plan.config.clip_grad, save_every=config.save_every,
                 keep_checkpoints=config.keep_checkpoints, checkpoint_state=checkpoint_state(plan),
                 on_step_done=step_hook, compile_safety=compiles, fail_on_recompile=config.fail_on_recompile,
+                evaluate=evaluation if rank == 0 else None,
             ))
 
     planner = BatchPlanner(
@@ -369,6 +389,11 @@ def train(
     workers = target_workers + drafter_workers
 
     # --- run ---------------------------------------------------------------------------------
+    threads_before = torch.get_num_threads()
+    if all(w.device.type == "cpu" for w in drafter_workers) and all(t.device.type == "cpu" for t in targets):
+        # Every worker computes on the same cores: one intra-op pool each, not one per core each
+        # (oversubscribed OpenMP pools run several times slower, not just slower).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(workers)))
     print(_layout_line(config, plans, targets, planner, start_step), file=log)
     logs = {plan.name: MetricsLog(plan.run_dir / "metrics.jsonl") for plan in plans}
     pipeline_log = MetricsLog(out / "pipeline.jsonl")
@@ -398,6 +423,13 @@ def train(
                 continue
             step_reports = pending.pop(key)
             record = _step_record(step_reports, stats[report.drafter], time.monotonic() - started)
+            measured = next((r.evaluation for r in step_reports if r.evaluation), None)
+            if measured:
+                record["tau_real"] = measured["tau"]
+                record["tau_real_pooled"] = measured["tau_pooled"]
+                progress.print(f"{'[' + report.drafter + '] ' if len(plans) > 1 else ''}eval at step {record['step']}: "
+                               f"real tau {measured['tau']:.3f} (pooled {measured['tau_pooled']:.3f}, "
+                               f"{measured['tokens']} tokens in {measured['seconds']:.1f}s) | simulated tau {record['tau_sim']:.3f}")
             logs[report.drafter].write(record)
             if report.drafter == plans[0].name:
                 progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
@@ -414,6 +446,7 @@ def train(
         hung = wait_for_workers(workers, stop, timeout=30.0)
     finally:
         restore_signals()
+        torch.set_num_threads(threads_before)
         for metrics_log in [*logs.values(), pipeline_log]:
             metrics_log.close()
     progress.close()
@@ -445,6 +478,10 @@ def train(
         if tail:
             entry.update({k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "accuracy", "tau_sim")})
             entry["first_loss"] = stats[plan.name].history[0]["loss"]
+        measured = [r for r in stats[plan.name].history if "tau_real" in r]
+        if measured:
+            entry["tau_real"] = {"step": measured[-1]["step"], "tau": measured[-1]["tau_real"],
+                                 "tau_pooled": measured[-1]["tau_real_pooled"]}
         if error is None and rank0.completed_step >= config.steps and config.export_dtype:
             entry["export"] = str(export_model(rank0.setup.drafter, plan.run_dir / "export",
                                                dtype=getattr(torch, config.export_dtype)))
@@ -578,6 +615,10 @@ def _summary_text(summary: dict, config: TrainConfig) -> str:
                 f"    loss {entry['first_loss']:.3f} -> {entry['loss']:.3f} (mean of last steps) | "
                 f"accuracy {entry['accuracy']:.3f} | simulated tau {entry['tau_sim']:.2f}"
             )
+        if entry.get("tau_real"):
+            real = entry["tau_real"]
+            lines.append(f"    real tau at step {real['step']}: {real['tau']:.3f} (pooled {real['tau_pooled']:.3f}), "
+                         "by speculative decoding")
         lines.append(f"    {entry['samples_per_s']} samples/s | skipped (non-finite) steps: {entry['skipped_steps']}")
         lines.append(f"    checkpoint: {entry['checkpoint']}")
         if entry.get("export"):

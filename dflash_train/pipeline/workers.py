@@ -193,6 +193,7 @@ class StepReport:
     tokens: int
     seconds: float
     waited: float
+    evaluation: dict | None = None  # real tau measured after this step (rank 0, every K steps)
 
 
 @dataclass
@@ -234,8 +235,10 @@ class DrafterWorker(Worker):
         on_step_done: Callable[["DrafterWorker", int], None] | None = None,
         compile_safety: bool = False,
         fail_on_recompile: bool = False,
+        evaluate: Callable[["DrafterWorker", int], dict | None] | None = None,
     ):
         super().__init__(thread_name, stop)
+        self.evaluate = evaluate
         self.compile_safety = compile_safety
         self.fail_on_recompile = fail_on_recompile
         self.seen_shapes: set[tuple] = set()
@@ -292,6 +295,10 @@ class DrafterWorker(Worker):
             loss_normalizer=item.host.normalizers[key],
         )
 
+    @property
+    def device(self) -> torch.device:
+        return self.setup.device
+
     def _thread_compiles(self) -> int:
         return recompile_snapshot().get(self.name, {}).get("compiles", 0) if self.compile_safety else 0
 
@@ -347,7 +354,9 @@ class DrafterWorker(Worker):
                 self.times.waiting += waited
                 self.times.items += 1
                 self.completed_step = step + 1
-                self.reports.put(StepReport(setup.name, setup.rank, step, result, samples, tokens, seconds, waited))
+                evaluation = self.evaluate(self, step) if self.evaluate is not None else None
+                self.reports.put(StepReport(setup.name, setup.rank, step, result, samples, tokens, seconds, waited,
+                                            evaluation))
                 if self.on_step_done is not None:
                     self.on_step_done(self, step)
                 if self.completed_step % self.save_every == 0 and self.completed_step < self.total_steps:
