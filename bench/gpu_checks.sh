@@ -21,8 +21,7 @@ for name in "$@"; do
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
         tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
             tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py ;;
-        race) stage race 180 python3 bench/compile_race_gpu.py --devices cuda:0,cuda:1 --threads 3 --iters 16 \
-            --lengths 512,1024,1536,2048 --watchdog-s 80 --json "$OUT/race.json" ;;
+        race) stage race 180 python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --json "$OUT/step.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;

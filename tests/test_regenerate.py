@@ -28,14 +28,7 @@ DATA = Path(__file__).parent / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are small: one intra-op thread is as fast as two, and two spinning OpenMP
-    threads slow down tenfold when the machine's cores are shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_smollm_dir(smollm2_dir: Path, out: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:

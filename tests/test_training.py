@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_train.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
+from dflash_train.checkpoint import latest_checkpoint, load_drafter
 from dflash_train.config import ConfigError, TrainConfig
 from dflash_train.pipeline.trainer import train
 from dflash_train.target import TargetError

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import importlib.util
 import itertools
 import json
 import operator
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..assets import package_path
 from .readers import DataError, Prompt, RowStats, parse_messages
 
 EVALS_INSTALL = "pip install --no-deps evals==3.0.1.post1"
@@ -193,12 +193,7 @@ def prompt_rejection(raw_messages: list[Any], signals_of: Callable[[str], TextSi
 
 def evals_registry_dir() -> Path:
     """`evals/registry/data` of the installed package (found without importing it: installed --no-deps)."""
-    spec = importlib.util.find_spec("evals")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "registry" / "data"
-        if candidate.is_dir():
-            return candidate
-    raise DataError("evals", "", f"the OpenAI evals registry data is not installed; install it with: {EVALS_INSTALL}")
+    return package_path("evals", "registry/data", EVALS_INSTALL, directory=True)
 
 
 def _is_chat_row(line: bytes) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import queue
 import signal

@@ -1,0 +1,27 @@
+"""The README's first command, shrunk: every stage on the real SmolLM2 target."""
+
+import json
+
+from dflash_train.cli import main
+
+
+def test_quickstart_runs_every_stage_and_resumes(tmp_path, smollm2_dir, capsys):
+    args = ["quickstart", "--out", str(tmp_path), "--prompts", "12", "--max-new-tokens", "12", "--steps", "4",
+            "--num-layers", "1", "--block-size", "4", "--eval-prompts", "1", "--eval-max-new-tokens", "8",
+            "--device", "cpu"]
+    assert main(args) == 0
+    output = capsys.readouterr().out
+    assert "dflash-train quickstart finished" in output and "rows: read=12" in output
+    assert (tmp_path / "training_curve.png").stat().st_size > 10_000
+    assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
+    evaluation = json.loads((tmp_path / "eval.json").read_text())
+    for bench in evaluation["benchmarks"].values():
+        assert bench["summary"]["identical_to_baseline"] == bench["summary"]["compared"]  # lossless
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "tau_real" in records[-1]
+
+    # a second run reuses everything: no new rows, a complete cache, nothing left to train
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    assert "12 rows were already in the output" in again or "already in the output" in again
+    assert "is complete: reused" in again and "nothing to do" in again
