@@ -187,8 +187,9 @@ def train(
     """Run training; returns the summary dict (also written to OUT/summary.json).
 
     `samples`/`target` (one Target, or one per target device) may be given directly (tests,
-    quickstart); otherwise they are read from config.data / config.target. `step_hook(worker, step)` runs in each drafter thread
-    after each step (tests use it to inspect replicas or inject faults). `stop_at` ends the run
+    quickstart); otherwise they are read from config.data / config.target. `step_hook(worker,
+    step)` runs in each drafter thread after each step (tests use it to inspect replicas or
+    inject faults). `stop_at` ends the run
     after that step as an interruption would (the LR schedule still spans config.steps).
     `save_checkpoints=False` (benchmarks) writes no checkpoint at all.
     """
