@@ -178,6 +178,26 @@ def scenario_install_report() -> dict[str, Any]:
     return {"first": first, "second": second, "str": str(install_compile_safety()), "flag_attr": st._is_fx_tracing_flag}
 
 
+def calling_loop(fn, x, seconds, max_errors, errors, counts, stop):
+    """A thread body: call the compiled `fn(x)` for `seconds` (or until `max_errors`), recording
+    RuntimeErrors, then tell the other thread of the scenario to stop."""
+
+    def caller() -> None:
+        try:
+            worker_setup()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and errors.total < max_errors:
+                try:
+                    fn(x)
+                    counts["calls"] += 1
+                except RuntimeError as error:
+                    errors.add_exception("caller", error)
+        finally:
+            stop.set()
+
+    return caller
+
+
 @scenario
 def scenario_fx_flag_race(seconds: float, max_errors: int) -> dict[str, Any]:
     """One thread FX-symbolic-traces a plain module in a loop while another calls an
@@ -205,19 +225,7 @@ def scenario_fx_flag_race(seconds: float, max_errors: int) -> dict[str, Any]:
     x = torch.randn(8)
     compiled(x)  # compiled before the race: the check under test runs on every call
 
-    def caller() -> None:
-        try:
-            worker_setup()
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and errors.total < max_errors:
-                try:
-                    compiled(x)
-                    counts["calls"] += 1
-                except RuntimeError as error:
-                    errors.add_exception("caller", error)
-        finally:
-            stop.set()
-
+    caller = calling_loop(compiled, x, seconds, max_errors, errors, counts, stop)
     run_threads({"fx-tracer": tracer, "compiled-caller": caller}, errors)
     return {"errors": errors.total, "error_types": dict(errors.kinds), **counts}
 
@@ -261,18 +269,7 @@ def scenario_fx_flag_compile_vs_call(seconds: float, max_errors: int, as_on_torc
             torch.compile(fresh_function(pointwise, f"c{counts['compiles']}"), backend="aot_eager")(torch.randn(5, 4))
             counts["compiles"] += 1
 
-    def caller() -> None:
-        try:
-            worker_setup()
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and errors.total < max_errors:
-                try:
-                    called(x)
-                    counts["calls"] += 1
-                except RuntimeError as error:
-                    errors.add_exception("caller", error)
-        finally:
-            stop.set()
+    caller = calling_loop(called, x, seconds, max_errors, errors, counts, stop)
 
     with dynamo_compiles_do_not_set_is_compiling() if as_on_torch_212 else contextlib.nullcontext(False) as emulated:
         run_threads({"compiler": compiler, "compiled-caller": caller}, errors)
