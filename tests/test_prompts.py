@@ -3,6 +3,7 @@
 import collections
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,11 @@ from dflash_train.data.prompts import (
 )
 from dflash_train.data.readers import RowStats
 
-REGENERATED_4000 = Path("/work/shared/data/smollm2-regenerated-4000.jsonl.gz")
+# The QUALITY.md data set: $DFLASH_REGENERATED_4000, else the team's shared folder beside the checkout.
+REGENERATED_4000 = Path(os.environ.get(
+    "DFLASH_REGENERATED_4000",
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",
+))
 SUBSET_TASKS = ["chinese_ancient_masterpieces_dynasty", "knot-theory", "linear-regression", "ral_to_hex"]
 
 

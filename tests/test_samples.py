@@ -3,6 +3,7 @@
 import gzip
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,19 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_train.data.render import render_conversation, render_prompt
-from dflash_train.data.samples import NO_VALID_ANCHOR, has_valid_anchor, load_training_samples
+from dflash_train.data.samples import (
+    NO_VALID_ANCHOR,
+    has_valid_anchor,
+    load_training_samples,
+)
 
 DATA = Path(__file__).parent / "data"
 REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"  # first 64 rows of shared/data/smollm2-regenerated-4000.jsonl.gz
-REGENERATED_4000 = Path("/work/shared/data/smollm2-regenerated-4000.jsonl.gz")
+# The QUALITY.md data set: $DFLASH_REGENERATED_4000, else the team's shared folder beside the checkout.
+REGENERATED_4000 = Path(os.environ.get(
+    "DFLASH_REGENERATED_4000",
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",
+))
 TEMPLATES = DATA / "chat_templates"
 
 
