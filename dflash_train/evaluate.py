@@ -55,7 +55,7 @@ from torch import nn
 from .assets import package_path
 from .config import ConfigError, UserError, option
 from .drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from .target import Target
+from .target import Target, resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # Decoding
@@ -692,18 +692,6 @@ class EvalConfig:
             raise ConfigError("temperature must be ≥ 0")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device {name!r}: use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name}: CUDA is not available here")
-    return device
 
 
 @dataclass

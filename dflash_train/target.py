@@ -156,6 +156,20 @@ class _StopForward(Exception):
     """Raised from a forward hook once the deepest needed layer ran."""
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """`auto` -> cuda:0 when CUDA is available, else cpu; any other name must exist on this machine."""
+    if str(name) == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TargetError(f"device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise TargetError(f"device {name}: not available here ({count} CUDA devices); use --device cpu")
+    return device
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -17,17 +17,7 @@ _THINKING = {"auto": None, "on": True, "off": False}
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device}: no CUDA device here; use --device cpu")
-    return device
-
-
-def _check_common(target: str, out: str, device: str, thinking: str, dtype: str, batch_size: int) -> None:
+def _check_common(target: str, out: str, thinking: str, dtype: str, batch_size: int) -> None:
     if not target:
         raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file)")
     if not out:
@@ -38,8 +28,6 @@ def _check_common(target: str, out: str, device: str, thinking: str, dtype: str,
         raise ConfigError(f"dtype {dtype!r}: use {', '.join(_DTYPES)}")
     if batch_size < 0:
         raise ConfigError(f"batch_size must be at least 1 (or 0 for automatic), got {batch_size}")
-    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
-        raise ConfigError(f"device {device!r}: use auto, cpu, cuda or cuda:N")
 
 
 @dataclasses.dataclass
@@ -62,7 +50,7 @@ class RegenerateConfig:
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
 
     def validate(self) -> None:
-        _check_common(self.target, self.out, self.device, self.thinking, self.dtype, self.batch_size)
+        _check_common(self.target, self.out, self.thinking, self.dtype, self.batch_size)
         if not self.prompts:
             raise ConfigError("no prompts: pass --prompts FILE or --prompts default")
         if not self.out.endswith(".jsonl"):
@@ -95,7 +83,7 @@ class CacheFeaturesConfig:
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
 
     def validate(self) -> None:
-        _check_common(self.target, self.out, self.device, self.thinking, self.dtype, self.batch_size)
+        _check_common(self.target, self.out, self.thinking, self.dtype, self.batch_size)
         if not self.data:
             raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
         if self.max_seq_len < 2:
@@ -106,7 +94,7 @@ class CacheFeaturesConfig:
             raise ConfigError(f"shard_size_mb must be > 0, got {self.shard_size_mb}")
 
 
-def _load(target_path: str, device: str, dtype: str):
+def _load(target_path: str, device, dtype: str):
     import torch
 
     from ..target import load_target
@@ -121,7 +109,9 @@ def run_regenerate(config: RegenerateConfig) -> int:
     from .readers import RowStats, read_prompts
     from .regenerate import GenerationSettings, check_output, output_record, regenerate
 
-    device = _resolve_device(config.device)
+    from ..target import resolve_device
+
+    device = resolve_device(config.device)
     settings = GenerationSettings(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
         seed=config.seed, enable_thinking=_THINKING[config.thinking],
@@ -155,7 +145,9 @@ def run_cache_features(config: CacheFeaturesConfig) -> int:
     from .feature_cache import DTYPES, write_feature_cache
     from .samples import load_training_samples
 
-    device = _resolve_device(config.device)
+    from ..target import resolve_device
+
+    device = resolve_device(config.device)
     target = _load(config.target, device, config.dtype)
     if target.tokenizer is None:
         raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")

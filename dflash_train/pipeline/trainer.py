@@ -37,7 +37,7 @@ from ..export import export_model
 from ..objective import ObjectiveConfig, summarize_metrics
 from ..progress import Progress, format_seconds
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
-from ..target import Target, load_target, resolve_mask_token_id
+from ..target import Target, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets
 from .runtime import StopSignal
 from .workers import DrafterSetup, DrafterWorker, GradientReducer, StepReport, TargetWorker, wait_for_workers
@@ -49,17 +49,9 @@ VARIANT_KEYS = (
 )
 
 
-def auto_device() -> str:
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-
 def resolve_layout(config: TrainConfig) -> tuple[list[torch.device], list[torch.device]]:
-    single = auto_device() if config.device == "auto" else config.device
-    targets = [torch.device(d) for d in (config.target_devices or [single])]
-    drafters = [torch.device(d) for d in (config.drafter_devices or [single])]
-    for device in targets + drafters:
-        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-            raise ConfigError(f"device {device}: not available here ({torch.cuda.device_count()} CUDA devices)")
+    targets = [resolve_device(d) for d in (config.target_devices or [config.device])]
+    drafters = [resolve_device(d) for d in (config.drafter_devices or [config.device])]
     return targets, drafters
 
 
