@@ -670,7 +670,8 @@ class EvalConfig:
     drafter: str = option("", "an exported drafter folder (dflash-train export)")
     bench: list[str] = option(["mtbench"], f"benchmarks, comma-separated: {', '.join(BENCHMARKS)} or a prompts file (.jsonl, .json, .parquet, .txt)")
     max_new_tokens: int = option(256, "new tokens per prompt at most")
-    limit: int = option(0, "the first N prompts of each benchmark; 0 = all")
+    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)")
+    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all")
     temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling")
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32")
@@ -686,6 +687,8 @@ class EvalConfig:
             raise ConfigError(f"--bench is empty: give one or more of {available_benchmarks()}")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
+        if self.offset < 0:
+            raise ConfigError("offset must be ≥ 0")
         if self.limit < 0:
             raise ConfigError("limit must be ≥ 0 (0 = all prompts)")
         if not self.temperature >= 0 or not math.isfinite(self.temperature):
@@ -860,7 +863,9 @@ def run_eval(config: EvalConfig) -> int:
     benches = {}
     for name in config.bench:
         prompts = load_benchmark(name)
-        benches[bench_label(name)] = prompts[: config.limit or None]
+        benches[bench_label(name)] = prompts[config.offset :][: config.limit or None]
+    if not any(benches.values()):
+        raise UserError(f"no prompts left after --offset {config.offset} in {', '.join(config.bench)}")
     target, drafter = load_pair(config.target, config.drafter, device, dtype)
     stops = list(config.stop_token_ids) or default_stop_token_ids(target)
     block_size = drafter.config.block_size
@@ -871,7 +876,8 @@ def run_eval(config: EvalConfig) -> int:
         flush=True,
     )
     # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
-    first = next(iter(benches.values()))[0]
+    # A shard may hold no prompt of a shorter benchmark; it is reported with 0 prompts.
+    first = next(prompts for prompts in benches.values() if prompts)[0]
     warm_ids = render_prompt(target.tokenizer, first.messages)
     for warm_drafter in (drafter, None):
         generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops)
@@ -908,12 +914,112 @@ def run_eval(config: EvalConfig) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------------------------------
+# `dflash-train eval-merge`: one benchmark run sharded over processes, put back together
+# ---------------------------------------------------------------------------------------------
+
+
+class MergeError(UserError, ValueError):
+    """Shards that cannot be merged into one run (different settings, overlapping prompts)."""
+
+
+# Settings that change τ or the speed-up: shards that differ in one of them measured different things.
+_SHARD_SETTINGS = ("max_new_tokens", "temperature", "baseline")
+
+
+def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """One payload, shaped like `run_eval`'s --json, from the --json files of shards of one run
+    (`eval --offset O --limit N` over disjoint prompt ranges of the same benchmarks).
+
+    Per benchmark the per-prompt records are concatenated in offset order (shards with equal
+    offsets keep the order given) and the summary is recomputed from them, so τ statistics are
+    those of one unsharded run. A benchmark missing from a shard contributes nothing there.
+    Raises MergeError when block sizes or the settings in `_SHARD_SETTINGS` differ, or when a
+    prompt id appears twice in a benchmark (overlapping shards)."""
+    if not paths:
+        raise MergeError("eval-merge needs at least one --json file of `dflash-train eval`")
+    shards = []
+    for order, path in enumerate(paths):
+        try:
+            payload = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise MergeError(f"{path}: no such file") from None
+        except json.JSONDecodeError as error:
+            raise MergeError(f"{path}: not JSON ({error})") from None
+        if "benchmarks" not in payload or "block_size" not in payload:
+            raise MergeError(f"{path}: not a --json file of `dflash-train eval` (no benchmarks / block_size)")
+        shards.append((int(payload.get("config", {}).get("offset", 0)), order, Path(path), payload))
+    shards.sort(key=lambda shard: shard[:2])
+
+    first_path, first = shards[0][2], shards[0][3]
+    for _, _, path, payload in shards[1:]:
+        if payload["block_size"] != first["block_size"]:
+            raise MergeError(f"block size {payload['block_size']} in {path} but {first['block_size']} in {first_path}: not one drafter")
+        for key in _SHARD_SETTINGS:
+            mine, theirs = payload.get("config", {}).get(key), first.get("config", {}).get(key)
+            if mine != theirs:
+                raise MergeError(f"{key} is {mine!r} in {path} but {theirs!r} in {first_path}: not one run")
+
+    known_fields = {f.name for f in dataclasses.fields(PromptResult)}
+    merged: dict[str, list[PromptResult]] = {}
+    seen: dict[str, dict[str, Path]] = {}
+    for _, _, path, payload in shards:
+        for name, bench in payload["benchmarks"].items():
+            results, owners = merged.setdefault(name, []), seen.setdefault(name, {})
+            for record in bench["prompts"]:
+                prompt_id = record["id"]
+                if prompt_id in owners:
+                    raise MergeError(f"{name}: prompt {prompt_id!r} is in both {owners[prompt_id]} and {path}: shards overlap")
+                owners[prompt_id] = path
+                results.append(PromptResult(**{k: v for k, v in record.items() if k in known_fields}))
+
+    block_size = first["block_size"]
+    return {
+        "block_size": block_size,
+        "shards": [str(path) for _, _, path, _ in shards],
+        **{key: first[key] for key in ("device", "dtype", "stop_token_ids") if key in first},
+        "benchmarks": {
+            name: {"summary": summarize(results, block_size), "prompts": [dataclasses.asdict(r) for r in results]}
+            for name, results in merged.items()
+        },
+    }
+
+
+@dataclasses.dataclass
+class EvalMergeConfig:
+    inputs: list[str] = option([], "the --json files of `dflash-train eval` shards, comma-separated")
+    json: str = option("", "write the merged numbers and per-prompt records to this JSON file")
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise ConfigError("eval-merge needs SHARD.json,SHARD.json,... (or --inputs)")
+
+
+def run_eval_merge(config: EvalMergeConfig) -> int:
+    payload = merge_eval_results(config.inputs)
+    summaries = {name: bench["summary"] for name, bench in payload["benchmarks"].items()}
+    for name, summary in summaries.items():
+        print("\n".join(format_benchmark(name, summary)))
+    print()
+    print("\n".join(format_summary(summaries)))
+    if config.json:
+        out = Path(config.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {out} (merged {len(payload['shards'])} shards)")
+    return 1 if any(s["errors"] for s in summaries.values()) else 0
+
+
 def _register() -> None:
     from . import cli
 
     cli.register(
         "eval", EvalConfig, "dflash_train.evaluate:run_eval",
         "speculative decoding with an exported drafter: tau, its histogram, tokens/s, speed-up", None,
+    )
+    cli.register(
+        "eval-merge", EvalMergeConfig, "dflash_train.evaluate:run_eval_merge",
+        "merge the --json files of `eval --offset --limit` shards into one run's numbers", "inputs",
     )
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import itertools
 import json
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -643,6 +644,120 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
     assert "gsm8k is not available offline" in capsys.readouterr().err
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+
+
+# Fields that depend on the clock, not on the tokens: shards and the single run differ there.
+TIMING_FIELDS = {"seconds", "decode_seconds", "baseline_seconds", "baseline_decode_seconds"}
+TAU_FIELDS = ("prompts", "errors", "tau_mean", "tau_median", "tau_pooled", "steps", "histogram", "new_tokens",
+              "identical_to_baseline", "compared")
+
+
+@pytest.fixture(scope="module")
+def sharded_eval(chat_pair, tmp_path_factory):
+    """The same 4 prompts of two benchmarks, decoded once whole and once as two shards (offset 0
+    and 2, two prompts each), through the real `eval` command."""
+    from dflash_train import cli
+
+    root = tmp_path_factory.mktemp("sharded")
+    runs = {"whole": (0, 4), "shard0": (0, 2), "shard2": (2, 2)}
+    for name, (offset, limit) in runs.items():
+        code = cli.main([
+            "eval", "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"),
+            "--bench", "mtbench,humaneval", "--offset", str(offset), "--limit", str(limit),
+            "--max-new-tokens", "12", "--device", "cpu", "--json", str(root / f"{name}.json"),
+        ])
+        assert code == 0
+    return root
+
+
+def test_eval_offset_selects_the_shards_prompts(sharded_eval):
+    for name, offset in (("shard0", 0), ("shard2", 2)):
+        data = json.loads((sharded_eval / f"{name}.json").read_text())
+        assert data["config"]["offset"] == offset
+        for bench in ("mtbench", "humaneval"):
+            expected = [p.id for p in load_benchmark(bench)[offset : offset + 2]]
+            assert [r["id"] for r in data["benchmarks"][bench]["prompts"]] == expected
+
+
+def test_merged_shards_equal_the_unsharded_run(sharded_eval, capsys):
+    from dflash_train import cli
+
+    merged_path = sharded_eval / "merged.json"
+    # Given in reverse: the merge orders shards by their offset, not by the command line.
+    code = cli.main(["eval-merge", f"{sharded_eval / 'shard2.json'},{sharded_eval / 'shard0.json'}",
+                     "--json", str(merged_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "tau  mean" in captured.out and "speed-up" in captured.out and "merged 2 shards" in captured.out
+    merged = json.loads(merged_path.read_text())
+    whole = json.loads((sharded_eval / "whole.json").read_text())
+    assert merged["block_size"] == whole["block_size"]
+    assert merged["shards"] == [str(sharded_eval / "shard0.json"), str(sharded_eval / "shard2.json")]
+    assert set(merged["benchmarks"]) == {"mtbench", "humaneval"}
+    for bench in ("mtbench", "humaneval"):
+        ours, theirs = merged["benchmarks"][bench], whole["benchmarks"][bench]
+        assert {k: ours["summary"].get(k) for k in TAU_FIELDS} == {k: theirs["summary"].get(k) for k in TAU_FIELDS}
+        assert ours["summary"]["compared"] == 4 and ours["summary"]["speedup"] > 0
+        untimed = [[{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in run["prompts"]] for run in (ours, theirs)]
+        assert untimed[0] == untimed[1]
+        assert sum(len(r["acceptance_lengths"]) for r in ours["prompts"]) == ours["summary"]["steps"] > 0
+
+
+def test_merging_refuses_overlapping_or_mismatched_shards(sharded_eval, tmp_path, capsys):
+    from dflash_train import cli
+
+    shard0 = sharded_eval / "shard0.json"
+    with pytest.raises(evaluate.MergeError, match=r"mtbench: prompt '81' is in both"):
+        evaluate.merge_eval_results([shard0, sharded_eval / "whole.json"])
+    other_block = json.loads(shard0.read_text())
+    other_block["block_size"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other_block))
+    with pytest.raises(evaluate.MergeError, match="block size"):
+        evaluate.merge_eval_results([sharded_eval / "shard2.json", tmp_path / "other.json"])
+    assert cli.main(["eval-merge", f"{shard0},{shard0}"]) == 2
+    assert "shards overlap" in capsys.readouterr().err
+
+
+def test_eval_offset_is_validated(chat_pair, capsys):
+    from dflash_train import cli
+
+    pair = ["--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter")]
+    assert cli.main(["eval", *pair, "--offset", "-1"]) == 2
+    assert "offset must be ≥ 0" in capsys.readouterr().err
+    prompts = REPO / "tests" / "data" / "eval_prompts.jsonl"  # 3 prompts
+    assert cli.main(["eval", *pair, "--bench", str(prompts), "--offset", "3", "--device", "cpu"]) == 2
+    assert "no prompts left after --offset 3" in capsys.readouterr().err
+
+
+def load_quality_script():
+    spec = importlib.util.spec_from_file_location("quality_smollm2", REPO / "bench" / "quality_smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_quality_script_reports_a_failing_shard_and_merges_the_others(chat_pair, tmp_path, capsys):
+    script = load_quality_script()
+    eval_args = ["--target", str(chat_pair / "target"), "--bench", "mtbench", "--max-new-tokens", "6"]
+    runner = script.ShardRunner(["cpu", "cpu"], eval_args, deadline=time.monotonic() + 300)
+    good = script.shard_jobs("final", str(chat_pair / "drafter"), 3, 2, baseline=True, priority=0, shard_dir=tmp_path)
+    broken = script.shard_jobs("broken", str(tmp_path / "no-drafter"), 1, 1, baseline=False, priority=0, shard_dir=tmp_path)
+    for job in broken + good:
+        runner.submit(job)
+    runner.wait(poll_seconds=0.1)
+    out = capsys.readouterr().out
+    assert [job.status for job in runner.jobs] == ["failed", "ok", "ok"]
+    assert "shard broken-o000 (cpu, prompts 0..0) FAILED with exit code 2" in out and "no-drafter" in out
+    merged = script.merge_group(runner, "final")
+    assert [r["id"] for r in merged["benchmarks"]["mtbench"]["prompts"]] == ["81", "82", "83"]
+    assert script.merge_group(runner, "broken") is None
+
+    late = script.ShardRunner(["cpu"], eval_args, deadline=time.monotonic() - 1)
+    late.submit(good[0])
+    good[0].status = "pending"
+    late.wait(poll_seconds=0.1)
+    assert good[0].status == "not run" and "1 shard(s) not started: deadline reached" in capsys.readouterr().out
 
 
 def test_in_training_evaluator_from_a_benchmark(chat_pair):
