@@ -98,6 +98,7 @@ def run_config(name, dims, shape, args, device):
     frozen = FrozenTargetParts(embed, head)
     batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype)
     objective.loss_chunk_rows = args.loss_chunk_rows
+    objective.compiled_head = args.compile == "on" and args.head == "compiled"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
     backend = "flex" if device.type == "cuda" else "sdpa"
@@ -141,6 +142,8 @@ def run_config(name, dims, shape, args, device):
         torch.cuda.reset_peak_memory_stats(device)
     totals = [full_step() for _ in range(args.steps)]
     parts = [timed_parts() for _ in range(args.steps)]
+    if name in args.profile.split(","):
+        profile(full_step, device, Path(args.profile_dir) / f"profile_{name}.txt")
     ms = statistics.median(totals)
     split = [statistics.median(p[i] for p in parts) for i in range(3)]
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
@@ -151,11 +154,29 @@ def run_config(name, dims, shape, args, device):
         "anchors_per_s": round(int(anchor_valid.sum()) / ms * 1000, 1),
         "peak_gb": round(peak, 2), "tflop_per_step": round(flops / 1e12, 2),
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
-        "compile": args.compile,
+        "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager",
     }
     if name in SPECFORGE and dims is QWEN3_8B:
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
     return result
+
+
+def profile(step, device: torch.device, out: Path, steps: int = 3) -> None:
+    """Kernel-level table of `steps` steps (self device time, top 40) written to `out`."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    averages = prof.key_averages()
+    sort_key = "self_cpu_time_total"
+    if device.type == "cuda":  # the column's name changed across torch releases
+        sort_key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    table = averages.table(sort_by=sort_key, row_limit=40, max_name_column_width=90)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{steps} steps, sorted by {sort_key}\n{table}\n")
+    print(f"profile ({steps} steps) -> {out}", flush=True)
 
 
 def main() -> int:
@@ -168,10 +189,19 @@ def main() -> int:
     parser.add_argument("--loss-chunk-rows", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--head", choices=["compiled", "eager"], default="compiled",
+                        help="frozen-head CE chunk compiled (default, with --compile on) or eager")
+    parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
+    parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
+    parser.add_argument("--profile-dir", default=".")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(540, exit=True)
     device = torch.device(args.device)
+    if args.flex_options:
+        from dflash_train import attention
+
+        attention.flex_kernel_options = json.loads(args.flex_options)
     dims = TINY if args.tiny else QWEN3_8B
     results = []
     for name in args.configs.split(","):

@@ -32,6 +32,10 @@ from dflash_train.target import Target  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+# A Qwen3-0.6B-shaped target: the pipeline-layout runs of issue #3, where 200+ steps must fit
+# in minutes.
+SMALL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
 
@@ -69,6 +73,43 @@ def variable_length_samples(count: int, vocab: int, min_len: int, max_len: int, 
     return samples
 
 
+class GpuUtilization:
+    """Samples every GPU's utilisation (nvidia-smi, 4 Hz) in the background: the fraction of
+    time a kernel was running, per GPU, over the second half of the run (after compiles)."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, int, float]] = []
+        self.process = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        self.process = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "250"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                index, utilization = (int(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.monotonic(), index, utilization / 100))
+
+    def busy_fraction(self, since: float) -> dict[str, float]:
+        if self.process is not None:
+            self.process.terminate()
+        end = self.samples[-1][0] if self.samples else since
+        window = [(gpu, value) for t, gpu, value in self.samples if t >= since + (end - since) / 2]
+        gpus = sorted({gpu for gpu, _ in window})
+        return {f"cuda:{g}": round(sum(v for i, v in window if i == g) / sum(1 for i, _ in window if i == g), 3)
+                for g in gpus}
+
+
 def time_target_alone(target: Target, layer_ids: list[int], batch: int, seq: int, repeats: int) -> float:
     ids = torch.randint(0, target.spec.vocab_size - 2, (batch, seq), device=target.device)
     target.features(ids, layer_ids)
@@ -87,7 +128,9 @@ def main() -> int:
     parser.add_argument("--target-devices", default="cuda:0")
     parser.add_argument("--drafter-devices", default="cuda:1")
     parser.add_argument("--device", default="", help="shortcut: put everything on this device")
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="same as --dims tiny")
+    parser.add_argument("--dims", choices=["8b", "small", "tiny"], default="8b",
+                        help="target shape: Qwen3-8B (issue #6), Qwen3-0.6B (layout runs), tiny (CPU smoke)")
     parser.add_argument("--mode", default="replicas")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -99,14 +142,14 @@ def main() -> int:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(570, exit=True)
-    dims = TINY if args.tiny else QWEN3_8B
+    dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]
     target_devices = [args.device] if args.device else args.target_devices.split(",")
     drafter_devices = [args.device] if args.device else args.drafter_devices.split(",")
     print(f"building random targets on {target_devices}", flush=True)
     targets = [random_target(dims, torch.device(d)) for d in target_devices]
     for other in targets[1:]:
         other.model.load_state_dict(targets[0].model.state_dict())
-    layer_ids = [1, 9, 17, 25, 33] if not args.tiny else [1, 3, 5]
+    layer_ids = {id(QWEN3_8B): [1, 9, 17, 25, 33], id(SMALL): [1, 7, 13, 19, 25], id(TINY): [1, 3, 5]}[id(dims)]
     tokens_per_s = time_target_alone(targets[0], layer_ids, args.batch_size, args.max_seq_len, 3 if args.tiny else 5)
     print(f"target alone: {tokens_per_s:,.0f} tokens/s ({args.batch_size} x {args.max_seq_len})", flush=True)
     min_len = args.min_seq_len or args.max_seq_len
@@ -114,13 +157,16 @@ def main() -> int:
     out = tempfile.mkdtemp(prefix="dflash-bench-")
     config = TrainConfig(
         out=out, steps=args.steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len, block_size=16,
-        num_layers=5 if not args.tiny else 2, num_anchors=args.num_anchors, target_layer_ids=layer_ids,
+        num_layers=2 if dims is TINY else 5, num_anchors=args.num_anchors, target_layer_ids=layer_ids,
         mask_token_id=dims["vocab_size"] - 1, target_devices=target_devices, drafter_devices=drafter_devices,
         mode=args.mode, save_every=10**9, log_every=10, export_dtype="", compile=args.compile,
         seq_buckets=[int(b) for b in args.buckets.split(",")] if args.buckets else [],
         variants=[{"name": f"v{i}"} for i in range(len(drafter_devices))] if args.mode == "variants" else [],
     )
+    utilization = GpuUtilization()
+    train_started = time.monotonic()
     summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
+    gpu_busy = utilization.busy_fraction(train_started)
     warm = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl" if args.mode == "replicas" else "v0/metrics.jsonl"))]
     steady = warm[len(warm) // 3:]
     seconds = (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]) / max(1, len(steady) - 1)
@@ -130,9 +176,11 @@ def main() -> int:
         "mode": args.mode, "target_tokens_per_s_alone": round(tokens_per_s),
         "target_samples_per_s_alone": round(tokens_per_s / ((min_len + args.max_seq_len) / 2), 3),
         "pipeline_samples_per_s_steady": round(samples_per_step / seconds, 3) if seconds > 0 else None,
-        "steady_steps": len(steady), "summary": summary,
+        "steady_steps": len(steady), "steady_steps_per_s": round(1 / seconds, 3) if seconds > 0 else None,
+        "gpu_busy_fraction_second_half": gpu_busy, "recompiles": summary["recompiles"],
+        "workers": summary["workers"], "summary": summary,
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "summary"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("summary", "workers")}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

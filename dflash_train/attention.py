@@ -94,6 +94,10 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
 
 _compiled_flex = None
 
+# Triton tile / pipelining choices passed to every flex call (None: the torch release's own
+# defaults for the GPU); `bench/flex_tuning.py` measures candidates on the DFlash mask.
+flex_kernel_options: dict | None = None
+
 
 def _flex():
     global _compiled_flex
@@ -110,7 +114,8 @@ def attend(
         # Inside a compiled drafter forward the surrounding graph compiles flex itself;
         # called eagerly, flex must go through torch.compile to get its fused kernel.
         flex = flex_attention if torch.compiler.is_compiling() else _flex()
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        options = {"kernel_options": dict(flex_kernel_options)} if flex_kernel_options else {}
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -109,37 +109,70 @@ def dpace_weights(target_prob: torch.Tensor, label_valid: torch.Tensor, alpha: f
     return contribution.flip(-1).cumsum(-1).flip(-1) * valid
 
 
+def _head_chunk(
+    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, softcap: float, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head."""
+    logits = (hidden @ head_weight.t()).float()
+    if softcap:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    correct = logits.argmax(dim=-1) == labels
+    if not with_grad:
+        return ce, correct, None
+    grad_logits = torch.exp(logits - lse[:, None])
+    grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
+    if softcap:
+        grad_logits *= 1.0 - capped.square()
+    return ce, correct, (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+
+
+_compiled_head_chunk = None
+
+
+def _head_chunk_compiled():
+    """The chunk compiled once per shape: the float32 casts, log-sum-exp, argmax, softmax and
+    one-hot subtraction fuse into a few kernels around the two matmuls, so the [rows, vocab]
+    logits are written once in the matmul's dtype instead of passing through ~7 float32 copies."""
+    global _compiled_head_chunk
+    if _compiled_head_chunk is None:
+        _compiled_head_chunk = torch.compile(_head_chunk, dynamic=False)
+    return _compiled_head_chunk
+
+
 class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """Cross-entropy through a frozen LM head, in row chunks, gradient computed in the forward.
 
-    Peak extra memory is one chunk of logits (rows × vocab, float32) plus a [rows, hidden]
-    gradient buffer, independent of how many rows there are in total. Because the head is
-    frozen, d(CE)/d(hidden) = (softmax − onehot) · W needs nothing else, so the backward only
-    scales the stored rows by the incoming per-row gradient; logits are never kept.
+    Peak extra memory is one chunk of logits (rows × vocab) plus a [rows, hidden] gradient
+    buffer, independent of how many rows there are in total. Because the head is frozen,
+    d(CE)/d(hidden) = (softmax − onehot) · W needs nothing else, so the backward only scales
+    the stored rows by the incoming per-row gradient; logits are never kept.
+    Compiled, every chunk has the same shape (the last one is zero-padded), so the number of
+    scored rows, which changes every step, never triggers a recompile.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, chunk_rows, softcap):
+    def forward(ctx, hidden, head_weight, labels, chunk_rows, softcap, compiled):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-        grad_rows = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        with_grad = ctx.needs_input_grad[0]
+        grad_rows = torch.empty_like(hidden) if with_grad else None
+        chunk_fn = _head_chunk_compiled() if compiled else _head_chunk
         for start in range(0, rows, chunk_rows):
             end = min(start + chunk_rows, rows)
-            logits = (hidden[start:end] @ head_weight.t()).float()
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            label = labels[start:end]
-            ce[start:end] = lse - logits.gather(1, label[:, None]).squeeze(1)
-            correct[start:end] = logits.argmax(dim=-1) == label
+            chunk_hidden, chunk_labels = hidden[start:end], labels[start:end]
+            if compiled and end - start < chunk_rows:
+                pad = chunk_rows - (end - start)
+                chunk_hidden = torch.nn.functional.pad(chunk_hidden, (0, 0, 0, pad))
+                chunk_labels = torch.nn.functional.pad(chunk_labels, (0, pad))
+            chunk_ce, chunk_correct, chunk_grad = chunk_fn(chunk_hidden, head_weight, chunk_labels, softcap, with_grad)
+            ce[start:end] = chunk_ce[: end - start]
+            correct[start:end] = chunk_correct[: end - start]
             if grad_rows is not None:
-                grad_logits = torch.exp(logits - lse[:, None])
-                grad_logits[torch.arange(end - start, device=hidden.device), label] -= 1.0
-                if softcap:
-                    grad_logits *= 1.0 - capped.square()
-                grad_rows[start:end] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+                grad_rows[start:end] = chunk_grad[: end - start]
         ctx.save_for_backward(grad_rows)
         ctx.mark_non_differentiable(correct)
         return ce, correct
@@ -147,7 +180,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _grad_correct):
         (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None
+        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None, None
 
 
 def frozen_head_cross_entropy(
@@ -157,18 +190,23 @@ def frozen_head_cross_entropy(
     *,
     chunk_rows: int = 0,
     softcap: float | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row CE (float32) and top-1 correctness for hidden [T, H] against a frozen head [V, H].
 
-    chunk_rows = 0 picks about 256 MiB of float32 logits per chunk.
+    chunk_rows = 0 picks about 256 MiB of float32 logits per chunk (a multiple of 64 rows when
+    compiled, where every chunk is padded to that size). `compiled` runs each chunk through
+    torch.compile (GPU training; the eager path is the reference and the CPU default).
     """
     if chunk_rows <= 0:
         chunk_rows = max(16, (256 << 20) // (4 * head_weight.shape[0]))
+        if compiled:
+            chunk_rows = max(64, chunk_rows // 64 * 64)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FrozenHeadCrossEntropy.apply(hidden, head_weight, labels, chunk_rows, softcap or 0.0)
+        return _FrozenHeadCrossEntropy.apply(hidden, head_weight, labels, chunk_rows, softcap or 0.0, compiled)
 
 
 @dataclass
@@ -179,6 +217,7 @@ class ObjectiveConfig:
     gamma: float | None = None
     dpace_alpha: float = 0.5
     loss_chunk_rows: int = 0
+    compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
 
     def __post_init__(self) -> None:
         if self.loss not in ("decay", "dpace"):

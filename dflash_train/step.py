@@ -86,7 +86,7 @@ def drafter_loss(
     scored = hidden.view(batch_size, num_anchors, block_size, -1)[label_valid]
     scored_ce, scored_correct = frozen_head_cross_entropy(
         scored, frozen.head_weight, labels[label_valid],
-        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap,
+        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
     )
     ce = torch.zeros(label_valid.shape, dtype=scored_ce.dtype, device=scored_ce.device)
     ce = ce.masked_scatter(label_valid, scored_ce)
@@ -135,15 +135,38 @@ def training_step(
 
     if sync_gradients is not None:
         sync_gradients()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip_grad))
-    skipped = not math.isfinite(grad_norm)
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
+    if optimizer.defaults.get("fused"):
+        grad_norm = clipped_fused_step(optimizer, drafter, clip_grad)
+        skipped = not math.isfinite(grad_norm)
     else:
-        optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip_grad))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     scheduler.step()
     return StepResult(float(total_loss), grad_norm, skipped, lr, {k: v.detach().cpu() for k, v in sums.items()})
+
+
+def clipped_fused_step(optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, clip_grad: float) -> float:
+    """Clip by global norm and skip non-finite steps inside the fused AdamW kernel.
+
+    The fused kernel divides every gradient by `grad_scale` and leaves parameters and moments
+    untouched where `found_inf` is set (the hooks mixed-precision loss scaling uses), so the
+    clip costs no extra pass over the gradients and the update needs no host sync first.
+    Same result as clip_grad_norm_ (scale min(1, clip / (norm + 1e-6))) then step-or-skip.
+    """
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip_grad, min=1.0)
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+    return float(norm)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float):

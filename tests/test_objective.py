@@ -123,6 +123,32 @@ def test_chunked_frozen_head_ce_matches_full_ce_and_its_gradient(softcap):
     assert torch.equal(correct, logits.argmax(-1) == labels)
 
 
+def test_compiled_head_chunk_matches_eager_and_compiles_once_for_any_row_count():
+    """The compiled chunk pads the last chunk to a fixed shape: same CE, correctness and
+    gradient as the eager reference, and one graph for every row count."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    head = torch.randn(300, 24)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for rows in (37, 70, 5):
+        hidden = torch.randn(rows, 24, requires_grad=True)
+        labels = torch.randint(0, 300, (rows,))
+        row_weights = torch.rand(rows)
+        results = {}
+        for compiled in (False, True):
+            ce, correct = frozen_head_cross_entropy(hidden, head, labels, chunk_rows=16, softcap=6.0, compiled=compiled)
+            (grad,) = torch.autograd.grad((ce * row_weights).sum(), hidden)
+            results[compiled] = ce, correct, grad
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(results[True][1], results[False][1])
+        torch.testing.assert_close(results[True][2], results[False][2], rtol=1e-4, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * 3, graphs
+
+
 class _LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op produces while active."""
 

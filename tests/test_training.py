@@ -120,3 +120,35 @@ def test_cli_trains_on_real_smollm2_data_with_in_training_eval(tmp_path, smollm2
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "again"), "--dtype", "float32"]) == 0
     assert (tmp_path / "again" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])  # unclipped / clipped
+def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
+    """`clipped_fused_step` folds the clip into the fused kernel's grad_scale: the same update
+    as clip_grad_norm_ then AdamW, for a norm under and over the limit; a non-finite
+    gradient leaves weights and optimizer moments untouched."""
+    from dflash_train.step import clipped_fused_step
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in models]
+    for step in range(3):
+        inputs = torch.randn(5, 8) * scale
+        for model in models:
+            model.zero_grad()
+            model(inputs).square().sum().backward()
+        reference_norm = float(torch.nn.utils.clip_grad_norm_(models[0].parameters(), 1.0))
+        optimizers[0].step()
+        fused_norm = clipped_fused_step(optimizers[1], models[1], 1.0)
+        assert fused_norm == pytest.approx(reference_norm, rel=1e-5)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    before = [p.detach().clone() for p in models[1].parameters()]
+    moments = [optimizers[1].state[p]["exp_avg"].clone() for p in models[1].parameters()]
+    models[1].zero_grad()
+    models[1](torch.full((5, 8), float("inf"))).sum().backward()
+    assert clipped_fused_step(optimizers[1], models[1], 1.0) != pytest.approx(0.0)
+    for p, old, moment in zip(models[1].parameters(), before, moments):
+        assert torch.equal(p, old) and torch.equal(optimizers[1].state[p]["exp_avg"], moment)
+    assert not hasattr(optimizers[1], "grad_scale")

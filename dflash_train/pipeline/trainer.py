@@ -67,6 +67,10 @@ class DrafterPlan:
     objective: ObjectiveConfig | None = None
 
 
+def _compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
 def plan_drafters(config: TrainConfig, drafter_devices: list[torch.device]) -> list[DrafterPlan]:
     out = Path(config.out)
     if config.mode == "replicas":
@@ -242,6 +246,7 @@ def train(
         plan.objective = ObjectiveConfig(
             block_size=plan.config.block_size, num_anchors=plan.config.num_anchors, loss=plan.config.loss,
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
+            compiled_head=all(_compiles_drafter(config, device) for device in plan.devices),
         )
     layer_union = sorted({k for plan in plans for k in plan.drafter_config.target_layer_ids})
     # With a cache, each target worker reads features on its device instead of running the model.
@@ -337,7 +342,7 @@ def train(
         if reducer is not None:
             reducers.append(reducer)
         for rank, (device, model) in enumerate(zip(plan.devices, models)):
-            if config.compile == "on" or (config.compile == "auto" and device.type == "cuda"):
+            if _compiles_drafter(config, device):
                 # One graph per bucket for the whole drafter forward (flex inside it), so the
                 # elementwise work around the matmuls fuses; the module itself stays
                 # uncompiled, so checkpoints keep plain parameter names.

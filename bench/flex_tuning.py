@@ -1,0 +1,134 @@
+"""Sweep flex_attention kernel options on the DFlash mask at a drafter-step shape (issue #6).
+
+The profile of config A puts flex attention at ~20 ms of a ~150 ms step, its backward at ~4x
+its forward. This times the compiled flex forward and forward+backward for a few tile /
+pipelining choices on exactly the attention the drafter runs (our closed-form BlockMask,
+grouped-query heads, bf16), so the best one can become the default in `attention.attend`.
+
+    python bench/flex_tuning.py --config A --json flex.json
+    python bench/flex_tuning.py --device cpu --tiny         # script smoke test (forward only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.drafter_step import QWEN3_8B, SPECFORGE, TINY, drafter_config, make_batch  # noqa: E402
+from dflash_train.attention import block_mask  # noqa: E402
+
+# (name, kernel_options); None = the torch release's own choice for this GPU.
+CANDIDATES: list[tuple[str, dict | None]] = [
+    ("default", None),
+    ("bwd 64/64/64/64 s3 w4", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                               "bwd_num_stages": 3, "bwd_num_warps": 4}),
+    ("bwd 32/128/128/32 s3 w4", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                                 "bwd_num_stages": 3, "bwd_num_warps": 4}),
+    ("bwd 64/128/128/64 s2 w8", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                                 "bwd_num_stages": 2, "bwd_num_warps": 8}),
+    ("bwd 64/128/128/64 s3 w4", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                                 "bwd_num_stages": 3, "bwd_num_warps": 4}),
+    ("fwd 128/128 s2 w8", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}),
+    ("fwd 128/64 s3 w8", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8}),
+    ("fwd 64/64 s3 w4", {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}),
+]
+
+
+def attention_flops(anchors: torch.Tensor, valid: torch.Tensor, block: int, heads: int, head_dim: int) -> float:
+    """Useful forward FLOPs: 4·heads·d per visible (query, key) pair."""
+    pairs = float(((anchors.float() + block) * block * valid.float()).sum())
+    return 4 * heads * head_dim * pairs
+
+
+def time_ms(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def main() -> int:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="A")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(300, exit=True)
+    device = torch.device(args.device)
+    dims = TINY if args.tiny else QWEN3_8B
+    config = drafter_config(dims, 16)
+    shape = {k: SPECFORGE[args.config][k] for k in ("batch", "seq", "anchors")}
+    if args.tiny:
+        shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch, _, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype)
+    b, S, B = shape["batch"], shape["seq"], config.block_size
+    queries = shape["anchors"] * B
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = torch.randn(b, heads, queries, d, device=device, dtype=dtype, requires_grad=device.type == "cuda")
+    k = torch.randn(b, kv_heads, S + queries, d, device=device, dtype=dtype, requires_grad=device.type == "cuda")
+    v = torch.randn(b, kv_heads, S + queries, d, device=device, dtype=dtype, requires_grad=device.type == "cuda")
+    grad_out = torch.randn(b, heads, queries, d, device=device, dtype=dtype)
+    mask = block_mask(batch.anchors, S, B)
+    flops = attention_flops(batch.anchors.cpu(), anchor_valid, B, heads, d)
+    torch._dynamo.config.cache_size_limit = 64
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    compiled = torch.compile(flex_attention, dynamic=False)
+    results = []
+    for name, options in CANDIDATES:
+        kwargs = {"block_mask": mask, "scale": d**-0.5, "enable_gqa": True}
+        if options:
+            kwargs["kernel_options"] = options
+        try:
+            started = time.perf_counter()
+            out = compiled(q, k, v, **kwargs)
+            if device.type == "cuda":
+                out.backward(grad_out)
+                torch.cuda.synchronize(device)
+            compile_s = time.perf_counter() - started
+            with torch.no_grad():
+                forward = time_ms(lambda: compiled(q, k, v, **kwargs), args.repeats, device)
+            both = time_ms(lambda: compiled(q, k, v, **kwargs).backward(grad_out), args.repeats, device) \
+                if device.type == "cuda" else float("nan")
+            result = {"name": name, "options": options, "forward_ms": round(forward, 3),
+                      "fwd_bwd_ms": round(both, 3), "backward_ms": round(both - forward, 3),
+                      "fwd_tflops": round(flops / forward / 1e9, 1), "compile_s": round(compile_s, 1)}
+        except Exception as error:  # noqa: BLE001 - a candidate the GPU cannot run: report, go on
+            result = {"name": name, "options": options, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print(f"\nflex attention at config {args.config} ({heads}/{kv_heads} heads, d {d}, {queries} queries, "
+          f"{S + queries} keys), useful fwd {flops / 1e12:.2f} TFLOP per layer call")
+    for r in results:
+        if "error" in r:
+            print(f"  {r['name']:<26} error: {r['error'][:120]}")
+        else:
+            print(f"  {r['name']:<26} fwd {r['forward_ms']:7.2f} ms  bwd {r['backward_ms']:7.2f} ms  "
+                  f"fwd+bwd {r['fwd_bwd_ms']:7.2f} ms  ({r['fwd_tflops']} TFLOP/s fwd)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "config": args.config, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
