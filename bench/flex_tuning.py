@@ -35,11 +35,8 @@ CANDIDATES: list[tuple[str, dict | None]] = [
                                  "bwd_num_stages": 3, "bwd_num_warps": 4}),
     ("bwd 64/128/128/64 s2 w8", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                                  "bwd_num_stages": 2, "bwd_num_warps": 8}),
-    ("bwd 64/128/128/64 s3 w4", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                                 "bwd_num_stages": 3, "bwd_num_warps": 4}),
     ("fwd 128/128 s2 w8", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}),
     ("fwd 128/64 s3 w8", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8}),
-    ("fwd 64/64 s3 w4", {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}),
 ]
 
 
@@ -62,6 +59,23 @@ def time_ms(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def pick_best(results: list[dict], margin: float = 0.97) -> dict:
+    """The fastest forward-only and backward-only choices, each kept only when it beats the
+    default by more than 3%; merged into one kernel_options dict ({} = keep the defaults)."""
+    ok = [r for r in results if "error" not in r]
+    default = next((r for r in ok if r["name"] == "default"), None)
+    if default is None:
+        return {}
+    best: dict = {}
+    for prefix, key in (("fwd_", "forward_ms"), ("bwd_", "backward_ms")):
+        candidates = [r for r in ok if r["options"] and all(k.startswith(prefix) for k in r["options"])]
+        if candidates:
+            fastest = min(candidates, key=lambda r: r[key])
+            if fastest[key] < margin * default[key]:
+                best.update(fastest["options"])
+    return best
+
+
 def main() -> int:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -71,7 +85,12 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default="")
+    parser.add_argument("--pick", default="", help="print the best options of a --json result file and exit")
     args = parser.parse_args()
+    if args.pick:
+        best = pick_best(json.loads(Path(args.pick).read_text())["results"])
+        print(json.dumps(best) if best else "")
+        return 0
     faulthandler.dump_traceback_later(300, exit=True)
     device = torch.device(args.device)
     dims = TINY if args.tiny else QWEN3_8B

@@ -21,14 +21,20 @@ for name in "$@"; do
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
         tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
             tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py ;;
-        race) stage race 180 python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --json "$OUT/race.json" ;;
+        race) stage race ${RACE_LIMIT:-180} python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --budget-s $(( ${RACE_LIMIT:-180} - 20 )) --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
-        flex) stage flex 150 python3 bench/flex_tuning.py --config A --json "$OUT/flex.json" ;;
+        # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
+        lossless) stage lossless 120 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \
+            --deadline-seconds 100 --out /tmp/lossless --json-dir "$OUT" --cache-dir /tmp/dflash-cache ;;
+        # Per-token cost of a verify step vs a target-only step, one decoder per GPU (uncontended).
+        lossless-speed) stage lossless-speed 70 python3 bench/lossless_dtype.py --gguf "$GGUF" --dtypes bfloat16 --prompts 2 \
+            --procs-per-device 1 --deadline-seconds 60 --out /tmp/lossless-speed --json-dir "$OUT/speed" --cache-dir /tmp/dflash-cache ;;
+        flex) stage flex ${FLEX_LIMIT:-150} python3 bench/flex_tuning.py --config A --json "$OUT/flex.json" ;;
         # The drafter step again with the fastest flex options of the `flex` stage (skipped if none beat the default by 3%).
-        step-best) best=$(python3 -c "import json,sys; r=[x for x in json.load(open('$OUT/flex.json'))['results'] if 'error' not in x]; d=next(x for x in r if x['name']=='default'); b=min(r,key=lambda x:x['fwd_bwd_ms']); print(json.dumps(b['options']) if b['options'] and b['fwd_bwd_ms']<0.97*d['fwd_bwd_ms'] else '')")
+        step-best) best=$(python3 bench/flex_tuning.py --pick "$OUT/flex.json" 2>/dev/null)
             echo "best flex options: ${best:-default}"
-            [ -n "$best" ] && stage step-best 200 python3 bench/drafter_step.py --configs A,D --flex-options "$best" --json "$OUT/step_best.json" ;;
+            stage step-best ${STEP_LIMIT:-200} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} ${best:+--flex-options "$best"} --json "$OUT/step_best.json" ;;
         # Issue #3 item 7: target on cuda:0 -> one drafter on cuda:1; then 3 drafter threads sharing
         # the two GPUs (replicas), variable-length rows in two buckets, >= 200 steps each.
         layout1) stage layout1 150 python3 bench/pipeline.py --dims small --target-devices cuda:0 --drafter-devices cuda:1 \
@@ -36,7 +42,7 @@ for name in "$@"; do
         layout3) stage layout3 170 python3 bench/pipeline.py --dims small --target-devices cuda:0 --drafter-devices cuda:0,cuda:1,cuda:1 \
             --steps 220 --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 1024,2048 --num-anchors 256 --json "$OUT/layout3.json" ;;
         # Issue #6 item 4: Qwen3-8B-shaped target on cuda:0 feeding a drafter on cuda:1 at config D.
-        pipeline8b) stage pipeline8b 150 python3 bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 40 --json "$OUT/pipeline8b.json" ;;
+        pipeline8b) stage pipeline8b ${PIPELINE_LIMIT:-150} python3 bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 30 --json "$OUT/pipeline8b.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac
