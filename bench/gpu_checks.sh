@@ -25,8 +25,8 @@ for name in "$@"; do
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
-        lossless) stage lossless 120 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \
-            --deadline-seconds 100 --out /tmp/lossless --json-dir "$OUT" --cache-dir /tmp/dflash-cache ;;
+        lossless) stage lossless 125 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \
+            --deadline-seconds 112 --out /tmp/lossless --json-dir "$OUT" --cache-dir /tmp/dflash-cache ;;
         # Per-token cost of a verify step vs a target-only step, one decoder per GPU (uncontended).
         lossless-speed) stage lossless-speed 70 python3 bench/lossless_dtype.py --gguf "$GGUF" --dtypes bfloat16 --prompts 2 \
             --procs-per-device 1 --deadline-seconds 60 --out /tmp/lossless-speed --json-dir "$OUT/speed" --cache-dir /tmp/dflash-cache ;;
