@@ -37,8 +37,13 @@ SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.1
     "B": {"batch": 2, "seq": 768, "anchors": 256, "ms": 186.0, "samples_s": 10.75, "peak_gb": 33.8, "mfu": 0.474},
     "D": {"batch": 4, "seq": 3072, "anchors": 512, "ms": 670.2, "samples_s": 5.97, "peak_gb": 84.2, "mfu": 0.554},
 }
-QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, mlp=12288, vocab=151936, target_layers=36)
-TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, target_layers=8)
+QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, mlp=12288, vocab=151936, target_layers=36,
+                layer_ids=[1, 9, 17, 25, 33])
+# A drafter for a Qwen3-0.6B-shaped target: small enough that the host, not the GPU, sets the pace.
+SMALL = dict(hidden=1024, layers=5, heads=16, kv_heads=8, head_dim=128, mlp=3072, vocab=151936, target_layers=28,
+             layer_ids=[1, 7, 13, 19, 25])
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, target_layers=8,
+            layer_ids=[1, 3, 5])
 
 
 def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
@@ -47,12 +52,13 @@ def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
         num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], intermediate_size=dims["mlp"],
         rms_norm_eps=1e-6, vocab_size=dims["vocab"], rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=40960, block_size=block_size,
-        target_layer_ids=[1, 9, 17, 25, 33][: min(5, dims["target_layers"] // 2)] if dims is QWEN3_8B else [1, 3, 5],
+        target_layer_ids=dims["layer_ids"],
         num_target_layers=dims["target_layers"], mask_token_id=dims["vocab"] - 1,
     )
 
 
-def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0):
+def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0,
+               host_count: bool = True):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size - 1, (batch, seq), generator=generator)
     loss_mask = torch.zeros(batch, seq, dtype=torch.bool)
@@ -66,6 +72,7 @@ def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device
     drafter_batch = DrafterBatch(
         features.to(device, dtype), ids.to(device), loss_mask.to(device), anchor_pos.to(device),
         anchor_valid.to(device), objective.normalizer(label_valid),
+        scored_rows=int(label_valid.sum()) if host_count else None,
     )
     return drafter_batch, objective, anchor_valid
 
@@ -96,7 +103,8 @@ def run_config(name, dims, shape, args, device):
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     frozen = FrozenTargetParts(embed, head)
-    batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype)
+    batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype,
+                                                host_count=args.host_count == "on")
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head == "compiled"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
@@ -154,7 +162,7 @@ def run_config(name, dims, shape, args, device):
         "anchors_per_s": round(int(anchor_valid.sum()) / ms * 1000, 1),
         "peak_gb": round(peak, 2), "tflop_per_step": round(flops / 1e12, 2),
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
-        "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager",
+        "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager",
     }
     if name in SPECFORGE and dims is QWEN3_8B:
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
@@ -183,7 +191,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="A,B,D")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny dims (script smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="same as --dims tiny (script smoke test)")
+    parser.add_argument("--dims", choices=["8b", "small", "tiny"], default="8b",
+                        help="drafter shape: Qwen3-8B (the SpecForge comparison), Qwen3-0.6B, tiny")
+    parser.add_argument("--host-count", choices=["on", "off"], default="on",
+                        help="scored-slot count from the host (no mid-step sync) or counted on the device")
     parser.add_argument("--compile", choices=["on", "off"], default="on")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--loss-chunk-rows", type=int, default=0)
@@ -202,11 +214,11 @@ def main() -> int:
         from dflash_train import attention
 
         attention.flex_kernel_options = json.loads(args.flex_options)
-    dims = TINY if args.tiny else QWEN3_8B
+    dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]
     results = []
     for name in args.configs.split(","):
         shape = {k: SPECFORGE[name][k] for k in ("batch", "seq", "anchors")}
-        if args.tiny:
+        if dims is TINY:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         try:
             result = run_config(name, dims, shape, args, device)

@@ -48,6 +48,7 @@ class DrafterBatch:
     anchors: torch.Tensor  # [b, N] sorted anchor positions, 0 in padded slots
     anchor_valid: torch.Tensor  # [b, N] bool
     loss_normalizer: float  # the global batch's Σ w (decay) or sequence count (D-PACE)
+    scored_rows: int | None = None  # number of scored block slots, counted on the host (None: count on the device)
 
 
 @dataclass
@@ -69,7 +70,6 @@ def drafter_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash training loss of one micro-batch and its metric sums."""
     block_size = drafter.config.block_size
-    batch_size, num_anchors = batch.anchors.shape
     context_len = batch.input_ids.shape[1]
 
     block_ids = block_token_ids(batch.input_ids, batch.anchors, block_size, drafter.config.mask_token_id)
@@ -83,17 +83,27 @@ def drafter_loss(
     labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size)
     # Only scored slots go through the head: slot 0, padded anchors and unsupervised
     # targets would cost vocabulary-sized matmuls for a zero weight.
-    scored = hidden.view(batch_size, num_anchors, block_size, -1)[label_valid]
+    rows = scored_slot_index(label_valid, batch.scored_rows)
     scored_ce, scored_correct = frozen_head_cross_entropy(
-        scored, frozen.head_weight, labels[label_valid],
+        hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
         chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
     )
-    ce = torch.zeros(label_valid.shape, dtype=scored_ce.dtype, device=scored_ce.device)
-    ce = ce.masked_scatter(label_valid, scored_ce)
-    correct = torch.zeros_like(label_valid).masked_scatter(label_valid, scored_correct)
+    ce = torch.zeros(label_valid.numel(), dtype=scored_ce.dtype, device=scored_ce.device)
+    ce = ce.index_copy(0, rows, scored_ce).view(label_valid.shape)
+    correct = torch.zeros(label_valid.numel(), dtype=torch.bool, device=rows.device)
+    correct = correct.index_copy(0, rows, scored_correct).view(label_valid.shape)
 
     loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
     return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+
+
+def scored_slot_index(label_valid: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Flat indices of the scored slots. With the count known on the host the output size is
+    static, so the compaction does not stall the host on the device mid-step."""
+    flat = label_valid.flatten()
+    if count is None:
+        return torch.nonzero(flat).squeeze(1)
+    return torch.nonzero_static(flat, size=count).squeeze(1)
 
 
 @dataclass

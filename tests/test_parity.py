@@ -88,14 +88,14 @@ def _loss_from_inference(target, drafter, ids, loss_mask):
     return total / norm
 
 
-def _training_loss(target, drafter, ids, loss_mask):
+def _training_loss(target, drafter, ids, loss_mask, host_count=False):
     anchors = torch.tensor([ANCHORS])
     anchor_valid = torch.ones_like(anchors, dtype=torch.bool)
     objective = ObjectiveConfig(block_size=BLOCK, num_anchors=len(ANCHORS), gamma=3.0)
     _, label_valid = block_labels(ids, loss_mask, anchors, anchor_valid, BLOCK)
     batch = DrafterBatch(
         target.features(ids, drafter.config.target_layer_ids), ids, loss_mask, anchors, anchor_valid,
-        objective.normalizer(label_valid),
+        objective.normalizer(label_valid), scored_rows=int(label_valid.sum()) if host_count else None,
     )
     frozen = FrozenTargetParts(target.embed_weight, target.head_weight)
     with torch.no_grad():
@@ -103,11 +103,14 @@ def _training_loss(target, drafter, ids, loss_mask):
     return float(loss)
 
 
-def test_training_loss_equals_loss_of_inference_predictions(setup):
+@pytest.mark.parametrize("host_count", [False, True], ids=["device-count", "host-count"])
+def test_training_loss_equals_loss_of_inference_predictions(setup, host_count):
+    """Also with the scored-slot count given by the host (sync-free compaction)."""
     target, drafter, ids = setup
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     loss_mask[0, 12] = False
-    assert abs(_training_loss(target, drafter, ids, loss_mask) - _loss_from_inference(target, drafter, ids, loss_mask)) < 1e-4
+    training = _training_loss(target, drafter, ids, loss_mask, host_count)
+    assert abs(training - _loss_from_inference(target, drafter, ids, loss_mask)) < 1e-4
 
 
 # --- the checks above catch the classic off-by-one bugs -------------------------------------

@@ -152,3 +152,43 @@ def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
     for p, old, moment in zip(models[1].parameters(), before, moments):
         assert torch.equal(p, old) and torch.equal(optimizers[1].state[p]["exp_avg"], moment)
     assert not hasattr(optimizers[1], "grad_scale")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_drafter_loss_and_backward_never_wait_for_the_gpu():
+    """With the scored-slot count from the host, a warmed-up forward + loss + backward issues
+    no synchronising CUDA call, so the host can run ahead of the GPU for the whole step."""
+    import sys
+    import warnings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.drafter_step import TINY, drafter_config, make_batch
+    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.step import FrozenTargetParts, drafter_loss
+
+    device = torch.device("cuda")
+    config = drafter_config(TINY, 16)
+    drafter = DFlashDrafter(config).to(device)
+    drafter.forward = torch.compile(drafter.forward, dynamic=False)
+    batch, objective, _ = make_batch(config, 2, 192, 32, device, torch.bfloat16)
+    objective.compiled_head = True
+    frozen = FrozenTargetParts(torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16),
+                               torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, metrics = drafter_loss(drafter, frozen, batch, objective, "flex")
+        loss.backward()
+        return loss, metrics
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, "\n".join(syncs)

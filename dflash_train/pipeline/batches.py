@@ -47,11 +47,15 @@ class HostBatch:
     lengths: torch.Tensor  # [b]
     anchors: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per objective
     normalizers: dict[str, float] = field(default_factory=dict)  # per objective, global over the step
+    scored_rows: dict[str, int] = field(default_factory=dict)  # per objective: block slots with a label
 
     def pin(self) -> "HostBatch":
+        # Pinned memory makes every host-to-device copy of the batch asynchronous: a copy from
+        # pageable memory first waits for the stream's pending work.
         if torch.cuda.is_available():
             self.input_ids = self.input_ids.pin_memory()
             self.loss_mask = self.loss_mask.pin_memory()
+            self.anchors = {key: (a.pin_memory(), v.pin_memory()) for key, (a, v) in self.anchors.items()}
         return self
 
 
@@ -146,4 +150,5 @@ class BatchPlanner:
             batch.anchors[key] = (anchors, valid)
             _, label_valid = block_labels(input_ids, loss_mask, anchors, valid, objective.block_size)
             batch.normalizers[key] = objective.normalizer(label_valid)
+            batch.scored_rows[key] = int(label_valid.sum())
         return batch

@@ -293,6 +293,7 @@ class DrafterWorker(Worker):
             anchors=anchors.to(device, non_blocking=True),
             anchor_valid=anchor_valid.to(device, non_blocking=True),
             loss_normalizer=item.host.normalizers[key],
+            scored_rows=item.host.scored_rows.get(key),
         )
 
     @property
