@@ -84,9 +84,9 @@ def block_token_ids(
 def decay_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B] with w_0 = 0 and w_k = exp(−(k − 1)/γ)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    weights = torch.exp(-(k - 1).clamp(min=0) / gamma)
-    weights[0] = 0.0
-    return weights
+    # Masked rather than `weights[0] = 0.0`: assigning a Python number copies a host scalar to
+    # the device, which waits for the GPU (found by the sync-free-step GPU test).
+    return torch.exp(-(k - 1).clamp(min=0) / gamma) * (k > 0)
 
 
 def decay_weight_sum(label_valid: torch.Tensor, gamma: float) -> float:
