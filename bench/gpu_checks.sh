@@ -20,7 +20,7 @@ for name in "$@"; do
     case "$name" in
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
         tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
-            tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py ;;
+            tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py tests/test_training.py ;;
         race) stage race ${RACE_LIMIT:-180} python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --budget-s $(( ${RACE_LIMIT:-180} - 20 )) --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;

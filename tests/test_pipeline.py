@@ -131,3 +131,37 @@ def test_interrupt_stops_cleanly_with_a_checkpoint(tmp_path, target):
     assert 3 <= done < 500
     assert summary["drafters"]["drafter"]["checkpoint"].endswith(f"step-{done:08d}")
     assert "export" not in summary["drafters"]["drafter"]  # an unfinished run is not exported
+
+
+def test_target_workers_share_each_planned_step():
+    """Several target threads asking for the same steps get the same planned batches, and each
+    step is planned once (its anchors and loss normaliser are drawn for the whole step)."""
+    from dflash_train.objective import ObjectiveConfig
+    from dflash_train.pipeline.batches import BatchPlanner
+
+    class CountingPlanner(BatchPlanner):
+        planned: list[int] = []
+
+        def _plan_step(self, step):
+            self.planned.append(step)
+            return super()._plan_step(step)
+
+    planner = CountingPlanner(pattern_samples(64), batch_size=4, batches_per_step=4, buckets=[100], seed=0,
+                              objectives={"d": ObjectiveConfig(block_size=4, num_anchors=4)})
+    seen: dict[int, list] = {0: [], 1: [], 2: []}
+    barrier = threading.Barrier(3)
+
+    def worker(index):
+        barrier.wait()
+        for step in range(6):
+            seen[index].append(planner.step_batches(step))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(planner.planned) == list(range(6))
+    for step in range(6):
+        assert seen[0][step] is seen[1][step] is seen[2][step]
+    assert all(b.scored_rows["d"] > 0 for b in seen[0][0])

@@ -9,6 +9,8 @@ shape per bucket and compiles once per bucket.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -64,8 +66,12 @@ class BatchPlanner:
 
     `objectives` are keyed by drafter name (variants) or a single key (replicas); each gets
     its own anchors (its own N) and its own loss normaliser. The normaliser of a step sums
-    over every micro-batch that trains the same drafter in that step.
+    over every micro-batch that trains the same drafter in that step, so planning one batch
+    means planning the whole step: several target workers share each planned step (the last
+    few are kept) instead of each drawing every anchor again.
     """
+
+    keep_steps = 8
 
     def __init__(
         self,
@@ -93,6 +99,8 @@ class BatchPlanner:
         self.group_factor = group_factor
         self.batches_per_epoch = len(samples) // batch_size  # the last partial batch is dropped
         self._epoch_cache: dict[int, list[list[int]]] = {}
+        self._planned: OrderedDict[int, list[HostBatch]] = OrderedDict()
+        self._lock = threading.Lock()
         longest = max(len(s.input_ids) for s in samples)
         if longest > self.buckets[-1]:
             raise ValueError(f"a sample of {longest} tokens exceeds the largest bucket {self.buckets[-1]}")
@@ -117,13 +125,23 @@ class BatchPlanner:
         return next(b for b in self.buckets if b >= length)
 
     def step_batches(self, step: int) -> list[HostBatch]:
+        """The step's micro-batches; callers from several threads get the same objects (each
+        target worker then uses only its own indices)."""
+        with self._lock:
+            if step not in self._planned:
+                self._planned[step] = self._plan_step(step)
+                while len(self._planned) > self.keep_steps:
+                    self._planned.popitem(last=False)
+            return self._planned[step]
+
+    def _plan_step(self, step: int) -> list[HostBatch]:
         batches = [self._make_batch(step, j) for j in range(self.batches_per_step)]
         if self.normalize_over_step:
             for key in self.objectives:
                 total = sum(b.normalizers[key] for b in batches)
                 for b in batches:
                     b.normalizers[key] = total
-        return batches
+        return [b.pin() for b in batches]
 
     def _make_batch(self, step: int, index: int) -> HostBatch:
         stream_position = step * self.batches_per_step + index
