@@ -346,7 +346,8 @@ def generate(
             acceptance.append(produced)
             # Only the kept (verified) positions start..start+produced-1 become drafter context.
             features = step_features[:, :produced]
-        bonus = torch.tensor([tokens[-1]], dtype=torch.long, device=device)
+        # A fill kernel, not a copy from host memory: the copy would wait for the GPU each step.
+        bonus = torch.full((1,), tokens[-1], dtype=torch.long, device=device)
     finished = _clock(device)
     return Generation(prompt_length, tokens, acceptance, prefill_done - started, finished - prefill_done, stopped)
 
