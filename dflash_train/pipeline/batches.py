@@ -85,6 +85,7 @@ class BatchPlanner:
         normalize_over_step: bool = True,
         pad_id: int = 0,
         group_factor: int = 32,
+        pin_memory: bool = False,
     ):
         if len(samples) < batch_size:
             raise ValueError(f"{len(samples)} usable samples is fewer than batch_size {batch_size}")
@@ -97,6 +98,7 @@ class BatchPlanner:
         self.normalize_over_step = normalize_over_step
         self.pad_id = pad_id
         self.group_factor = group_factor
+        self.pin_memory = pin_memory  # batches go to a GPU: pin them so their copies are asynchronous
         self.batches_per_epoch = len(samples) // batch_size  # the last partial batch is dropped
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self._planned: OrderedDict[int, list[HostBatch]] = OrderedDict()
@@ -141,7 +143,7 @@ class BatchPlanner:
                 total = sum(b.normalizers[key] for b in batches)
                 for b in batches:
                     b.normalizers[key] = total
-        return [b.pin() for b in batches]
+        return [b.pin() for b in batches] if self.pin_memory else batches
 
     def _make_batch(self, step: int, index: int) -> HostBatch:
         stream_position = step * self.batches_per_step + index

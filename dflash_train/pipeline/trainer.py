@@ -376,6 +376,7 @@ def train(
         samples, batch_size=config.batch_size, batches_per_step=batches_per_step, buckets=buckets,
         seed=config.seed, objectives={plan.name: plan.objective for plan in plans},
         pad_id=(tokenizer.pad_token_id or 0) if tokenizer is not None else 0,
+        pin_memory=any(d.type == "cuda" for d in [*target_devices, *drafter_devices]),
     )
     target_workers = [
         TargetWorker(f"target-{t}", stop, sources[t] if sources else LiveTarget(tgt, layer_union), planner, index=t,
