@@ -261,7 +261,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         recompiles = {k: v for k, v in cs.recompile_snapshot().items() if k.startswith(("worker-", "warm-caller"))}
         data: dict[str, Any] = {
             "mode": mode,
-            "status": status,  # finished | running (periodic snapshot) | timed_out | terminated
+            "status": status,  # finished | running (periodic snapshot) | timed_out | terminated | race_shown
             "partial": status != "finished",
             "timed_out": status == "timed_out",
             "torch": torch.__version__,
@@ -403,6 +403,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                     if own_errors == 1:
                         print(f"[{mode}] warm-caller: {kind}", flush=True)
                 time.sleep(0.001)
+        if own_errors >= args.max_errors_per_thread and not fixed:
+            # The unfixed mode has shown the race: end it now so the fixed mode gets the rest of
+            # the time budget instead of waiting here for the workers' compiles to finish.
+            give_up("race_shown", 0)
 
     threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(args.threads)]
     extra = [threading.Thread(target=tracer, name="fx-tracer", daemon=True)] if args.fx_tracer else []
@@ -428,7 +432,7 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"\n=== {mode}: process exited with {result['returncode']} before writing any results "
               "(crash: see the stacks above)", flush=True)
         return
-    status = "" if result["status"] == "finished" else f" [{result['status'].upper()}: partial]"
+    status = "" if result["status"] in ("finished", "race_shown") else f" [{result['status'].upper()}: partial]"
     print(f"\n=== {mode}{status}: {result['errors']} errors ({result['fx_tracing_errors']} FX-tracing RuntimeErrors), "
           f"{result['compiles_total']} compiles, {result['limit_hits_total']} recompile-limit hits, "
           f"wall {result['wall_s']}s (watchdog {result['watchdog_s']:.0f}s)", flush=True)
