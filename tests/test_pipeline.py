@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.config import ConfigError
 from dflash_train.pipeline.runtime import PipelineError
 from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +21,7 @@ def target():
 
 
 def _config(out, **overrides):
-    values = dict(
-        out=str(out), steps=20, batch_size=4, max_seq_len=128, block_size=4, num_layers=1, num_anchors=8,
-        mask_token_id=95, lr=5e-3, log_every=5, save_every=10, device="cpu", seed=0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return tiny_train_config(out, **{**dict(steps=20, num_anchors=8, lr=5e-3, log_every=5, save_every=10), **overrides})
 
 
 def _quiet():

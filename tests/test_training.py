@@ -9,19 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint import latest_checkpoint, load_drafter
-from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.config import ConfigError
 from dflash_train.pipeline.trainer import train
 from dflash_train.target import TargetError
-from tiny import pattern_samples, tiny_target
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 
 def _config(out, **overrides):
-    values = dict(
-        out=str(out), steps=40, batch_size=4, max_seq_len=128, block_size=4, num_layers=1, num_anchors=16,
-        mask_token_id=95, lr=3e-3, log_every=10, save_every=20, device="cpu", seed=0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return tiny_train_config(out, **{**dict(steps=40, num_anchors=16, lr=3e-3, log_every=10, save_every=20), **overrides})
 
 
 def _run(out, samples, target, **overrides):

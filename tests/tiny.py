@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.config import TrainConfig
 from dflash_train.target import Target
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
@@ -66,3 +67,11 @@ def pattern_samples(count: int, *, vocab: int = 96, min_len: int = 40, max_len: 
         mask[prompt_len:] = True
         samples.append(Sample(i, ids, mask))
     return samples
+
+
+def tiny_train_config(out, **values) -> TrainConfig:
+    """A CPU training run on `tiny_target` and `pattern_samples` (mask token 95 is outside the
+    patterns); `values` set everything that differs between tests."""
+    base = dict(out=str(out), batch_size=4, max_seq_len=128, block_size=4, num_layers=1, mask_token_id=95,
+                device="cpu", seed=0)
+    return TrainConfig(**{**base, **values})
