@@ -47,7 +47,7 @@ def main() -> int:
     started = time.monotonic()
     out = Path(args.out)
     target_dir = hf_folder_from_gguf(args.gguf, cache_dir=args.cache_dir or None)
-    target = load_target(str(target_dir), "cpu", None)
+    target = load_target(str(target_dir), "cpu", None, load_tokenizer=False)  # only its spec is needed
     config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=16, mask_token_id=16,
                                        target_layer_ids=[1, 8, 14, 20, 27])
     drafter_dir = export_model(init_drafter(config, seed=0), out / "random-drafter")

@@ -13,6 +13,7 @@ CPU) and SDPA with a dense boolean mask evaluated from the very same `mask_mod`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -92,18 +93,14 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
     )
 
 
-_compiled_flex = None
-
 # Triton tile / pipelining choices passed to every flex call (None: the torch release's own
 # defaults for the GPU); `bench/flex_tuning.py` measures candidates on the DFlash mask.
 flex_kernel_options: dict | None = None
 
 
+@functools.cache
 def _flex():
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attend(

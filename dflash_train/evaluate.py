@@ -55,7 +55,7 @@ from torch import nn
 from .assets import package_path
 from .config import ConfigError, UserError, option
 from .drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from .target import Target, resolve_device
+from .target import Target, default_dtype, resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # Decoding
@@ -788,9 +788,7 @@ def format_summary(summaries: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return default_dtype(device) if name == "auto" else getattr(torch, name)
 
 
 def load_pair(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype) -> tuple[Target, DFlashDrafter]:

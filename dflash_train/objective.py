@@ -14,6 +14,7 @@ denominator is needed. D-PACE (arXiv 2605.18810) is offered as an alternative we
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -129,17 +130,13 @@ def _head_chunk(
     return ce, correct, (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
 
 
-_compiled_head_chunk = None
-
-
+@functools.cache
 def _head_chunk_compiled():
     """The chunk compiled once per shape: the float32 casts, log-sum-exp, argmax, softmax and
     one-hot subtraction fuse into a few kernels around the two matmuls, so the [rows, vocab]
-    logits are written once in the matmul's dtype instead of passing through ~7 float32 copies."""
-    global _compiled_head_chunk
-    if _compiled_head_chunk is None:
-        _compiled_head_chunk = torch.compile(_head_chunk, dynamic=False)
-    return _compiled_head_chunk
+    logits are written once in the matmul's dtype instead of passing through ~7 float32 copies.
+    Built on first use: importing this module must not pull in the compiler."""
+    return torch.compile(_head_chunk, dynamic=False)
 
 
 class _FrozenHeadCrossEntropy(torch.autograd.Function):

@@ -147,14 +147,13 @@ def training_step(
         sync_gradients()
     if optimizer.defaults.get("fused"):
         grad_norm = clipped_fused_step(optimizer, drafter, clip_grad)
-        skipped = not math.isfinite(grad_norm)
     else:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip_grad))
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            optimizer.zero_grad(set_to_none=True)
-        else:
+        if math.isfinite(grad_norm):
             optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+    skipped = not math.isfinite(grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     scheduler.step()
     return StepResult(float(total_loss), grad_norm, skipped, lr, {k: v.detach().cpu() for k, v in sums.items()})

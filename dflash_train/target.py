@@ -156,6 +156,11 @@ class _StopForward(Exception):
     """Raised from a forward hook once the deepest needed layer ran."""
 
 
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype a target runs in unless told otherwise: bfloat16 on CUDA, float32 elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """`auto` -> cuda:0 when CUDA is available, else cpu; any other name must exist on this machine."""
     if str(name) == "auto":
@@ -262,9 +267,7 @@ def load_target(
         raise TargetError(f"{path}: not a Hugging Face model folder (no config.json) and not a .gguf file")
     config = AutoConfig.from_pretrained(path)
     TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
-    if dtype is None:
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device)).to(device)
     tokenizer = None
     if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)

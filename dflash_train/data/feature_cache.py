@@ -56,6 +56,7 @@ import torch
 
 from ..config import ConfigError
 from ..progress import Progress, format_seconds
+from ..target import check_target_layer_ids, default_dtype
 from .readers import RowStats
 from .samples import TrainingSample, has_valid_anchor
 
@@ -243,7 +244,6 @@ def write_feature_cache(
     by training). `settings` (max_seq_len, min_supervised_tokens, enable_thinking, data) describe
     how the samples were made; a resume must use the same. Prints a size estimate first.
     """
-    from ..target import check_target_layer_ids
 
     log = log or sys.stdout
     out = Path(out)
@@ -546,7 +546,7 @@ class CachedFeatures:
         self.cache = cache
         self.device = device
         self.layer_ids = layer_ids
-        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.dtype = dtype or default_dtype(device)
         self.columns = None
         if layer_ids != cache.layer_ids:
             self.columns = torch.tensor([cache.layer_ids.index(k) for k in layer_ids])

@@ -54,10 +54,9 @@ class HostBatch:
     def pin(self) -> "HostBatch":
         # Pinned memory makes every host-to-device copy of the batch asynchronous: a copy from
         # pageable memory first waits for the stream's pending work.
-        if torch.cuda.is_available():
-            self.input_ids = self.input_ids.pin_memory()
-            self.loss_mask = self.loss_mask.pin_memory()
-            self.anchors = {key: (a.pin_memory(), v.pin_memory()) for key, (a, v) in self.anchors.items()}
+        self.input_ids = self.input_ids.pin_memory()
+        self.loss_mask = self.loss_mask.pin_memory()
+        self.anchors = {key: (a.pin_memory(), v.pin_memory()) for key, (a, v) in self.anchors.items()}
         return self
 
 

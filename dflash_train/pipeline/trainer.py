@@ -275,8 +275,7 @@ def train(
 
     # --- compile safety (process-wide, idempotent) -----------------------------------------
     backends = {d: resolve_backend(config.attention, d) for d in drafter_devices}
-    compiles = "flex" in backends.values() or config.compile == "on" or (
-        config.compile == "auto" and any(d.type == "cuda" for d in drafter_devices))
+    compiles = "flex" in backends.values() or any(_compiles_drafter(config, d) for d in drafter_devices)
     buckets = sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
     if compiles:
         from .compile_safety import install_compile_safety, recompile_limit_for
