@@ -343,6 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mtbench-every-other", action="store_true",
                         help="MT-Bench as the bar measures it: first turns of every other question (81, 83, ...)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--decoder", default="auto", choices=["auto", "static", "hf"], help="`dflash-train eval --decoder`")
     parser.add_argument("--eval-limit", type=int, default=20, help="final drafter: prompts 0..N-1 of each benchmark")
     parser.add_argument("--eval-devices", default="", help="comma-separated; default: --device")
     parser.add_argument("--eval-procs-per-device", type=int, default=1, help="concurrent eval subprocesses per device")
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     train_device = device_name(args.device)
     eval_devices = [device_name(d) for d in (args.eval_devices or args.device).split(",") if d.strip()]
     slot_devices = [d for _ in range(args.eval_procs_per_device) for d in eval_devices]  # devices interleaved
-    eval_args = ["--target", str(target_dir), "--bench", ",".join(benches), "--max-new-tokens", str(args.max_new_tokens)]
+    eval_args = ["--target", str(target_dir), "--bench", ",".join(benches), "--max-new-tokens", str(args.max_new_tokens),
+                 "--decoder", args.decoder]
     runner = ShardRunner(slot_devices, eval_args, deadline)
 
     curve_groups: dict[int, str] = {}

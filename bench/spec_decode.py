@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--no-reference", action="store_true", help="skip the reference dflash_generate cross-check")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decoder", default="auto", choices=["auto", "static", "hf"], help="how our decoder runs the forwards")
     parser.add_argument("--watchdog-s", type=float, default=600.0, help="dump stacks and exit if one prompt takes longer")
     parser.add_argument("--json", default="", help="write all numbers and per-prompt records here")
     return parser.parse_args(argv)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def ours(ids: list[int], with_drafter: bool, max_new: int) -> Any:
         return generate(target, drafter if with_drafter else None, ids, max_new, stops,
-                        temperature=args.temperature, generator=generator)
+                        temperature=args.temperature, generator=generator, decoder=args.decoder)
 
     def theirs(ids: list[int], max_new: int) -> tuple[list[int], list[int], float]:
         input_ids = torch.tensor([ids], device=device)

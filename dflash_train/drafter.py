@@ -161,10 +161,15 @@ class DraftAttention(nn.Module):
         v = self.v_proj(states).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q of the block states x [b, L, hidden] -> [b, heads, L, d] (normed and rotated)."""
         b, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, length, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+        return apply_rope(q, cos, sin)
+
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        b, length, _ = x.shape
+        q = self.queries(x, cos, sin)
         block_k, block_v = self.keys_values(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)

@@ -55,6 +55,7 @@ from torch import nn
 from .assets import package_path
 from .config import ConfigError, UserError, option
 from .drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from .static_decode import StaticDecoder, cache_capacity, static_state, static_unsupported
 from .target import Target, default_dtype, resolve_device
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +73,7 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     stopped: bool  # ended on a stop token (else on max_new_tokens)
+    decoder: str = "hf"  # which decoder ran the forwards: "static" or "hf" (see make_decoder)
 
     @property
     def seconds(self) -> float:
@@ -259,6 +261,74 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class HFDecoder:
+    """The decode loop's four operations through the Hugging Face model with a DynamicCache,
+    run eagerly: any architecture transformers runs (sliding windows, Gemma, ...), any drafter
+    subclass (its `draft` is called), the drafter on any device."""
+
+    kind = "hf"
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None):
+        self.target, self.drafter = target, drafter
+        self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
+        self.cache = new_target_cache(target.model)
+        self.drafter_cache = DrafterCache(len(drafter.layers)) if drafter is not None else None
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, features = _target_forward(self.target, prompt, 0, self.cache, self.layer_ids, last_only=True)
+        return logits[-1], features
+
+    def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
+        return _draft_logits(self.drafter, self.target, self.drafter_cache, features, start, bonus, length)
+
+    def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _target_forward(self.target, block, start, self.cache, self.layer_ids if features else None)
+
+    def keep(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+
+DECODERS = ("auto", "static", "hf")
+
+
+def static_refusal(target: Target, drafter: DFlashDrafter | None, capacity: int) -> str | None:
+    """Why the static decoder cannot run this pair at this cache size, or None when it can."""
+    if drafter is not None:
+        if type(drafter).draft is not DFlashDrafter.draft:
+            return f"{type(drafter).__name__} overrides draft()"
+        if drafter.fc.weight.device != target.device:
+            return f"the drafter is on {drafter.fc.weight.device}, the target on {target.device}"
+    return static_unsupported(target, capacity)
+
+
+def make_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto"):
+    """`static` (preallocated caches, CUDA graphs on GPU; see static_decode.py), `hf` (Hugging
+    Face eagerly) or `auto`: static where the model passes its probe, else hf."""
+    if choice not in DECODERS:
+        raise ConfigError(f"decoder {choice!r}: choose one of {', '.join(DECODERS)}")
+    if choice != "hf":
+        block_size = drafter.config.block_size if drafter is not None else 1
+        capacity = cache_capacity(max_length + block_size)
+        refusal = static_refusal(target, drafter, capacity)
+        if refusal is None:
+            return StaticDecoder(static_state(target, drafter, capacity), block_size)
+        if choice == "static":
+            raise UserError(f"the static decoder cannot run this target/drafter: {refusal}; use --decoder hf")
+    return HFDecoder(target, drafter)
+
+
+def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str) -> str:
+    """One line for a run's header: which decoder a prompt of `max_length` tokens gets, and why."""
+    if choice == "hf":
+        return "decoder: hf (Hugging Face, eager; asked for)"
+    capacity = cache_capacity(max_length + (drafter.config.block_size if drafter is not None else 1))
+    refusal = static_refusal(target, drafter, capacity)
+    if refusal is not None:
+        return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}"
+    graphs = "CUDA graphs" if target.device.type == "cuda" else "no CUDA graphs on CPU"
+    return f"decoder: static ({capacity}-position caches, {graphs})"
+
+
 @torch.no_grad()
 def generate(
     target: Target,
@@ -269,11 +339,13 @@ def generate(
     *,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    decoder: str = "auto",
 ) -> Generation:
     """Decode one prompt: speculatively with `drafter`, or target-only with `drafter=None`.
 
     The loop is the reference's (module docstring). `generator` seeds sampling at T > 0; it
     must live on the target's device. The drafter is used as it is (call `.eval()` first).
+    `decoder` picks how the forwards run (`make_decoder`); the loop is the same for all.
     """
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number ≥ 0, got {temperature}")
@@ -288,16 +360,12 @@ def generate(
     max_length = prompt_length + max_new_tokens
     if drafter is not None:
         drafter = _unwrap(drafter)
-        block_size = drafter.config.block_size
-        layer_ids: list[int] | None = list(drafter.config.target_layer_ids)
-        drafter_cache = DrafterCache(len(drafter.layers))
-    else:
-        block_size, layer_ids, drafter_cache = 1, None, None
-    cache = new_target_cache(target.model)
+    block_size = drafter.config.block_size if drafter is not None else 1
+    runner = make_decoder(target, drafter, max_length, decoder)
 
     started = _clock(device)
-    logits, features = _target_forward(target, prompt, 0, cache, layer_ids, last_only=True)
-    bonus = _choose(logits[-1], temperature, generator).view(1)
+    logits, features = runner.prefill(prompt)
+    bonus = _choose(logits, temperature, generator).view(1)
     tokens = [int(bonus)]
     prefill_done = _clock(device)
 
@@ -307,7 +375,7 @@ def generate(
     while start + 1 < max_length and not stopped:
         length = min(block_size, max_length - start)
         if length > 1:
-            draft_logits = _draft_logits(drafter, target, drafter_cache, features, start, bonus, length)
+            draft_logits = runner.draft(features, start, bonus, length)
             if temperature > 0:
                 draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
                 drafts = _sample(draft_probs, generator)
@@ -316,7 +384,7 @@ def generate(
             block = torch.cat([bonus, drafts])[None]
         else:
             block = bonus[None]
-        logits, step_features = _target_forward(target, block, start, cache, layer_ids if length > 1 else None)
+        logits, step_features = runner.verify(block, start, features=length > 1)
 
         if temperature > 0:
             target_probs = torch.softmax(logits / temperature, dim=-1)
@@ -341,7 +409,7 @@ def generate(
         produced = len(new)
         tokens.extend(new)
         start += produced
-        crop_cache(cache, start)  # the target has now seen every kept token but the last
+        runner.keep(start)  # the target has now seen every kept token but the last
         if drafter is not None:
             acceptance.append(produced)
             # Only the kept (verified) positions start..start+produced-1 become drafter context.
@@ -349,7 +417,7 @@ def generate(
         # A fill kernel, not a copy from host memory: the copy would wait for the GPU each step.
         bonus = torch.full((1,), tokens[-1], dtype=torch.long, device=device)
     finished = _clock(device)
-    return Generation(prompt_length, tokens, acceptance, prefill_done - started, finished - prefill_done, stopped)
+    return Generation(prompt_length, tokens, acceptance, prefill_done - started, finished - prefill_done, stopped, runner.kind)
 
 
 def generate_target_only(
@@ -680,8 +748,11 @@ class EvalConfig:
     stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids")
     seed: int = option(0, "sampling seed (T > 0)")
     json: str = option("", "also write the numbers and per-prompt records to this JSON file")
+    decoder: str = option("auto", "auto (static where the target passes its probe, else hf), static (preallocated caches, CUDA graphs on GPU) or hf (Hugging Face, eager)")
 
     def validate(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"decoder {self.decoder!r}: use {', '.join(DECODERS)}")
         if not self.target or not self.drafter:
             raise ConfigError("eval needs --target DIR and --drafter DIR")
         if not self.bench:
@@ -711,6 +782,7 @@ class PromptResult:
     baseline_seconds: float | None = None
     baseline_decode_seconds: float | None = None
     same_as_baseline: bool | None = None  # greedy only: token-for-token equality
+    decoder: str | None = None  # "static" or "hf": which decoder ran this prompt (see make_decoder)
     error: str | None = None
 
 
@@ -818,6 +890,7 @@ def run_benchmark(
     seed: int = 0,
     label: str = "eval",
     stream: Any = None,
+    decoder: str = "auto",
 ) -> list[PromptResult]:
     """Decode every prompt speculatively (and target-only when `baseline`), one at a time.
     A prompt that fails is recorded with its error and the run goes on."""
@@ -831,11 +904,13 @@ def run_benchmark(
         ids = render_prompt(target.tokenizer, prompt.messages)
         result = PromptResult(prompt.id, len(ids))
         try:
-            spec = generate(target, drafter, ids, max_new_tokens, stop_token_ids, temperature=temperature, generator=generator)
+            spec = generate(target, drafter, ids, max_new_tokens, stop_token_ids, temperature=temperature,
+                            generator=generator, decoder=decoder)
             result.new_tokens, result.acceptance_lengths, result.tau = len(spec.tokens), spec.acceptance_lengths, spec.tau
-            result.seconds, result.decode_seconds = spec.seconds, spec.decode_seconds
+            result.seconds, result.decode_seconds, result.decoder = spec.seconds, spec.decode_seconds, spec.decoder
             if baseline:
-                base = generate(target, None, ids, max_new_tokens, stop_token_ids, temperature=temperature, generator=generator)
+                base = generate(target, None, ids, max_new_tokens, stop_token_ids, temperature=temperature,
+                                generator=generator, decoder=decoder)
                 result.baseline_new_tokens, result.baseline_seconds = len(base.tokens), base.seconds
                 result.baseline_decode_seconds = base.decode_seconds
                 if temperature == 0:
@@ -879,14 +954,15 @@ def run_eval(config: EvalConfig) -> int:
     first = next(prompts for prompts in benches.values() if prompts)[0]
     warm_ids = render_prompt(target.tokenizer, first.messages)
     for warm_drafter in (drafter, None):
-        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops)
+        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder)
+    print(describe_decoder(target, drafter, len(warm_ids) + config.max_new_tokens, config.decoder), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     for name, prompts in benches.items():
         results = run_benchmark(
             target, drafter, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-            baseline=config.baseline, stop_token_ids=stops, seed=config.seed, label=name,
+            baseline=config.baseline, stop_token_ids=stops, seed=config.seed, label=name, decoder=config.decoder,
         )
         summaries[name] = summarize(results, block_size)
         records[name] = [dataclasses.asdict(r) for r in results]

@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Decode-step latency: the static decoder (preallocated caches, CUDA graphs) vs Hugging Face eager.
+
+    python bench/static_decode_speed.py --dims smollm2 --json out.json      # GPU, bf16
+
+Random-init target and drafter of real shapes (no download): `smollm2` = SmolLM2-135M (30 layers,
+hidden 576, 9/3 heads, vocab 49,152) with the QUALITY.md drafter (5 layers, B = 16, target
+layers 1, 8, 14, 20, 27); `qwen3-8b` = Qwen3-8B's shape with a 5-layer drafter. For each decoder
+it times, at a context of --context tokens:
+
+    target-only step   one token through the target                 (the baseline's cost per token)
+    draft step         one drafter block (B new context rows)
+    verify step        B tokens through the target, with the drafter's layers
+    end to end         generate() target-only and speculative, --new-tokens tokens
+
+and prints the break-even acceptance length: τ* = (draft + verify) / target-only step, the τ a
+drafter needs for speculative decoding to beat target-only decoding with that decoder. The
+random drafter accepts nothing (τ = 1), so the end-to-end speculative rate is its floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.evaluate import generate, make_decoder  # noqa: E402
+from dflash_train.target import Target  # noqa: E402
+
+DIMS = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+LAYER_IDS = {"smollm2": [1, 8, 14, 20, 27], "qwen3-8b": [1, 9, 17, 25, 33], "tiny": [1, 3, 4]}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def build(dims: str, device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[Target, DFlashDrafter]:
+    import transformers
+
+    values = dict(DIMS[dims], max_position_embeddings=8192)
+    with torch.device(device):
+        if dims == "qwen3-8b":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**values))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**values))
+    target = Target(model.to(dtype))
+    config = DrafterConfig.from_target(target.spec, num_layers=5 if dims != "tiny" else 1, block_size=block_size,
+                                       mask_token_id=16, target_layer_ids=LAYER_IDS[dims])
+    drafter = DFlashDrafter(config).to(device).eval()
+    for param in drafter.parameters():
+        param.data = param.data.to(dtype)
+    return target, drafter
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls, each synchronised (decode is a latency chain)."""
+    times = []
+    for _ in range(repeats + 3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[3:])
+
+
+@torch.no_grad()
+def step_latencies(target, drafter, kind: str, context: int, repeats: int) -> dict[str, float]:
+    device = target.device
+    block = drafter.config.block_size
+    prompt = torch.randint(0, target.spec.vocab_size, (1, context), device=device)
+    bonus = torch.tensor([5], device=device)
+    results = {}
+    # Target-only: a decoder without drafter; each timed call re-verifies the same position.
+    runner = make_decoder(target, None, context + 64, kind)
+    runner.prefill(prompt)
+
+    def one_token():
+        runner.verify(bonus[None], context, features=False)
+        runner.keep(context)
+
+    results["target_only_step_ms"] = timed(one_token, device, repeats)
+
+    runner = make_decoder(target, drafter, context + 64, kind)
+    _, features = runner.prefill(prompt)
+    runner.draft(features, context, bonus, block)  # the prompt's context goes in once
+    new_rows = features[:, -block:]
+    ids = torch.randint(0, target.spec.vocab_size, (1, block), device=device)
+
+    def draft():
+        if kind == "hf":  # its context cache only grows: keep it at `context` positions
+            runner.drafter_cache.crop(context - block)
+        runner.draft(new_rows, context, bonus, block)
+
+    def verify():
+        runner.verify(ids, context, features=True)
+        runner.keep(context)
+
+    results["draft_step_ms"] = timed(draft, device, repeats)
+    results["verify_step_ms"] = timed(verify, device, repeats)
+    results["break_even_tau"] = (results["draft_step_ms"] + results["verify_step_ms"]) / results["target_only_step_ms"]
+    return results
+
+
+@torch.no_grad()
+def end_to_end(target, drafter, kind: str, context: int, new_tokens: int) -> dict[str, float]:
+    prompt = torch.randint(0, target.spec.vocab_size, (context,)).tolist()
+    out = {}
+    for name, model in (("target_only", None), ("speculative_tau1", drafter)):
+        generate(target, model, prompt, 16, decoder=kind)  # warm-up: captures, allocator
+        result = generate(target, model, prompt, new_tokens, decoder=kind)
+        out[f"{name}_tokens_per_s"] = len(result.tokens) / result.decode_seconds if result.decode_seconds else None
+        out[f"{name}_decoder"] = result.decoder
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", choices=sorted(DIMS), default="smollm2")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--context", type=int, default=300, help="prompt tokens before the timed steps")
+    parser.add_argument("--new-tokens", type=int, default=256, help="end-to-end: tokens per generate()")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--decoders", default="static,hf")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    target, drafter = build(args.dims, device, dtype, args.block_size)
+    log(f"torch {torch.__version__} | {device} | {args.dtype} | {args.dims}: {target.spec.num_hidden_layers} target "
+        f"layers, drafter {drafter.config.num_hidden_layers} layers, B = {args.block_size}, context {args.context}")
+    results = {"dims": args.dims, "dtype": args.dtype, "context": args.context, "torch": torch.__version__,
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    for kind in [k.strip() for k in args.decoders.split(",") if k.strip()]:
+        started = time.perf_counter()
+        row = step_latencies(target, drafter, kind, args.context, args.repeats)
+        row.update(end_to_end(target, drafter, kind, args.context, args.new_tokens))
+        row["seconds"] = time.perf_counter() - started
+        results[kind] = row
+        log(f"{kind:>6}: target-only step {row['target_only_step_ms']:.2f} ms | draft {row['draft_step_ms']:.2f} ms | "
+            f"verify {row['verify_step_ms']:.2f} ms | break-even tau {row['break_even_tau']:.2f} | end to end "
+            f"{row['target_only_tokens_per_s']:.1f} tok/s target-only, {row['speculative_tau1_tokens_per_s']:.1f} tok/s "
+            f"speculative at tau 1 ({row['seconds']:.0f}s)")
+    if "static" in results and "hf" in results:
+        s, h = results["static"], results["hf"]
+        log(f"static vs hf: target-only step {h['target_only_step_ms'] / s['target_only_step_ms']:.1f}x faster, "
+            f"verify {h['verify_step_ms'] / s['verify_step_ms']:.1f}x, draft {h['draft_step_ms'] / s['draft_step_ms']:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The static decoder: preallocated caches, fixed step shapes, CUDA graphs (static_decode.py).
+
+On CPU the static functions run eagerly, so these tests check everything but capture/replay
+against the Hugging Face forward and the drafter's own `draft`; the GPU tests check that the
+captured graphs give the same tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import transformers
+
+from dflash_train.config import UserError
+from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from dflash_train.evaluate import generate, make_decoder
+from dflash_train.static_decode import StaticDrafter, StaticTarget, static_state, static_unsupported
+from dflash_train.target import Target
+from test_evaluate import random_drafter
+from tiny import tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_static_target_gives_the_hugging_face_logits_and_hidden_states(family):
+    target = tiny_target(family, head_scale=8)
+    layers = target.spec.num_hidden_layers
+    ids = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = target.model(ids, output_hidden_states=True)
+        expected_states = torch.cat([reference.hidden_states[k + 1] for k in range(layers)], dim=-1)
+        static = StaticTarget(target, 32, list(range(layers)))
+        # A rejected block first: its keys land at positions 11..15 and must stay invisible.
+        static.forward(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor(11))
+        position = 0
+        for length in (7, 1, 1, 5, 1, 5):  # prefill, single steps, verify blocks
+            logits, states = static.forward(ids[:, position : position + length], torch.tensor(position))
+            torch.testing.assert_close(logits, reference.logits[0, position : position + length], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(states, expected_states[:, position : position + length], atol=2e-5, rtol=1e-4)
+            position += length
+        last, none = static.forward(ids[:, :3], torch.tensor(0), last_only=True, features=False)
+        assert none is None and last.shape == (1, target.spec.vocab_size)
+
+
+def test_static_drafter_step_gives_the_drafters_own_draft_logits():
+    target = tiny_target("qwen3", head_scale=8)
+    drafter = random_drafter(target, block_size=4)
+    features = target.features(torch.randint(0, 90, (1, 30), generator=torch.Generator().manual_seed(1)),
+                               drafter.config.target_layer_ids)
+    static = StaticDrafter(drafter, target, 64)
+    cache = DrafterCache(len(drafter.layers))
+    garbage = torch.randn(1, 4, features.shape[-1])
+    context = 0
+    # (new verified rows, block length): the prompt (more rows than a block), padded rows, a full
+    # block of rows, a short last block.
+    for rows, length in ((9, 4), (1, 4), (3, 4), (4, 4), (2, 4), (1, 3)):
+        start = context + rows
+        new = features[:, context:start]
+        block_ids = torch.tensor([[int(start * 13 % 90)] + [95] * (length - 1)])
+        with torch.no_grad():
+            hidden = drafter.draft(cache, new, torch.arange(context, start)[None],
+                                   embed_block_tokens(block_ids, target.embed_weight),
+                                   torch.arange(start, start + length)[None])
+            expected = (hidden[0, 1:] @ target.head_weight.t()).float()
+            padded = torch.cat([new, garbage[:, : max(0, 4 - rows)]], dim=1)  # padding past count
+            got = static.step(padded, torch.tensor(rows), torch.tensor(start), block_ids)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        context = start
+
+
+def test_static_and_hugging_face_decoders_give_the_same_tokens_and_steps():
+    target = tiny_target("llama", head_scale=8)
+    drafter = random_drafter(target, block_size=5)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        prompt = torch.randint(0, 90, (int(torch.randint(1, 14, (1,), generator=generator)),), generator=generator).tolist()
+        for max_new in (1, 4, 17):
+            static = generate(target, drafter, prompt, max_new, decoder="static")
+            hf = generate(target, drafter, prompt, max_new, decoder="hf")
+            assert (static.decoder, hf.decoder) == ("static", "hf")
+            assert static.tokens == hf.tokens and static.acceptance_lengths == hf.acceptance_lengths
+            assert generate(target, None, prompt, max_new, decoder="static").tokens == hf.tokens
+
+
+class ScaledLogitsLlama(transformers.LlamaForCausalLM):
+    """A model whose forward does more than its modules say (as custom remote code can)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_targets_the_static_forward_does_not_reproduce_decode_through_hugging_face():
+    gemma = tiny_target("gemma3_text", head_scale=8)
+    assert "sliding window" in static_unsupported(gemma, 512)
+    prompt = [4, 8, 15, 16, 23]
+    assert generate(gemma, None, prompt, 6).decoder == "hf"  # auto falls back
+    with pytest.raises(UserError, match="sliding window.*--decoder hf"):
+        generate(gemma, None, prompt, 6, decoder="static")
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    custom = Target(ScaledLogitsLlama(config).float())
+    assert "logits differ from the Hugging Face forward" in static_unsupported(custom, 512)
+    result = generate(custom, None, prompt, 6)
+    assert result.decoder == "hf"
+    with torch.no_grad():  # still the custom model's own greedy output
+        assert result.tokens[0] == int(custom.model(torch.tensor([prompt])).logits[0, -1].argmax())
+
+    # A drafter that overrides draft() (the oracle tests use one) is run by Hugging Face's loop.
+    target = tiny_target("llama", head_scale=8)
+    drafter = random_drafter(target)
+    drafter.__class__ = type("CustomDraft", (DFlashDrafter,), {"draft": lambda self, *a: DFlashDrafter.draft(self, *a)})
+    assert generate(target, drafter, prompt, 6).decoder == "hf"
+
+
+def test_states_are_shared_per_capacity_and_never_between_threads():
+    target = tiny_target("llama", head_scale=8)
+    drafter = random_drafter(target, block_size=4)
+    assert make_decoder(target, drafter, 30).state is make_decoder(target, drafter, 200).state  # one 512 cache
+    assert make_decoder(target, drafter, 600).state is not make_decoder(target, drafter, 30).state
+    assert make_decoder(target, None, 30).state is not make_decoder(target, drafter, 30).state
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8], [6, 6, 6]]
+    expected = {i: generate(target, drafter, p, 20, decoder="hf").tokens for i, p in enumerate(prompts)}
+    results: dict[tuple[int, int], list[int]] = {}
+    states = set()
+    problems: list[str] = []
+
+    def worker(index: int) -> None:
+        try:
+            states.add(id(static_state(target, drafter, 512)))
+            for round_ in range(3):
+                for i, prompt in enumerate(prompts):
+                    out = generate(target, drafter, prompt, 20, decoder="static")
+                    if out.tokens != expected[i]:
+                        problems.append(f"thread {index} prompt {i} round {round_}")
+                    results[(index, i)] = out.tokens
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            problems.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not problems, problems[:3]
+    assert len(states) == 2 and len(results) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
+    target = tiny_target("qwen3", head_scale=8)
+    target.model.to("cuda", dtype)
+    drafter = random_drafter(target, block_size=4).to("cuda")
+    for param in drafter.parameters():
+        param.data = param.data.to(dtype)
+    prompt = [5, 17, 3, 60, 2, 9, 41, 8, 8, 1]
+    for extra in ([], [7], [7, 7, 3]):
+        # The eager run of the very same static functions is the reference for the graphs.
+        static = generate(target, drafter, prompt + extra, 40, decoder="static")
+        state = make_decoder(target, drafter, len(prompt) + len(extra) + 40).state
+        assert state.draft.graph is not None and state.verify.graph is not None
+        for step in (state.draft, state.verify):
+            step.graph, step.eager = None, True
+        eager = generate(target, drafter, prompt + extra, 40, decoder="static")
+        for step in (state.draft, state.verify):
+            step.eager = False
+        assert static.tokens == eager.tokens and static.acceptance_lengths == eager.acceptance_lengths
+        base = generate(target, None, prompt + extra, 40, decoder="static")
+        assert make_decoder(target, None, len(prompt) + 40).state.next_token.graph is not None
+        if dtype == torch.float32:
+            assert static.tokens == base.tokens == generate(target, None, prompt + extra, 40, decoder="hf").tokens
+
+
+@pytest.mark.gpu
+def test_capture_while_another_thread_allocates_and_computes():
+    target = tiny_target("llama", head_scale=8)
+    target.model.to("cuda")
+    drafter = random_drafter(target, block_size=4).to("cuda")
+    prompt = [9, 8, 7, 6, 5]
+    expected = generate(target, drafter, prompt, 48, decoder="hf").tokens
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def busy() -> None:
+        try:
+            while not stop.is_set():
+                x = torch.randn(512, 512, device="cuda")
+                (x @ x).sum().item()
+        except BaseException as error:  # noqa: BLE001
+            problems.append(repr(error))
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        for capacity_tokens in (48, 700, 1200):  # new capacities: new captures while `busy` runs
+            out = generate(target, drafter, prompt, capacity_tokens, decoder="static")
+            assert out.tokens[:48] == expected
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not problems
