@@ -125,7 +125,7 @@ def end_to_end(target, drafter, kind: str, context: int, new_tokens: int) -> dic
     prompt = torch.randint(0, target.spec.vocab_size, (context,)).tolist()
     out = {}
     for name, model in (("target_only", None), ("speculative_tau1", drafter)):
-        generate(target, model, prompt, 16, decoder=kind)  # warm-up: captures, allocator
+        generate(target, model, prompt, new_tokens, decoder=kind)  # warm-up: the same cache size, so captures happen here
         result = generate(target, model, prompt, new_tokens, decoder=kind)
         out[f"{name}_tokens_per_s"] = len(result.tokens) / result.decode_seconds if result.decode_seconds else None
         out[f"{name}_decoder"] = result.decoder

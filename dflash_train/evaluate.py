@@ -301,14 +301,18 @@ def static_refusal(target: Target, drafter: DFlashDrafter | None, capacity: int)
     return static_unsupported(target, capacity)
 
 
-def make_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto"):
+def make_decoder(
+    target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto", cache_tokens: int = 0
+):
     """`static` (preallocated caches, CUDA graphs on GPU; see static_decode.py), `hf` (Hugging
-    Face eagerly) or `auto`: static where the model passes its probe, else hf."""
+    Face eagerly) or `auto`: static where the model passes its probe, else hf. Static caches hold
+    at least max(max_length, cache_tokens) tokens: a run that passes its longest prompt + new
+    tokens as `cache_tokens` captures its graphs once, not once per cache size."""
     if choice not in DECODERS:
         raise ConfigError(f"decoder {choice!r}: choose one of {', '.join(DECODERS)}")
     if choice != "hf":
         block_size = drafter.config.block_size if drafter is not None else 1
-        capacity = cache_capacity(max_length + block_size)
+        capacity = cache_capacity(max(max_length, cache_tokens) + block_size)
         refusal = static_refusal(target, drafter, capacity)
         if refusal is None:
             return StaticDecoder(static_state(target, drafter, capacity), block_size)
@@ -340,12 +344,14 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     decoder: str = "auto",
+    cache_tokens: int = 0,
 ) -> Generation:
     """Decode one prompt: speculatively with `drafter`, or target-only with `drafter=None`.
 
     The loop is the reference's (module docstring). `generator` seeds sampling at T > 0; it
     must live on the target's device. The drafter is used as it is (call `.eval()` first).
-    `decoder` picks how the forwards run (`make_decoder`); the loop is the same for all.
+    `decoder` picks how the forwards run (`make_decoder`, also for `cache_tokens`); the loop is
+    the same for all.
     """
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number ≥ 0, got {temperature}")
@@ -361,7 +367,7 @@ def generate(
     if drafter is not None:
         drafter = _unwrap(drafter)
     block_size = drafter.config.block_size if drafter is not None else 1
-    runner = make_decoder(target, drafter, max_length, decoder)
+    runner = make_decoder(target, drafter, max_length, decoder, cache_tokens)
 
     started = _clock(device)
     logits, features = runner.prefill(prompt)
@@ -559,8 +565,10 @@ class InTrainingEvaluator:
         device_type = self.target.device.type
         try:
             with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
+                cache_tokens = max(len(p) for p in self.prompts) + self.max_new_tokens  # one static cache size
                 generations = [
-                    generate(self.target, module, prompt, self.max_new_tokens, self.stop_token_ids)
+                    generate(self.target, module, prompt, self.max_new_tokens, self.stop_token_ids,
+                             cache_tokens=cache_tokens)
                     for prompt in self.prompts
                 ]
         finally:
@@ -891,6 +899,7 @@ def run_benchmark(
     label: str = "eval",
     stream: Any = None,
     decoder: str = "auto",
+    cache_tokens: int = 0,
 ) -> list[PromptResult]:
     """Decode every prompt speculatively (and target-only when `baseline`), one at a time.
     A prompt that fails is recorded with its error and the run goes on."""
@@ -905,12 +914,12 @@ def run_benchmark(
         result = PromptResult(prompt.id, len(ids))
         try:
             spec = generate(target, drafter, ids, max_new_tokens, stop_token_ids, temperature=temperature,
-                            generator=generator, decoder=decoder)
+                            generator=generator, decoder=decoder, cache_tokens=cache_tokens)
             result.new_tokens, result.acceptance_lengths, result.tau = len(spec.tokens), spec.acceptance_lengths, spec.tau
             result.seconds, result.decode_seconds, result.decoder = spec.seconds, spec.decode_seconds, spec.decoder
             if baseline:
                 base = generate(target, None, ids, max_new_tokens, stop_token_ids, temperature=temperature,
-                                generator=generator, decoder=decoder)
+                                generator=generator, decoder=decoder, cache_tokens=cache_tokens)
                 result.baseline_new_tokens, result.baseline_seconds = len(base.tokens), base.seconds
                 result.baseline_decode_seconds = base.decode_seconds
                 if temperature == 0:
@@ -951,11 +960,16 @@ def run_eval(config: EvalConfig) -> int:
     )
     # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
     # A shard may hold no prompt of a shorter benchmark; it is reported with 0 prompts.
+    # One cache size for the whole run (the longest prompt + new tokens): the static decoder
+    # captures its graphs here, once, instead of inside the first timed prompt of each size.
     first = next(prompts for prompts in benches.values() if prompts)[0]
     warm_ids = render_prompt(target.tokenizer, first.messages)
+    longest = max(len(render_prompt(target.tokenizer, p.messages)) for prompts in benches.values() for p in prompts)
+    cache_tokens = longest + config.max_new_tokens
     for warm_drafter in (drafter, None):
-        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder)
-    print(describe_decoder(target, drafter, len(warm_ids) + config.max_new_tokens, config.decoder), flush=True)
+        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder,
+                 cache_tokens=cache_tokens)
+    print(describe_decoder(target, drafter, cache_tokens, config.decoder), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
@@ -963,6 +977,7 @@ def run_eval(config: EvalConfig) -> int:
         results = run_benchmark(
             target, drafter, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             baseline=config.baseline, stop_token_ids=stops, seed=config.seed, label=name, decoder=config.decoder,
+            cache_tokens=cache_tokens,
         )
         summaries[name] = summarize(results, block_size)
         records[name] = [dataclasses.asdict(r) for r in results]
