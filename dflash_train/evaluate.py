@@ -55,7 +55,7 @@ from torch import nn
 from .assets import package_path
 from .config import ConfigError, UserError, option
 from .drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from .static_decode import StaticDecoder, cache_capacity, static_state, static_unsupported
+from .static_decode import StaticDecoder, cache_capacity, greedy_by_parts, static_state, static_unsupported
 from .target import Target, default_dtype, resolve_device
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +284,11 @@ class HFDecoder:
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _target_forward(self.target, block, start, self.cache, self.layer_ids if features else None)
 
+    def greedy(
+        self, features: torch.Tensor | None, start: int, bonus: torch.Tensor, length: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        return greedy_by_parts(self, features, start, bonus, length)
+
     def keep(self, length: int) -> None:
         crop_cache(self.cache, length)
 
@@ -380,32 +385,26 @@ def generate(
     stopped = tokens[-1] in stops
     while start + 1 < max_length and not stopped:
         length = min(block_size, max_length - start)
-        if length > 1:
-            draft_logits = runner.draft(features, start, bonus, length)
-            if temperature > 0:
+        if temperature == 0:
+            # [accepted, the target's own token after each block position] in one host transfer;
+            # the accepted drafts equal the target's choices, so the new tokens are choice[:accepted + 1].
+            host, step_features = runner.greedy(features, start, bonus, length)
+            new = host[1 : host[0] + 2]
+        else:
+            if length > 1:
+                draft_logits = runner.draft(features, start, bonus, length)
                 draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
                 drafts = _sample(draft_probs, generator)
+                block = torch.cat([bonus, drafts])[None]
             else:
-                drafts = draft_logits.argmax(-1)
-            block = torch.cat([bonus, drafts])[None]
-        else:
-            block = bonus[None]
-        logits, step_features = runner.verify(block, start, features=length > 1)
-
-        if temperature > 0:
+                block = bonus[None]
+            logits, step_features = runner.verify(block, start, features=length > 1)
             target_probs = torch.softmax(logits / temperature, dim=-1)
             if length > 1:
                 accepted, next_token = rejection_sample(drafts, target_probs, draft_probs, generator)
                 new = drafts[:accepted].tolist() + [next_token]
             else:
                 new = [int(_sample(target_probs[0], generator))]
-        else:
-            choice = logits.argmax(-1)  # the target's own token after each block position
-            agree = (block[0, 1:] == choice[:-1]).int().cumprod(0).sum()
-            # One host transfer per step: the agreement count and the target's choices. The
-            # accepted drafts equal the target's choices, so the new tokens are choice[:accepted + 1].
-            host = torch.cat([agree.view(1), choice]).tolist()
-            new = host[1 : host[0] + 2]
 
         new = new[: max_length - start - 1]  # never past max_new_tokens
         for i, token in enumerate(new):

@@ -70,11 +70,16 @@ class CapturedStep(Generic[Outputs]):
     and replayed afterwards; a plain call on CPU. Outputs are the graph's own tensors: read them
     before the next call.
 
+    Capture needs one eager warm-up run first (lazy cuBLAS/attention workspaces must not be
+    allocated inside the capture). That run computes the real result; cache writes are
+    idempotent (same slots from the same inputs), and `restore` names the tensors the step
+    overwrites that it also reads, which are put back before the captured graph's first replay.
+
     If capture fails (an operation that syncs with the host, ...), the step runs eagerly from then
     on, with one warning: slower, never wrong."""
 
-    def __init__(self, fn: Callable[[], Outputs], device: torch.device, name: str):
-        self.fn, self.device, self.name = fn, device, name
+    def __init__(self, fn: Callable[[], Outputs], device: torch.device, name: str, restore: tuple[torch.Tensor, ...] = ()):
+        self.fn, self.device, self.name, self.restore = fn, device, name, restore
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs | None = None
         self.eager = device.type != "cuda"
@@ -88,9 +93,7 @@ class CapturedStep(Generic[Outputs]):
         return self._capture()
 
     def _capture(self) -> Outputs:
-        # Warm-up on a side stream (lazy cuBLAS/attention workspaces must not be allocated
-        # inside the capture). The warm-up computes the real result: the step is idempotent
-        # (it rewrites the same cache slots from the same inputs).
+        saved = [t.clone() for t in self.restore]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -98,13 +101,16 @@ class CapturedStep(Generic[Outputs]):
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: other threads (training workers) may allocate while we capture.
+            # thread_local: other threads may allocate while we capture. (They must not draw CUDA
+            # random numbers meanwhile: the device's generator is in capture mode; see GPU tests.)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 outputs = self.fn()
         except Exception as error:  # noqa: BLE001 - any capture failure means: stay eager
             warnings.warn(f"CUDA graph capture of the {self.name} step failed, running it eagerly: {error}", stacklevel=2)
             self.eager = True
             return result
+        for tensor, value in zip(self.restore, saved):
+            tensor.copy_(value)
         self.graph, self.outputs = graph, outputs
         graph.replay()
         return outputs
@@ -315,7 +321,16 @@ def _float32_replica(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 class StaticState:
-    """The caches and captured steps of one (target, drafter, capacity) for one thread."""
+    """The caches and captured steps of one (target, drafter, capacity) for one thread.
+
+    Captured steps (inputs are the device buffers below, filled by `StaticDecoder`):
+        next_token    target forward of `token`                        -> logits [1, vocab]
+        next_greedy   the same, argmax included                         -> [0, token]
+        draft         drafter over `new_features` (`count` real rows)   -> draft logits [B − 1, vocab]
+        verify        target forward of `verify_ids`, with features     -> logits, features
+        greedy        draft + argmax + verify + agreement, in one graph -> [accepted, target choices × B];
+                      it leaves the verified features in `new_features` for the next step
+    """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int):
         device = target.device
@@ -324,6 +339,7 @@ class StaticState:
         self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.next_token = CapturedStep(lambda: self.target.forward(self.token, self.start, features=False)[0], device, "target-only")
+        self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
         self.drafter = None
         if drafter is not None:
             block = drafter.config.block_size
@@ -331,11 +347,35 @@ class StaticState:
             self.block = torch.full((1, block), drafter.config.mask_token_id, dtype=torch.long, device=device)
             self.new_features = torch.zeros(1, block, drafter.fc.in_features, dtype=target.embed_weight.dtype, device=device)
             self.count = torch.zeros((), dtype=torch.long, device=device)
+            self.bonus = torch.zeros(1, dtype=torch.long, device=device)
             self.draft = CapturedStep(
                 lambda: self.drafter.step(self.new_features, self.count, self.start, self.block), device, "draft"
             )
             self.verify_ids = torch.zeros(1, block, dtype=torch.long, device=device)
             self.verify = CapturedStep(lambda: self.target.forward(self.verify_ids, self.start), device, "verify")
+            self.greedy = CapturedStep(self._greedy, device, "greedy draft+verify", restore=(self.new_features,))
+
+    def _next_greedy(self) -> torch.Tensor:
+        token = self.target.forward(self.token, self.start, features=False)[0].argmax(-1)
+        return torch.cat([torch.zeros_like(token), token])
+
+    def _greedy(self) -> torch.Tensor:
+        self.block[0, :1].copy_(self.bonus)
+        drafts = self.drafter.step(self.new_features, self.count, self.start, self.block).argmax(-1)
+        self.verify_ids[0, :1].copy_(self.bonus)
+        self.verify_ids[0, 1:].copy_(drafts)
+        logits, features = self.target.forward(self.verify_ids, self.start)
+        self.new_features.copy_(features)  # the next step's context: its first `count` rows are kept
+        return agreement(self.verify_ids, logits)
+
+
+def agreement(block: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[accepted, choice_0, ..., choice_{L−1}] for a verified block [1, L] and the target's
+    logits [L, vocab]: choice_i is the target's own token after block position i, and the
+    leading `accepted` drafts equal it, so the new tokens are choice[:accepted + 1]."""
+    choice = logits.argmax(-1)
+    accepted = (block[0, 1:] == choice[:-1]).long().cumprod(0).sum()
+    return torch.cat([accepted.view(1), choice])
 
 
 _STATES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -356,9 +396,10 @@ def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int) -
 
 
 class StaticDecoder:
-    """The decode loop's four operations (see `evaluate.generate`) on a `StaticState`: fixed
-    shapes go through the captured steps, odd ones (the prompt, a short last block, a first
-    context longer than a block) run the same functions eagerly."""
+    """The decode loop's operations (see `evaluate.generate`) on a `StaticState`: fixed shapes go
+    through the captured steps, odd ones (the prompt, a short last block, a first context longer
+    than a block) run the same functions eagerly. Device scalars are set with fill kernels, so
+    nothing here waits for the GPU; `greedy` returns host ints, its one transfer per step."""
 
     kind = "static"
 
@@ -374,10 +415,11 @@ class StaticDecoder:
     def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
         state = self.state
         count = features.shape[1]
-        state.start.fill_(start)  # fill kernels: setting a device scalar never waits for the GPU
+        state.start.fill_(start)
         state.count.fill_(count)
         if length == self.block_size and count <= self.block_size:
-            state.new_features[:, :count].copy_(features)
+            if features.data_ptr() != state.new_features.data_ptr():
+                state.new_features[:, :count].copy_(features)
             state.block[0, :1].copy_(bonus)
             return state.draft()
         block = state.block[:, :length].clone()
@@ -395,5 +437,37 @@ class StaticDecoder:
             return state.next_token(), None
         return state.target.forward(block, state.start, features=features)
 
+    def greedy(
+        self, features: torch.Tensor | None, start: int, bonus: torch.Tensor, length: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        state = self.state
+        if state.drafter is None and length == 1:
+            state.start.fill_(start)
+            state.token.copy_(bonus[None])
+            return state.next_greedy().tolist(), None
+        # One graph for the whole step once the context rows are the last step's verified ones
+        # (views of `new_features`); the first step after the prompt goes by parts.
+        if length == self.block_size and features.data_ptr() == state.new_features.data_ptr():
+            state.start.fill_(start)
+            state.count.fill_(features.shape[1])
+            state.bonus.copy_(bonus)
+            return state.greedy().tolist(), state.new_features
+        host, step_features = greedy_by_parts(self, features, start, bonus, length)
+        if length == self.block_size:
+            state.new_features.copy_(step_features)
+            step_features = state.new_features
+        return host, step_features
+
     def keep(self, length: int) -> None:
         """Nothing to crop: positions ≥ length are masked until verified tokens overwrite them."""
+
+
+def greedy_by_parts(decoder, features, start: int, bonus: torch.Tensor, length: int) -> tuple[list[int], torch.Tensor | None]:
+    """A greedy step from a decoder's `draft` and `verify`: argmax drafts, verify, agreement."""
+    if length > 1:
+        drafts = decoder.draft(features, start, bonus, length).argmax(-1)
+        block = torch.cat([bonus, drafts])[None]
+    else:
+        block = bonus[None]
+    logits, step_features = decoder.verify(block, start, features=length > 1)
+    return agreement(block, logits).tolist(), step_features

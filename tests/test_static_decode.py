@@ -200,10 +200,10 @@ def test_capture_while_another_thread_allocates_and_computes():
     stop = threading.Event()
     problems: list[str] = []
 
-    def busy() -> None:
+    def busy() -> None:  # allocates and computes like a training thread (which draws no CUDA random numbers)
         try:
             while not stop.is_set():
-                x = torch.randn(512, 512, device="cuda")
+                x = torch.ones(512, 512, device="cuda") / 512
                 (x @ x).sum().item()
         except BaseException as error:  # noqa: BLE001
             problems.append(repr(error))
