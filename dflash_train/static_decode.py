@@ -328,8 +328,11 @@ class StaticState:
         next_greedy   the same, argmax included                         -> [0, token]
         draft         drafter over `new_features` (`count` real rows)   -> draft logits [B − 1, vocab]
         verify        target forward of `verify_ids`, with features     -> logits, features
-        greedy        draft + argmax + verify + agreement, in one graph -> [accepted, target choices × B];
-                      it leaves the verified features in `new_features` for the next step
+        greedy(L)     draft + argmax + verify + agreement of an L-token block in one graph
+                      -> [accepted, target choices × L]; it leaves the verified features in
+                      `new_features` for the next step. One graph per block length: the blocks
+                      before max_new_tokens shrink (as the reference's do), and an eager step
+                      there costs as much as several captured ones.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int):
@@ -353,20 +356,28 @@ class StaticState:
             )
             self.verify_ids = torch.zeros(1, block, dtype=torch.long, device=device)
             self.verify = CapturedStep(lambda: self.target.forward(self.verify_ids, self.start), device, "verify")
-            self.greedy = CapturedStep(self._greedy, device, "greedy draft+verify", restore=(self.new_features,))
+            self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def _next_greedy(self) -> torch.Tensor:
         token = self.target.forward(self.token, self.start, features=False)[0].argmax(-1)
         return torch.cat([torch.zeros_like(token), token])
 
-    def _greedy(self) -> torch.Tensor:
-        self.block[0, :1].copy_(self.bonus)
-        drafts = self.drafter.step(self.new_features, self.count, self.start, self.block).argmax(-1)
-        self.verify_ids[0, :1].copy_(self.bonus)
-        self.verify_ids[0, 1:].copy_(drafts)
-        logits, features = self.target.forward(self.verify_ids, self.start)
-        self.new_features.copy_(features)  # the next step's context: its first `count` rows are kept
-        return agreement(self.verify_ids, logits)
+    def greedy(self, length: int) -> CapturedStep[torch.Tensor]:
+        if length not in self.greedy_steps:
+            self.greedy_steps[length] = CapturedStep(
+                lambda: self._greedy(length), self.device, f"greedy {length}-token block", restore=(self.new_features,)
+            )
+        return self.greedy_steps[length]
+
+    def _greedy(self, length: int) -> torch.Tensor:
+        block, ids = self.block[:, :length], self.verify_ids[:, :length]
+        block[0, :1].copy_(self.bonus)
+        drafts = self.drafter.step(self.new_features, self.count, self.start, block).argmax(-1)
+        ids[0, :1].copy_(self.bonus)
+        ids[0, 1:].copy_(drafts)
+        logits, features = self.target.forward(ids, self.start)
+        self.new_features[:, :length].copy_(features)  # the next step's context: its first `count` rows are kept
+        return agreement(ids, logits)
 
 
 def agreement(block: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -447,16 +458,14 @@ class StaticDecoder:
             return state.next_greedy().tolist(), None
         # One graph for the whole step once the context rows are the last step's verified ones
         # (views of `new_features`); the first step after the prompt goes by parts.
-        if length == self.block_size and features.data_ptr() == state.new_features.data_ptr():
+        if features.data_ptr() == state.new_features.data_ptr():
             state.start.fill_(start)
             state.count.fill_(features.shape[1])
             state.bonus.copy_(bonus)
-            return state.greedy().tolist(), state.new_features
+            return state.greedy(length)().tolist(), state.new_features
         host, step_features = greedy_by_parts(self, features, start, bonus, length)
-        if length == self.block_size:
-            state.new_features.copy_(step_features)
-            step_features = state.new_features
-        return host, step_features
+        state.new_features[:, :length].copy_(step_features)
+        return host, state.new_features
 
     def keep(self, length: int) -> None:
         """Nothing to crop: positions ≥ length are masked until verified tokens overwrite them."""

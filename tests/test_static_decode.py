@@ -177,11 +177,13 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
         # The eager run of the very same static functions is the reference for the graphs.
         static = generate(target, drafter, prompt + extra, 40, decoder="static")
         state = make_decoder(target, drafter, len(prompt) + len(extra) + 40).state
-        assert state.draft.graph is not None and state.verify.graph is not None
-        for step in (state.draft, state.verify):
+        steps = list(state.greedy_steps.values()) + [state.draft, state.verify]
+        assert state.greedy(4).graph is not None and state.verify.graph is not None  # the first step goes by parts
+        assert len(state.greedy_steps) >= 2  # full blocks and the shorter ones before max_new_tokens
+        for step in steps:
             step.graph, step.eager = None, True
         eager = generate(target, drafter, prompt + extra, 40, decoder="static")
-        for step in (state.draft, state.verify):
+        for step in steps:
             step.eager = False
         assert static.tokens == eager.tokens and static.acceptance_lengths == eager.acceptance_lengths
         base = generate(target, None, prompt + extra, 40, decoder="static")
