@@ -21,6 +21,7 @@ for name in "$@"; do
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
         tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
             tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py tests/test_training.py ;;
+        gpu-tests) stage gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
         race) stage race ${RACE_LIMIT:-180} python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --budget-s $(( ${RACE_LIMIT:-180} - 20 )) --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
@@ -43,6 +44,9 @@ for name in "$@"; do
             --steps 220 --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 1024,2048 --num-anchors 256 --json "$OUT/layout3.json" ;;
         # Issue #6 item 4: Qwen3-8B-shaped target on cuda:0 feeding a drafter on cuda:1 at config D.
         pipeline8b) stage pipeline8b ${PIPELINE_LIMIT:-150} python3 bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 30 --json "$OUT/pipeline8b.json" ;;
+        # Issue #5: decode-step latency, static decoder (CUDA graphs) vs Hugging Face eager, at SmolLM2's and Qwen3-8B's shapes.
+        decode-speed) stage decode-speed 100 python3 bench/static_decode_speed.py --dims smollm2 --json "$OUT/decode_speed_smollm2.json"
+            stage decode-speed-8b 170 python3 bench/static_decode_speed.py --dims qwen3-8b --context 1000 --repeats 10 --new-tokens 64 --json "$OUT/decode_speed_qwen3.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

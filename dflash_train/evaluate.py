@@ -292,6 +292,9 @@ class HFDecoder:
     def keep(self, length: int) -> None:
         crop_cache(self.cache, length)
 
+    def prepare(self) -> None:
+        """Nothing to capture: every forward runs eagerly."""
+
 
 DECODERS = ("auto", "static", "hf")
 
@@ -968,6 +971,8 @@ def run_eval(config: EvalConfig) -> int:
     for warm_drafter in (drafter, None):
         generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder,
                  cache_tokens=cache_tokens)
+        with torch.no_grad():
+            make_decoder(target, warm_drafter, 0, config.decoder, cache_tokens).prepare()
     print(describe_decoder(target, drafter, cache_tokens, config.decoder), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}

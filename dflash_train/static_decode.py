@@ -358,6 +358,20 @@ class StaticState:
             self.verify = CapturedStep(lambda: self.target.forward(self.verify_ids, self.start), device, "verify")
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
+    def capture_all(self) -> None:
+        """Capture every greedy step shape now (the full block and each shorter last block), so
+        no capture lands inside a timed decode. Writes only cache slots 0..B, and a decode
+        writes every slot it reads (prefill, verified context, its own block) before reading."""
+        self.start.zero_()
+        self.token.zero_()
+        self.next_greedy()
+        if self.drafter is not None:
+            self.start.fill_(1)  # one context row, at position 0
+            self.count.fill_(1)
+            self.bonus.zero_()
+            for length in range(2, self.block.shape[1] + 1):
+                self.greedy(length)()
+
     def _next_greedy(self) -> torch.Tensor:
         token = self.target.forward(self.token, self.start, features=False)[0].argmax(-1)
         return torch.cat([torch.zeros_like(token), token])
@@ -469,6 +483,10 @@ class StaticDecoder:
 
     def keep(self, length: int) -> None:
         """Nothing to crop: positions ≥ length are masked until verified tokens overwrite them."""
+
+    def prepare(self) -> None:
+        """Capture every greedy step's graph before anything is timed (see StaticState.capture_all)."""
+        self.state.capture_all()
 
 
 def greedy_by_parts(decoder, features, start: int, bonus: torch.Tensor, length: int) -> tuple[list[int], torch.Tensor | None]:

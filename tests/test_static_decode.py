@@ -91,6 +91,20 @@ def test_static_and_hugging_face_decoders_give_the_same_tokens_and_steps():
             assert generate(target, None, prompt, max_new, decoder="static").tokens == hf.tokens
 
 
+def test_prepare_builds_every_step_shape_and_leaves_nothing_behind():
+    target = tiny_target("qwen3", head_scale=8)
+    drafter = random_drafter(target, block_size=5)
+    prompt = [7, 1, 3]  # shorter than a block: decoding reuses the slots prepare() wrote
+    expected = generate(target, drafter, prompt, 30, decoder="hf")
+    runner = make_decoder(target, drafter, len(prompt) + 30, "static")
+    runner.prepare()
+    assert sorted(runner.state.greedy_steps) == [2, 3, 4, 5]
+    result = generate(target, drafter, prompt, 30, decoder="static")
+    assert (result.tokens, result.acceptance_lengths) == (expected.tokens, expected.acceptance_lengths)
+    make_decoder(target, None, len(prompt) + 30, "static").prepare()
+    assert generate(target, None, prompt, 30, decoder="static").tokens == expected.tokens
+
+
 class ScaledLogitsLlama(transformers.LlamaForCausalLM):
     """A model whose forward does more than its modules say (as custom remote code can)."""
 
@@ -175,8 +189,12 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
     prompt = [5, 17, 3, 60, 2, 9, 41, 8, 8, 1]
     for extra in ([], [7], [7, 7, 3]):
         # The eager run of the very same static functions is the reference for the graphs.
+        runner = make_decoder(target, drafter, len(prompt) + len(extra) + 40)
+        if extra == [7]:  # once with every graph captured up front, as `eval` does
+            runner.prepare()
+            assert all(step.graph is not None for step in runner.state.greedy_steps.values())
         static = generate(target, drafter, prompt + extra, 40, decoder="static")
-        state = make_decoder(target, drafter, len(prompt) + len(extra) + 40).state
+        state = runner.state
         steps = list(state.greedy_steps.values()) + [state.draft, state.verify]
         assert state.greedy(4).graph is not None and state.verify.graph is not None  # the first step goes by parts
         assert len(state.greedy_steps) >= 2  # full blocks and the shorter ones before max_new_tokens
@@ -187,7 +205,7 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
             step.eager = False
         assert static.tokens == eager.tokens and static.acceptance_lengths == eager.acceptance_lengths
         base = generate(target, None, prompt + extra, 40, decoder="static")
-        assert make_decoder(target, None, len(prompt) + 40).state.next_token.graph is not None
+        assert make_decoder(target, None, len(prompt) + len(extra) + 40).state.next_greedy.graph is not None
         if dtype == torch.float32:
             assert static.tokens == base.tokens == generate(target, None, prompt + extra, 40, decoder="hf").tokens
 
