@@ -410,14 +410,22 @@ def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int) -
     """The cached state for this target, drafter, capacity and thread: graphs are captured once
     per capacity and reused by every later prompt (two threads never share caches). A state
     holds its drafter, so the id in the key cannot be reused by another drafter while cached."""
+    storage = _weight_storage(target.model, drafter)
     with _VERDICT_LOCK:
         per_model = _STATES.setdefault(target.model, {})
         key = (threading.get_ident(), id(drafter), capacity)
-        if key not in per_model:
+        # Captured graphs read weights at fixed addresses: in-place updates (an optimizer step,
+        # load_state_dict) are seen, a replaced tensor (`param.data = ...`) is not, so rebuild then.
+        if key not in per_model or per_model[key][0] != storage:
+            per_model.pop(key, None)
             if len(per_model) >= 8:  # bounded: drop the oldest
                 per_model.pop(next(iter(per_model)))
-            per_model[key] = StaticState(target, drafter, capacity)
-        return per_model[key]
+            per_model[key] = (storage, StaticState(target, drafter, capacity))
+        return per_model[key][1]
+
+
+def _weight_storage(*modules: nn.Module | None) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for module in modules if module is not None for p in module.parameters())
 
 
 class StaticDecoder:

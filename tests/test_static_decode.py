@@ -146,6 +146,14 @@ def test_states_are_shared_per_capacity_and_never_between_threads():
     assert make_decoder(target, drafter, 600).state is not make_decoder(target, drafter, 30).state
     assert make_decoder(target, None, 30).state is not make_decoder(target, drafter, 30).state
 
+    # Weights updated in place are read by the same state; replaced weights get a new one.
+    state = make_decoder(target, drafter, 30).state
+    with torch.no_grad():
+        drafter.fc.weight.mul_(1.0)
+    assert make_decoder(target, drafter, 30).state is state
+    drafter.fc.weight.data = drafter.fc.weight.data.clone()
+    assert make_decoder(target, drafter, 30).state is not state
+
     prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8], [6, 6, 6]]
     expected = {i: generate(target, drafter, p, 20, decoder="hf").tokens for i, p in enumerate(prompts)}
     results: dict[tuple[int, int], list[int]] = {}
