@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from bench.flex_tuning import time_ms  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.evaluate import generate, make_decoder  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
@@ -70,17 +70,11 @@ def build(dims: str, device: torch.device, dtype: torch.dtype, block_size: int) 
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` calls, each synchronised (decode is a latency chain)."""
-    times = []
-    for _ in range(repeats + 3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
+    """Median milliseconds of fn() over `repeats` calls after 3 warm-up calls, each call
+    synchronised (decoding is a chain of dependent steps: latency is what counts)."""
+    for _ in range(3):
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times[3:])
+    return time_ms(fn, repeats, device)
 
 
 @torch.no_grad()

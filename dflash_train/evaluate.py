@@ -262,8 +262,8 @@ def _clock(device: torch.device) -> float:
 
 
 class HFDecoder:
-    """The decode loop's four operations through the Hugging Face model with a DynamicCache,
-    run eagerly: any architecture transformers runs (sliding windows, Gemma, ...), any drafter
+    """The decode loop's operations (prefill, draft, verify, greedy, keep) through the Hugging
+    Face model with a DynamicCache, run eagerly: any architecture transformers runs (sliding windows, Gemma, ...), any drafter
     subclass (its `draft` is called), the drafter on any device."""
 
     kind = "hf"
@@ -309,6 +309,11 @@ def static_refusal(target: Target, drafter: DFlashDrafter | None, capacity: int)
     return static_unsupported(target, capacity)
 
 
+def _static_capacity(drafter: DFlashDrafter | None, tokens: int) -> int:
+    """Cache positions for `tokens` (prompt + new): a verify block may reach B − 1 past the end."""
+    return cache_capacity(tokens + (drafter.config.block_size if drafter is not None else 1))
+
+
 def make_decoder(
     target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto", cache_tokens: int = 0
 ):
@@ -319,11 +324,10 @@ def make_decoder(
     if choice not in DECODERS:
         raise ConfigError(f"decoder {choice!r}: choose one of {', '.join(DECODERS)}")
     if choice != "hf":
-        block_size = drafter.config.block_size if drafter is not None else 1
-        capacity = cache_capacity(max(max_length, cache_tokens) + block_size)
+        capacity = _static_capacity(drafter, max(max_length, cache_tokens))
         refusal = static_refusal(target, drafter, capacity)
         if refusal is None:
-            return StaticDecoder(static_state(target, drafter, capacity), block_size)
+            return StaticDecoder(static_state(target, drafter, capacity), drafter.config.block_size if drafter else 1)
         if choice == "static":
             raise UserError(f"the static decoder cannot run this target/drafter: {refusal}; use --decoder hf")
     return HFDecoder(target, drafter)
@@ -333,7 +337,7 @@ def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: 
     """One line for a run's header: which decoder a prompt of `max_length` tokens gets, and why."""
     if choice == "hf":
         return "decoder: hf (Hugging Face, eager; asked for)"
-    capacity = cache_capacity(max_length + (drafter.config.block_size if drafter is not None else 1))
+    capacity = _static_capacity(drafter, max_length)
     refusal = static_refusal(target, drafter, capacity)
     if refusal is not None:
         return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}"

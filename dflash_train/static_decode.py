@@ -2,12 +2,14 @@
 
 Why: at batch 1 a small target's decode step is a few hundred tiny kernels. Run eagerly through
 Hugging Face with a growing DynamicCache, each costs tens of µs of host time and the GPU idles
-(SmolLM2-135M on an H200: ~56 ms per token). Here every step of a kind has one shape, so each
-kind is captured once in a CUDA graph and replayed with a single launch:
+(SmolLM2-135M on an H200: 65 ms per token end to end). Here every step of a kind has one
+shape, so each kind is captured once in a CUDA graph and replayed with a single launch:
 
-    target-only step   target forward over [1, 1]
-    verify step        target forward over [1, B]           (+ the drafter's context layers)
+    target-only step   target forward over [1, 1] (+ argmax when greedy)
     draft step         drafter over ≤ B new context rows (padded to B) + the block [1, B]
+    verify step        target forward over [1, B]           (+ the drafter's context layers)
+    greedy step        draft + argmax + verify + agreement in one graph, one per block length
+                       (a full block, and each shorter last block before max_new_tokens)
 
 What varies between steps lives in device tensors, not in shapes: the position of the first
 new token (`start`) and the number of real new context rows (`count`). Key/value caches hold
@@ -19,9 +21,10 @@ The same functions run without graphs on CPU and for odd shapes (the prefill, a 
 block), so the fast CPU suite checks all of the logic; only capture and replay need a GPU.
 
 Which targets: decoder-only models whose layers are the Llama/Qwen pre-norm block (Llama,
-Mistral, Qwen2, Qwen3 and their GGUF conversions). The decision is made on behaviour: a short
-probe must reproduce the Hugging Face forward's logits and hidden states; a model that fails
-it (Gemma's scaled embeddings, sliding windows shorter than the cache, ...) decodes through
+Mistral, Qwen2, Qwen3 and their GGUF conversions). The decision is made on behaviour: on a
+float32 2-layer replica of the target's class and config, our forward must reproduce the Hugging
+Face forward's logits and hidden states; a model that fails (Gemma's rotary signature and scaled
+embeddings, a custom forward) or whose sliding window is shorter than the cache decodes through
 Hugging Face eagerly instead.
 """
 
@@ -261,7 +264,8 @@ def static_unsupported(target: Target, capacity: int) -> str | None:
     """Why the static forward cannot decode `target` with this cache, or None when it can.
 
     Structure first (the submodules it calls), then behaviour: a 12-token probe, prefilled
-    in two chunks through our cache, must give Hugging Face's logits and hidden states."""
+    in two chunks through our cache, must give Hugging Face's logits and hidden states on a
+    float32 2-layer replica (one verdict per model, cached)."""
     window = _sliding_window(target.model.config)
     if window is not None and capacity > window:
         return f"its {window}-token sliding window is shorter than the {capacity}-position cache"

@@ -22,12 +22,7 @@ from test_evaluate import random_drafter
 from tiny import tiny_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
