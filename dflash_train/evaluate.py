@@ -587,6 +587,7 @@ class InTrainingEvaluator:
             "tokens": sum(len(g.tokens) for g in generations),
             "steps": stats["steps"],
             "seconds": sum(g.seconds for g in generations),
+            "decoder": generations[0].decoder,
         }
 
 

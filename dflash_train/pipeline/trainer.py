@@ -424,9 +424,11 @@ def train(
             if measured:
                 record["tau_real"] = measured["tau"]
                 record["tau_real_pooled"] = measured["tau_pooled"]
+                record["tau_real_decoder"] = measured["decoder"]
                 progress.print(f"{'[' + report.drafter + '] ' if len(plans) > 1 else ''}eval at step {record['step']}: "
                                f"real tau {measured['tau']:.3f} (pooled {measured['tau_pooled']:.3f}, "
-                               f"{measured['tokens']} tokens in {measured['seconds']:.1f}s) | simulated tau {record['tau_sim']:.3f}")
+                               f"{measured['tokens']} tokens in {measured['seconds']:.1f}s, {measured['decoder']} decoder) "
+                               f"| simulated tau {record['tau_sim']:.3f}")
             logs[report.drafter].write(record)
             if report.drafter == plans[0].name:
                 progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
