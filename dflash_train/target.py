@@ -170,6 +170,9 @@ def resolve_device(name: str | torch.device) -> torch.device:
     except RuntimeError:
         raise TargetError(f"device {name!r}: use auto, cpu, cuda or cuda:N") from None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and device.index is None and count:
+        # `cuda` means the current device; torch.cuda.set_device and streams need the index.
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda" and (device.index or 0) >= count:
         raise TargetError(f"device {name}: not available here ({count} CUDA devices); use --device cpu")
     return device
