@@ -173,7 +173,7 @@ def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
     assert not hasattr(optimizers[1], "grad_scale")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_drafter_loss_and_backward_never_wait_for_the_gpu():
     """With the scored-slot count from the host, a warmed-up forward + loss + backward issues
     no synchronising CUDA call, so the host can run ahead of the GPU for the whole step."""
