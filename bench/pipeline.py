@@ -47,15 +47,20 @@ class Sample:
     loss_mask: torch.Tensor
 
 
-def random_target(dims: dict, device: torch.device) -> Target:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def random_target(dims: dict, device: torch.device, dtype: torch.dtype | None = None, family: str = "qwen3") -> Target:
+    """A random-init target of `dims`, built directly on `device` in `dtype` (default: bfloat16
+    on CUDA, float32 elsewhere); `family` qwen3 or llama."""
+    import transformers
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+    config_class, model_class = classes[family]
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(Qwen3Config(**dims, attn_implementation="sdpa"))
+            model = model_class(config_class(**dims, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(previous)
     return Target(model)

@@ -5,8 +5,8 @@
 
 Random-init target and drafter of real shapes (no download): `smollm2` = SmolLM2-135M (30 layers,
 hidden 576, 9/3 heads, vocab 49,152) with the QUALITY.md drafter (5 layers, B = 16, target
-layers 1, 8, 14, 20, 27); `qwen3-8b` = Qwen3-8B's shape with a 5-layer drafter. For each decoder
-it times, at a context of --context tokens:
+layers 1, 8, 14, 20, 27); `qwen3-8b` = Qwen3-8B's shape (the target of `bench/pipeline.py`)
+with a 5-layer drafter. For each decoder it times, at a context of --context tokens:
 
     target-only step   one token through the target                 (the baseline's cost per token)
     draft step         one drafter block (B new context rows)
@@ -32,18 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench.flex_tuning import time_ms  # noqa: E402
+from bench.pipeline import QWEN3_8B, TINY, random_target  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.evaluate import generate, make_decoder  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
 
-DIMS = {
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "tiny": dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                 num_attention_heads=4, num_key_value_heads=2),
-}
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)
+DIMS = {"smollm2": ("llama", SMOLLM2), "qwen3-8b": ("qwen3", QWEN3_8B), "tiny": ("qwen3", TINY)}
 LAYER_IDS = {"smollm2": [1, 8, 14, 20, 27], "qwen3-8b": [1, 9, 17, 25, 33], "tiny": [1, 3, 4]}
 
 
@@ -52,15 +48,8 @@ def log(message: str) -> None:
 
 
 def build(dims: str, device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[Target, DFlashDrafter]:
-    import transformers
-
-    values = dict(DIMS[dims], max_position_embeddings=8192)
-    with torch.device(device):
-        if dims == "qwen3-8b":
-            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**values))
-        else:
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**values))
-    target = Target(model.to(dtype))
+    family, values = DIMS[dims]
+    target = random_target(values, device, dtype, family)
     config = DrafterConfig.from_target(target.spec, num_layers=5 if dims != "tiny" else 1, block_size=block_size,
                                        mask_token_id=16, target_layer_ids=LAYER_IDS[dims])
     drafter = DFlashDrafter(config).to(device).eval()

@@ -121,16 +121,11 @@ def test_cli_trains_on_real_smollm2_data_with_in_training_eval(tmp_path, smollm2
 def test_gpu_training_measures_real_tau_with_captured_graphs(tmp_path):
     """In-training evaluation on the GPU: the drafter thread captures the static decoder's CUDA
     graphs while the target thread computes features on the same device, and measures real tau."""
-    import transformers
-
     from dflash_train.target import Target
     from test_evaluate import char_tokenizer
+    from tiny import tiny_hf_model
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024))
-    target = Target(model.to("cuda", torch.bfloat16), char_tokenizer())
+    target = Target(tiny_hf_model("llama", vocab=104).to("cuda", torch.bfloat16), char_tokenizer())
     prompts = Path(__file__).parent / "data" / "eval_prompts.jsonl"
     config = _config(tmp_path, device="cuda", steps=6, log_every=3, save_every=6, eval_every=3,
                      eval_bench=str(prompts), eval_limit=2, eval_max_new_tokens=24)
