@@ -6,6 +6,7 @@ realistic loss mask (first 20% of each sequence unsupervised). Median of >= 10 s
 warm-up, timed with CUDA events, split into forward / backward / optimizer.
 
     python bench/drafter_step.py --configs A,B,D --json out.json
+    python bench/drafter_step.py --configs A,D --fp8 off,all   # each config in each FP8 mode (train --fp8)
     python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
 
 MFU follows the issue's formula (see `step_flops`), against 790 TFLOP/s.
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.fp8 import FP8_CHOICES, use_fp8_linears  # noqa: E402
 from dflash_train.objective import ObjectiveConfig, block_labels, draw_anchors  # noqa: E402
 from dflash_train.step import (  # noqa: E402
     DrafterBatch, FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
@@ -92,7 +94,7 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
 
 
-def run_config(name, dims, shape, args, device):
+def run_config(name, dims, shape, args, device, fp8="off"):
     config = drafter_config(dims, args.block_size)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     drafter = DFlashDrafter(config).to(device)
@@ -100,6 +102,8 @@ def run_config(name, dims, shape, args, device):
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     if args.compile == "on":
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
+    if fp8 == "all":
+        use_fp8_linears(drafter)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     frozen = FrozenTargetParts(embed, head)
@@ -107,6 +111,7 @@ def run_config(name, dims, shape, args, device):
                                                 host_count=args.host_count == "on")
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head == "compiled"
+    objective.fp8_head = fp8 != "off"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
     backend = "flex" if device.type == "cuda" else "sdpa"
@@ -134,9 +139,11 @@ def run_config(name, dims, shape, args, device):
             return [events[i].elapsed_time(events[i + 1]) for i in range(3)]
         return [(clock[i + 1] - clock[i]) * 1000 for i in range(3)]
 
+    last: dict = {}
+
     def full_step():
         start = time.perf_counter()
-        training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
+        last["step"] = training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
                       clip_grad=1.0, autocast_dtype=autocast)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -151,7 +158,7 @@ def run_config(name, dims, shape, args, device):
     totals = [full_step() for _ in range(args.steps)]
     parts = [timed_parts() for _ in range(args.steps)]
     if name in args.profile.split(","):
-        profile(full_step, device, Path(args.profile_dir) / f"profile_{name}.txt")
+        profile(full_step, device, Path(args.profile_dir) / f"profile_{name}{'' if fp8 == 'off' else '_fp8' + fp8}.txt")
     ms = statistics.median(totals)
     split = [statistics.median(p[i] for p in parts) for i in range(3)]
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
@@ -162,7 +169,8 @@ def run_config(name, dims, shape, args, device):
         "anchors_per_s": round(int(anchor_valid.sum()) / ms * 1000, 1),
         "peak_gb": round(peak, 2), "tflop_per_step": round(flops / 1e12, 2),
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
-        "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager",
+        "last_loss": round(last["step"].loss, 4), "last_grad_norm": round(last["step"].grad_norm, 4),
+        "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
     }
     if name in SPECFORGE and dims is QWEN3_8B:
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
@@ -203,6 +211,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--head", choices=["compiled", "eager"], default="compiled",
                         help="frozen-head CE chunk compiled (default, with --compile on) or eager")
+    parser.add_argument("--fp8", default="off",
+                        help=f"comma-separated FP8 modes to run each config in, of {FP8_CHOICES} (train --fp8)")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -215,30 +225,36 @@ def main() -> int:
 
         attention.flex_kernel_options = json.loads(args.flex_options)
     dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]
+    modes = args.fp8.split(",")
+    for mode in modes:
+        if mode not in FP8_CHOICES:
+            parser.error(f"--fp8 {mode!r}: choose from {FP8_CHOICES}")
     results = []
     for name in args.configs.split(","):
         shape = {k: SPECFORGE[name][k] for k in ("batch", "seq", "anchors")}
         if dims is TINY:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
-        try:
-            result = run_config(name, dims, shape, args, device)
-        except Exception as error:  # noqa: BLE001 - report and go on with the next config
-            result = {"config": name, "error": f"{type(error).__name__}: {error}"}
-        results.append(result)
-        print(json.dumps(result), flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'ms/step':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
+        for mode in modes:
+            try:
+                result = run_config(name, dims, shape, args, device, mode)
+            except Exception as error:  # noqa: BLE001 - report and go on with the next config
+                result = {"config": name, "fp8": mode, "error": f"{type(error).__name__}: {error}"}
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n{'cfg':<4}{'fp8':>5}{'ms/step':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<4} error: {r['error']}")
+            print(f"{r['config']:<4}{r['fp8']:>5} error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['ms_per_step']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
+        print(f"{r['config']:<4}{r['fp8']:>5}{r['ms_per_step']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
     for r in results:
         if "speedup_vs_specforge" in r:
-            print(f"drafter-step {r['config']}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
+            mode = "" if r["fp8"] == "off" else f" (--fp8 {r['fp8']})"
+            print(f"drafter-step {r['config']}{mode}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2))
     return 0

@@ -24,6 +24,9 @@ for name in "$@"; do
         gpu-tests) stage gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
         race) stage race ${RACE_LIMIT:-180} python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --budget-s $(( ${RACE_LIMIT:-180} - 20 )) --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
+        # FP8 (train --fp8): A in every mode with a profile of each, then B and D with every product in FP8.
+        fp8-a) stage fp8-a ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --fp8 off,head,all --profile A --profile-dir "$OUT" --json "$OUT/step_fp8_a.json" ;;
+        fp8-bd) stage fp8-bd ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs D,B --fp8 ${FP8_MODES:-all} --json "$OUT/step_fp8_bd.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
         lossless) stage lossless 125 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \

@@ -356,6 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="evaluate curve checkpoints on the eval devices other than --device while training runs")
     parser.add_argument("--deadline-seconds", type=float, default=570.0,
                         help="from the start: stop shards still running, merge what finished")
+    parser.add_argument("--fp8", default="off", choices=["off", "head", "all"], help="`train --fp8`")
     parser.add_argument("--json-dir", default="")
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--smoke", action="store_true",
@@ -424,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         num_layers=5, num_anchors=256, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_ratio=0.04, clip_grad=1.0,
         device=train_device, save_every=min(curve_every, args.steps), log_every=100,
         keep_checkpoints=args.steps // curve_every + 2,  # every curve checkpoint stays until it is exported
+        fp8=args.fp8,
     )
     if args.smoke:
         config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1

@@ -218,6 +218,7 @@ class TrainConfig:
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
+    fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
     keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
@@ -249,6 +250,8 @@ class TrainConfig:
             raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
+        if self.fp8 not in ("off", "head", "all"):
+            raise ConfigError(f"fp8 {self.fp8!r}: use off, head or all")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
         if self.eval_every < 0 or self.eval_limit < 1 or self.eval_max_new_tokens < 1:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp8 import Fp8Weight, frozen_forward, frozen_input_grad
+
 # γ per block size from the DFlash paper; other sizes interpolate as 0.4375·B (=7 at B=16).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -111,10 +113,12 @@ def dpace_weights(target_prob: torch.Tensor, label_valid: torch.Tensor, alpha: f
 
 
 def _head_chunk(
-    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, softcap: float, with_grad: bool
+    hidden: torch.Tensor, head: torch.Tensor | Fp8Weight, labels: torch.Tensor, softcap: float, with_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head."""
-    logits = (hidden @ head_weight.t()).float()
+    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head
+    (a weight [V, H], or its FP8 copy)."""
+    fp8 = isinstance(head, Fp8Weight)
+    logits = (frozen_forward(head, hidden, hidden.dtype) if fp8 else hidden @ head.t()).float()
     if softcap:
         capped = torch.tanh(logits / softcap)
         logits = capped * softcap
@@ -127,7 +131,9 @@ def _head_chunk(
     grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
     if softcap:
         grad_logits *= 1.0 - capped.square()
-    return ce, correct, (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+    if fp8:
+        return ce, correct, frozen_input_grad(head, grad_logits, hidden.dtype)
+    return ce, correct, (grad_logits.to(head.dtype) @ head).to(hidden.dtype)
 
 
 @functools.cache
@@ -151,7 +157,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, chunk_rows, softcap, compiled):
+    def forward(ctx, hidden, head, labels, chunk_rows, softcap, compiled):
         rows = hidden.shape[0]
         ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
@@ -165,7 +171,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                 pad = chunk_rows - (end - start)
                 chunk_hidden = torch.nn.functional.pad(chunk_hidden, (0, 0, 0, pad))
                 chunk_labels = torch.nn.functional.pad(chunk_labels, (0, pad))
-            chunk_ce, chunk_correct, chunk_grad = chunk_fn(chunk_hidden, head_weight, chunk_labels, softcap, with_grad)
+            chunk_ce, chunk_correct, chunk_grad = chunk_fn(chunk_hidden, head, chunk_labels, softcap, with_grad)
             ce[start:end] = chunk_ce[: end - start]
             correct[start:end] = chunk_correct[: end - start]
             if grad_rows is not None:
@@ -188,12 +194,14 @@ def frozen_head_cross_entropy(
     chunk_rows: int = 0,
     softcap: float | None = None,
     compiled: bool = False,
+    fp8_head: Fp8Weight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row CE (float32) and top-1 correctness for hidden [T, H] against a frozen head [V, H].
 
     chunk_rows = 0 picks about 256 MiB of float32 logits per chunk (a multiple of 64 rows when
     compiled, where every chunk is padded to that size). `compiled` runs each chunk through
     torch.compile (GPU training; the eager path is the reference and the CPU default).
+    `fp8_head` (the same head quantised, see fp8.py) runs both vocabulary-sized products in FP8.
     """
     if chunk_rows <= 0:
         chunk_rows = max(16, (256 << 20) // (4 * head_weight.shape[0]))
@@ -203,7 +211,8 @@ def frozen_head_cross_entropy(
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FrozenHeadCrossEntropy.apply(hidden, head_weight, labels, chunk_rows, softcap or 0.0, compiled)
+        head = fp8_head if fp8_head is not None else head_weight
+        return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, compiled)
 
 
 @dataclass
@@ -215,6 +224,7 @@ class ObjectiveConfig:
     dpace_alpha: float = 0.5
     loss_chunk_rows: int = 0
     compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
+    fp8_head: bool = False  # frozen-head products in FP8 (fp8.py)
 
     def __post_init__(self) -> None:
         if self.loss not in ("decay", "dpace"):

@@ -88,12 +88,16 @@ class CapturedStep(Generic[Outputs]):
         self.eager = device.type != "cuda"
 
     def __call__(self) -> Outputs:
-        if self.graph is not None:
-            self.graph.replay()
-            return self.outputs  # type: ignore[return-value]
         if self.eager:
             return self.fn()
-        return self._capture()
+        # The graph's device must be the current one: a capture started on another device
+        # records nothing of ours (our kernels run eagerly on their own device's stream) and
+        # every replay would silently return stale outputs.
+        with torch.cuda.device(self.device):
+            if self.graph is not None:
+                self.graph.replay()
+                return self.outputs  # type: ignore[return-value]
+            return self._capture()
 
     def _capture(self) -> Outputs:
         saved = [t.clone() for t in self.restore]
@@ -106,8 +110,16 @@ class CapturedStep(Generic[Outputs]):
         try:
             # thread_local: other threads may allocate while we capture. (They must not draw CUDA
             # random numbers meanwhile: the device's generator is in capture mode; see GPU tests.)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outputs = self.fn()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    outputs = self.fn()
+            empty = [w for w in caught if "graph is empty" in str(w.message).lower()]
+            for w in caught:
+                if w not in empty:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if empty:  # our kernels ran outside the capture: replays would return stale outputs
+                raise RuntimeError(str(empty[0].message))
         except Exception as error:  # noqa: BLE001 - any capture failure means: stay eager
             warnings.warn(f"CUDA graph capture of the {self.name} step failed, running it eagerly: {error}", stacklevel=2)
             self.eager = True

@@ -28,6 +28,7 @@ import torch
 
 from .attention import make_mask
 from .drafter import DFlashDrafter, embed_block_tokens
+from .fp8 import Fp8Weight
 from .objective import (
     ObjectiveConfig,
     block_labels,
@@ -59,6 +60,13 @@ class FrozenTargetParts:
     head_weight: torch.Tensor  # [V, hidden]
     embedding_scale: float = 1.0
     logit_softcap: float | None = None
+    _head_fp8: Fp8Weight | None = None
+
+    def head_fp8(self) -> Fp8Weight:
+        """The head quantised for FP8 products, once (it never changes)."""
+        if self._head_fp8 is None:
+            self._head_fp8 = Fp8Weight.of(self.head_weight)
+        return self._head_fp8
 
 
 def drafter_loss(
@@ -87,6 +95,7 @@ def drafter_loss(
     scored_ce, scored_correct = frozen_head_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
         chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
+        fp8_head=frozen.head_fp8() if objective.fp8_head else None,
     )
     ce = torch.zeros(label_valid.numel(), dtype=scored_ce.dtype, device=scored_ce.device)
     ce = ce.index_copy(0, rows, scored_ce).view(label_valid.shape)

@@ -34,10 +34,11 @@ from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_tr
 from ..config import ConfigError, TrainConfig, unknown_key_error
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..export import export_model
+from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig, summarize_metrics
 from ..progress import Progress, format_seconds
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
-from ..target import Target, load_target, resolve_device, resolve_mask_token_id
+from ..target import Target, TargetSpec, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets
 from .runtime import StopSignal
 from .workers import DrafterSetup, DrafterWorker, GradientReducer, StepReport, TargetWorker, wait_for_workers
@@ -45,7 +46,7 @@ from .workers import DrafterSetup, DrafterWorker, GradientReducer, StepReport, T
 # Keys a variant may override; everything else is shared by construction (one target stream).
 VARIANT_KEYS = (
     "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
-    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed",
+    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
 )
 
 
@@ -69,6 +70,24 @@ class DrafterPlan:
 
 def _compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+def check_fp8_support(plan: DrafterPlan, spec: TargetSpec) -> None:
+    """--fp8 needs FP8 products on every device of the drafter and 16-aligned model dims."""
+    dims = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+    if plan.config.fp8 == "all":
+        dims.update(intermediate_size=spec.intermediate_size, **{
+            "num_attention_heads × head_dim": spec.num_attention_heads * spec.head_dim,
+            "num_key_value_heads × head_dim": spec.num_key_value_heads * spec.head_dim,
+        })
+    try:
+        check_fp8_dims(dims)
+    except ValueError as error:
+        raise ConfigError(f"{plan.name}: {error}") from None
+    for device in plan.devices:
+        reason = fp8_unsupported(device)
+        if reason:
+            raise ConfigError(f"{plan.name}: --fp8 {plan.config.fp8}: {reason}; use --fp8 off")
 
 
 def plan_drafters(config: TrainConfig, drafter_devices: list[torch.device]) -> list[DrafterPlan]:
@@ -247,7 +266,10 @@ def train(
             block_size=plan.config.block_size, num_anchors=plan.config.num_anchors, loss=plan.config.loss,
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
             compiled_head=all(_compiles_drafter(config, device) for device in plan.devices),
+            fp8_head=plan.config.fp8 != "off",
         )
+        if plan.config.fp8 != "off":
+            check_fp8_support(plan, spec)
     layer_union = sorted({k for plan in plans for k in plan.drafter_config.target_layer_ids})
     # With a cache, each target worker reads features on its device instead of running the model.
     sources = None
@@ -346,6 +368,8 @@ def train(
                 # elementwise work around the matmuls fuses; the module itself stays
                 # uncompiled, so checkpoints keep plain parameter names.
                 model.forward = torch.compile(model.forward, dynamic=False)
+            if plan.config.fp8 == "all":
+                use_fp8_linears(model)
             optimizer = make_optimizer(model, plan.config.lr, plan.config.weight_decay,
                                        (plan.config.adam_beta1, plan.config.adam_beta2))
             scheduler = warmup_cosine(optimizer, config.steps, plan.config.warmup_ratio, plan.config.min_lr_ratio)
