@@ -90,8 +90,8 @@ class CapturedStep(Generic[Outputs]):
     def __call__(self) -> Outputs:
         if self.eager:
             return self.fn()
-        # The graph's device must be the current one: a capture started on another device
-        # records nothing of ours (our kernels run eagerly on their own device's stream) and
+        # Capture and replay on the model's device: a graph captured on another device's stream
+        # records none of our kernels (they run eagerly on their own device's stream), and
         # every replay would silently return stale outputs.
         with torch.cuda.device(self.device):
             if self.graph is not None:
@@ -110,9 +110,12 @@ class CapturedStep(Generic[Outputs]):
         try:
             # thread_local: other threads may allocate while we capture. (They must not draw CUDA
             # random numbers meanwhile: the device's generator is in capture mode; see GPU tests.)
+            # Our own stream, on our device: without one, torch.cuda.graph captures on a single
+            # process-wide stream made on whichever device was current at the first capture, so
+            # a second GPU's graphs came out empty.
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     outputs = self.fn()
             empty = [w for w in caught if "graph is empty" in str(w.message).lower()]
             for w in caught:

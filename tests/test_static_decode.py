@@ -218,22 +218,27 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_graphs_of_a_model_on_a_device_that_is_not_the_current_one_are_right():
-    """`eval --device cuda:1` in a process whose current device stays cuda:0: a capture begun
-    on cuda:0 would record none of cuda:1's kernels and every replay would repeat stale outputs
-    (seen: tau 1.0 and runaway outputs on every shard of the second GPU)."""
+    """Graphs on cuda:0 first, then a model on cuda:1 in a process whose current device stays
+    cuda:0 (`eval --device cuda:1`, or in-training eval on the target's GPU from a drafter
+    thread). torch.cuda.graph's default capture stream is made once, on the device current at
+    the first capture: cuda:1's graphs captured there recorded nothing and every replay repeated
+    stale outputs (seen: tau 1.0 and runaway outputs on every eval shard of the second GPU)."""
     torch.cuda.set_device(0)
-    target = tiny_target("qwen3", head_scale=8)
-    target.model.to("cuda:1")
-    drafter = random_drafter(target, block_size=4).to("cuda:1")
     prompt = [5, 17, 3, 60, 2, 9, 41, 8, 8, 1]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        captured = generate(target, drafter, prompt, 40, decoder="static")
-    assert captured.decoder == "static"
-    assert not [w for w in caught if "empty" in str(w.message) or "eagerly" in str(w.message)], [str(w.message) for w in caught]
-    reference = generate(target, drafter, prompt, 40, decoder="hf")
-    assert captured.tokens == reference.tokens and captured.acceptance_lengths == reference.acceptance_lengths
-    assert generate(target, None, prompt, 40, decoder="static").tokens == generate(target, None, prompt, 40, decoder="hf").tokens
+    for device in ("cuda:0", "cuda:1"):
+        target = tiny_target("qwen3", head_scale=8)
+        target.model.to(device)
+        drafter = random_drafter(target, block_size=4).to(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            captured = generate(target, drafter, prompt, 40, decoder="static")
+        assert captured.decoder == "static"
+        assert not [w for w in caught if "empty" in str(w.message) or "eagerly" in str(w.message)], [str(w.message) for w in caught]
+        assert torch.cuda.current_device() == 0
+        reference = generate(target, drafter, prompt, 40, decoder="hf")
+        assert captured.tokens == reference.tokens and captured.acceptance_lengths == reference.acceptance_lengths
+        base = generate(target, None, prompt, 40, decoder="static")
+        assert base.tokens == generate(target, None, prompt, 40, decoder="hf").tokens
 
 
 @pytest.mark.gpu
