@@ -68,6 +68,11 @@ def grouped_attention(
     return out.reshape(1, heads, length, d).transpose(1, 2).reshape(1, length, heads * d)
 
 
+# One capture at a time in the process: the empty-graph check below reads warnings, and
+# `warnings.catch_warnings` is process-global state that two threads must not swap at once.
+_CAPTURE_LOCK = threading.Lock()
+
+
 class CapturedStep(Generic[Outputs]):
     """`fn()` (reading and writing only tensors it owns) captured in a CUDA graph on first use
     and replayed afterwards; a plain call on CPU. Outputs are the graph's own tensors: read them
@@ -113,7 +118,7 @@ class CapturedStep(Generic[Outputs]):
             # Our own stream, on our device: without one, torch.cuda.graph captures on a single
             # process-wide stream made on whichever device was current at the first capture, so
             # a second GPU's graphs came out empty.
-            with warnings.catch_warnings(record=True) as caught:
+            with _CAPTURE_LOCK, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     outputs = self.fn()
