@@ -27,6 +27,11 @@ for name in "$@"; do
         # FP8 (train --fp8): A in every mode with a profile of each, then B and D with every product in FP8.
         fp8-a) stage fp8-a ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --fp8 off,head,all --profile A --profile-dir "$OUT" --json "$OUT/step_fp8_a.json" ;;
         fp8-bd) stage fp8-bd ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs D,B --fp8 ${FP8_MODES:-all} --json "$OUT/step_fp8_bd.json" ;;
+        # The QUALITY recipe trained with --fp8 (FP8_MODE, default all), decoded on both GPUs (needs GGUF= and DATA=).
+        quality-fp8) stage quality-fp8 ${QUALITY_LIMIT:-540} python3 bench/quality_smollm2.py --gguf "$GGUF" --data "$DATA" \
+            --out /tmp/q-fp8 --steps 2800 --train-seconds 270 --device cuda:0 --eval-devices cuda:0,cuda:1 \
+            --eval-procs-per-device 12 --eval-limit 40 --mtbench-every-other --deadline-seconds $(( ${QUALITY_LIMIT:-540} - 15 )) \
+            --fp8 "${FP8_MODE:-all}" --cache-dir /tmp/dflash-cache --json-dir "$OUT" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
         lossless) stage lossless 125 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \
