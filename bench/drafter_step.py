@@ -94,16 +94,23 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
 
 
-def run_config(name, dims, shape, args, device, fp8="off"):
-    config = drafter_config(dims, args.block_size)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = "off") -> DFlashDrafter:
+    """A drafter with random weights (N(0, 0.02), norms at 1) drawn on `device`, its forward
+    compiled and its linears in FP8 (`--fp8 all`) as asked."""
     drafter = DFlashDrafter(config).to(device)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    if args.compile == "on":
+    if compiled:
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
     if fp8 == "all":
         use_fp8_linears(drafter)
+    return drafter
+
+
+def run_config(name, dims, shape, args, device, fp8="off"):
+    config = drafter_config(dims, args.block_size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     frozen = FrozenTargetParts(embed, head)

@@ -21,10 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drafter_step import TINY, drafter_config, make_batch  # noqa: E402
+from drafter_step import TINY, drafter_config, make_batch, random_drafter  # noqa: E402
 
-from dflash_train.drafter import DFlashDrafter  # noqa: E402
-from dflash_train.fp8 import FP8_CHOICES, use_fp8_linears  # noqa: E402
+from dflash_train.fp8 import FP8_CHOICES  # noqa: E402
 from dflash_train.step import FrozenTargetParts, drafter_loss, make_optimizer  # noqa: E402
 
 SMOLLM2 = dict(hidden=576, layers=5, heads=9, kv_heads=3, head_dim=64, mlp=1536, vocab=49152, target_layers=30,
@@ -34,15 +33,7 @@ SMOLLM2 = dict(hidden=576, layers=5, heads=9, kv_heads=3, head_dim=64, mlp=1536,
 def build(dims, device, mode, compiled, seed=0):
     config = drafter_config(dims, 16)
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config)
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    drafter = drafter.to(device)
-    if compiled:
-        drafter.forward = torch.compile(drafter.forward, dynamic=False)
-    if mode == "all":
-        use_fp8_linears(drafter)
-    return config, drafter
+    return config, random_drafter(config, device, compiled=compiled, fp8=mode)
 
 
 def main() -> int:

@@ -55,6 +55,7 @@ from dflash_train.evaluate import (  # noqa: E402
     merge_eval_results,
     summarize,
 )
+from dflash_train.fp8 import FP8_CHOICES  # noqa: E402
 from dflash_train.gguf import hf_folder_from_gguf  # noqa: E402
 from dflash_train.pipeline.trainer import train  # noqa: E402
 from dflash_train.target import resolve_device  # noqa: E402
@@ -356,7 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="evaluate curve checkpoints on the eval devices other than --device while training runs")
     parser.add_argument("--deadline-seconds", type=float, default=570.0,
                         help="from the start: stop shards still running, merge what finished")
-    parser.add_argument("--fp8", default="off", choices=["off", "head", "all"], help="`train --fp8`")
+    parser.add_argument("--fp8", default="off", choices=FP8_CHOICES, help="`train --fp8`")
     parser.add_argument("--json-dir", default="")
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--smoke", action="store_true",
