@@ -16,6 +16,15 @@ stage() {
     tail -n "${TAIL:-25}" "$OUT/$name.log"
     echo "=== $name rc=$rc $(date +%T)"
 }
+# Arguments of bench/quality_smollm2.py for the QUALITY recipe with `--fp8 MODE`, trained on DEVICE and
+# decoded on both GPUs, into the array QUALITY_ARGS (`timeout` runs commands, not shell functions).
+quality_args() {
+    local mode=$1 device=$2 json_dir=$3 limit=$4
+    QUALITY_ARGS=(bench/quality_smollm2.py --gguf "$GGUF" --data "$DATA" --out "/tmp/q-$mode" --steps 2800
+        --train-seconds 270 --device "$device" --eval-devices cuda:0,cuda:1 --eval-procs-per-device 12
+        --eval-limit 40 --mtbench-every-other --deadline-seconds $(( limit - 15 )) --fp8 "$mode"
+        --cache-dir /tmp/dflash-cache --json-dir "$json_dir")
+}
 for name in "$@"; do
     case "$name" in
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
@@ -28,10 +37,16 @@ for name in "$@"; do
         fp8-a) stage fp8-a ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --fp8 off,head,all --profile A --profile-dir "$OUT" --json "$OUT/step_fp8_a.json" ;;
         fp8-bd) stage fp8-bd ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs D,B --fp8 ${FP8_MODES:-all} --json "$OUT/step_fp8_bd.json" ;;
         # The QUALITY recipe trained with --fp8 (FP8_MODE, default all), decoded on both GPUs (needs GGUF= and DATA=).
-        quality-fp8) stage quality-fp8 ${QUALITY_LIMIT:-540} python3 bench/quality_smollm2.py --gguf "$GGUF" --data "$DATA" \
-            --out /tmp/q-fp8 --steps 2800 --train-seconds 270 --device cuda:0 --eval-devices cuda:0,cuda:1 \
-            --eval-procs-per-device 12 --eval-limit 40 --mtbench-every-other --deadline-seconds $(( ${QUALITY_LIMIT:-540} - 15 )) \
-            --fp8 "${FP8_MODE:-all}" --cache-dir /tmp/dflash-cache --json-dir "$OUT" ;;
+        quality-fp8) quality_args "${FP8_MODE:-all}" cuda:0 "$OUT" ${QUALITY_LIMIT:-540}
+            stage quality-fp8 ${QUALITY_LIMIT:-540} python3 "${QUALITY_ARGS[@]}" ;;
+        # The same recipe for two modes at once (FP8_MODES, default "off head"), trained one per GPU
+        # (they share the host's CPUs, so their loop times are not comparable), each decoded on both GPUs.
+        quality-fp8-pair) read -r first second <<<"${FP8_MODES:-off head}"
+            quality_args "$first" cuda:0 "$OUT/$first" ${QUALITY_LIMIT:-570}
+            stage quality-fp8-$first ${QUALITY_LIMIT:-570} python3 "${QUALITY_ARGS[@]}" &
+            quality_args "$second" cuda:1 "$OUT/$second" ${QUALITY_LIMIT:-570}
+            stage quality-fp8-$second ${QUALITY_LIMIT:-570} python3 "${QUALITY_ARGS[@]}" &
+            wait ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
         lossless) stage lossless 125 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \
