@@ -39,9 +39,9 @@ for name in "$@"; do
         # The QUALITY recipe trained with --fp8 (FP8_MODE, default all), decoded on both GPUs (needs GGUF= and DATA=).
         quality-fp8) quality_args "${FP8_MODE:-all}" cuda:0 "$OUT" ${QUALITY_LIMIT:-540}
             stage quality-fp8 ${QUALITY_LIMIT:-540} python3 "${QUALITY_ARGS[@]}" ;;
-        # The same recipe for two modes at once (FP8_MODES, default "off head"), trained one per GPU
+        # The same recipe for two modes at once (PAIR_MODES, default "off head"), trained one per GPU
         # (they share the host's CPUs, so their loop times are not comparable), each decoded on both GPUs.
-        quality-fp8-pair) read -r first second <<<"${FP8_MODES:-off head}"
+        quality-fp8-pair) read -r first second <<<"${PAIR_MODES:-off head}"
             quality_args "$first" cuda:0 "$OUT/$first" ${QUALITY_LIMIT:-570}
             stage quality-fp8-$first ${QUALITY_LIMIT:-570} python3 "${QUALITY_ARGS[@]}" &
             quality_args "$second" cuda:1 "$OUT/$second" ${QUALITY_LIMIT:-570}
