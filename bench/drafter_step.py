@@ -26,12 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.fp8 import FP8_CHOICES, use_fp8_linears  # noqa: E402
+from dflash_train.fp8 import use_fp8_linears  # noqa: E402
 from dflash_train.objective import ObjectiveConfig, block_labels, draw_anchors  # noqa: E402
 from dflash_train.step import (  # noqa: E402
     DrafterBatch, FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
 )
+from dflash_train.target import default_dtype  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.11)
@@ -109,7 +111,7 @@ def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = 
 
 def run_config(name, dims, shape, args, device, fp8="off"):
     config = drafter_config(dims, args.block_size)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.pipeline.trainer import train  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
+from dflash_train.target import Target, default_dtype  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
@@ -55,7 +55,7 @@ def random_target(dims: dict, device: torch.device, dtype: torch.dtype | None = 
     classes = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
     config_class, model_class = classes[family]
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -44,8 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from dflash_train.checkpoint import STATE_FILE, read_state  # noqa: E402
 from dflash_train.cli import main as cli_main  # noqa: E402
-from dflash_train.config import TrainConfig  # noqa: E402
+from dflash_train.config import FP8_CHOICES, TrainConfig  # noqa: E402
 from dflash_train.evaluate import (  # noqa: E402
+    DECODERS,
     MergeError,
     PromptResult,
     bench_label,
@@ -55,7 +56,6 @@ from dflash_train.evaluate import (  # noqa: E402
     merge_eval_results,
     summarize,
 )
-from dflash_train.fp8 import FP8_CHOICES  # noqa: E402
 from dflash_train.gguf import hf_folder_from_gguf  # noqa: E402
 from dflash_train.pipeline.trainer import train  # noqa: E402
 from dflash_train.target import resolve_device  # noqa: E402
@@ -344,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mtbench-every-other", action="store_true",
                         help="MT-Bench as the bar measures it: first turns of every other question (81, 83, ...)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--decoder", default="auto", choices=["auto", "static", "hf"], help="`dflash-train eval --decoder`")
+    parser.add_argument("--decoder", default="auto", choices=DECODERS, help="`dflash-train eval --decoder`")
     parser.add_argument("--eval-limit", type=int, default=20, help="final drafter: prompts 0..N-1 of each benchmark")
     parser.add_argument("--eval-devices", default="", help="comma-separated; default: --device")
     parser.add_argument("--eval-procs-per-device", type=int, default=1, help="concurrent eval subprocesses per device")

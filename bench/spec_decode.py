@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from dflash_train.evaluate import (  # noqa: E402
+    DECODERS,
     bench_label,
     default_stop_token_ids,
     generate,
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--no-reference", action="store_true", help="skip the reference dflash_generate cross-check")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--decoder", default="auto", choices=["auto", "static", "hf"], help="how our decoder runs the forwards")
+    parser.add_argument("--decoder", default="auto", choices=DECODERS, help="how our decoder runs the forwards")
     parser.add_argument("--watchdog-s", type=float, default=600.0, help="dump stacks and exit if one prompt takes longer")
     parser.add_argument("--json", default="", help="write all numbers and per-prompt records here")
     return parser.parse_args(argv)

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 C = TypeVar("C")
 
+FP8_CHOICES = ("off", "head", "all")  # train --fp8 (fp8.py)
+
 
 class UserError(Exception):
     """An input the user can fix (config, data, model choice); printed without a traceback."""
@@ -250,8 +252,8 @@ class TrainConfig:
             raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
-        if self.fp8 not in ("off", "head", "all"):
-            raise ConfigError(f"fp8 {self.fp8!r}: use off, head or all")
+        if self.fp8 not in FP8_CHOICES:
+            raise ConfigError(f"fp8 {self.fp8!r}: use {', '.join(FP8_CHOICES)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
         if self.eval_every < 0 or self.eval_limit < 1 or self.eval_max_new_tokens < 1:

@@ -27,7 +27,6 @@ from torch import nn
 ACTIVATION = torch.float8_e4m3fn
 GRADIENT = torch.float8_e5m2
 ALIGN = 16
-FP8_CHOICES = ("off", "head", "all")
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +135,10 @@ def use_fp8_linears(model: nn.Module) -> int:
     """Switch every bias-free nn.Linear of `model` to FP8 training products, in place (same
     parameters, same names); returns how many were switched."""
     switched = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if type(module) is nn.Linear and module.bias is None:
-            check_fp8_dims({f"{type(module).__name__} in_features": module.in_features,
-                            f"{type(module).__name__} out_features": module.out_features})
+            check_fp8_dims({f"{name or 'linear'} in_features": module.in_features,
+                            f"{name or 'linear'} out_features": module.out_features})
             module.__class__ = Fp8Linear
             switched += 1
     return switched

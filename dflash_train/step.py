@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -60,7 +60,7 @@ class FrozenTargetParts:
     head_weight: torch.Tensor  # [V, hidden]
     embedding_scale: float = 1.0
     logit_softcap: float | None = None
-    _head_fp8: Fp8Weight | None = None
+    _head_fp8: Fp8Weight | None = field(default=None, init=False, repr=False)
 
     def head_fp8(self) -> Fp8Weight:
         """The head quantised for FP8 products, once (it never changes)."""

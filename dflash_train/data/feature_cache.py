@@ -244,7 +244,6 @@ def write_feature_cache(
     by training). `settings` (max_seq_len, min_supervised_tokens, enable_thinking, data) describe
     how the samples were made; a resume must use the same. Prints a size estimate first.
     """
-
     log = log or sys.stdout
     out = Path(out)
     spec = target.spec
