@@ -13,9 +13,7 @@ usable and `--resume` never sees a half-written one.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,19 +21,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .assets import write_dir_atomically
 from .drafter import DFlashDrafter, DrafterConfig
+from .files import write_dir_atomically, write_text_atomic
 
 STATE_FILE = "state.json"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(
@@ -64,7 +53,7 @@ def save_checkpoint(
         (staging / STATE_FILE).write_text(json.dumps(full_state, indent=2))
 
     write_dir_atomically(final, build)
-    _write_text_atomic(checkpoints / "latest", final.name + "\n")
+    write_text_atomic(checkpoints / "latest", final.name + "\n")
     _prune(checkpoints, keep, final)
     return final
 

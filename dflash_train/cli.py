@@ -22,6 +22,7 @@ class ExportConfig:
     checkpoint: str = option("", "a run folder (its latest checkpoint) or a checkpoint folder")
     out: str = option("", "the Hugging Face folder to write")
     dtype: str = option("bfloat16", "weight dtype: bfloat16, float16 or float32")
+    force: bool = option(False, "replace a non-empty --out that is not an earlier export of this run")
 
     def validate(self) -> None:
         if not self.checkpoint or not self.out:
@@ -45,7 +46,8 @@ def run_export(config: ExportConfig) -> int:
 
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
-    out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype))
+    out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
+                       source=checkpoint, force=config.force)
     cfg = drafter.config
     print(f"exported {checkpoint} -> {out}")
     print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "

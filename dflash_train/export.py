@@ -16,9 +16,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .assets import write_dir_atomically
 from .config import UserError
 from .drafter import DFlashDrafter, DrafterConfig
+from .files import write_dir_atomically
+
+# Written into every export: which run it came from, so a later export of the same run may
+# replace it while any other non-empty folder is refused (see check_export_target).
+PROVENANCE_FILE = "export.json"
 
 _LAYER_KEYS = (
     "input_layernorm.weight",
@@ -86,6 +90,40 @@ def hf_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def check_export_target(
+    out_dir: str | Path, run_dir: str | Path | None, *, source: str | Path | None = None, force: bool = False
+) -> None:
+    """Refuse an `--out` whose contents an export would destroy.
+
+    Never (not even with `force`): a file, or a folder holding `source` (the checkpoint being
+    exported: its run folder, `checkpoints/`, the current directory above them). Without
+    `force`: any non-empty folder that is not an earlier export of the same run."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out_dir}: is a file, not a folder")
+    if source is not None:
+        held = Path(source).resolve()
+        if out == held or out in held.parents:
+            raise ExportError(f"--out {out_dir}: holds the checkpoint {source} being exported, which would be "
+                              "replaced; choose a new folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if run_dir is not None and _exported_run(out) == str(Path(run_dir).resolve()):
+        return
+    if force:
+        return
+    what = "an export of another run" if _exported_run(out) else "not an export of this run"
+    raise ExportError(f"--out {out_dir}: the folder is not empty and is {what}; nothing was written. "
+                      "Choose a new or empty folder, or pass --force to replace it")
+
+
+def _exported_run(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / PROVENANCE_FILE).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def export_drafter(
     drafter_config: DrafterConfig,
     state_dict: dict[str, torch.Tensor],
@@ -93,8 +131,15 @@ def export_drafter(
     *,
     dtype: torch.dtype = torch.bfloat16,
     extra_files: dict[str, str] | None = None,
+    run_dir: str | Path | None = None,
+    source: str | Path | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write the HF folder atomically (temp folder + rename)."""
+    """Write the HF folder atomically (staging folder, fsync, rename; an old export is renamed
+    aside, not deleted, until the new one is in place). `run_dir` is recorded as the export's
+    provenance; `check_export_target` decides (with `source` and `force`) whether `out_dir` may
+    be replaced."""
+    check_export_target(out_dir, run_dir, source=source, force=force)
     expected = expected_weight_names(drafter_config.num_hidden_layers)
     names = set(state_dict)
     if names != expected:
@@ -107,13 +152,24 @@ def export_drafter(
         (staging / "config.json").write_text(json.dumps(hf_config(drafter_config, dtype), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
+        provenance = {"run": str(Path(run_dir).resolve()) if run_dir is not None else None}
+        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
 
     out_dir = write_dir_atomically(Path(out_dir), build)
     return out_dir
 
 
-def export_model(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    return export_drafter(drafter.config, drafter.state_dict(), out_dir, dtype=dtype)
+def export_model(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    run_dir: str | Path | None = None,
+    source: str | Path | None = None,
+    force: bool = False,
+) -> Path:
+    return export_drafter(drafter.config, drafter.state_dict(), out_dir, dtype=dtype, run_dir=run_dir,
+                          source=source, force=force)
 
 
 def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:

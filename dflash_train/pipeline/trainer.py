@@ -507,7 +507,8 @@ def train(
                                  "tau_pooled": measured[-1]["tau_real_pooled"]}
         if error is None and rank0.completed_step >= config.steps and config.export_dtype:
             entry["export"] = str(export_model(rank0.setup.drafter, plan.run_dir / "export",
-                                               dtype=getattr(torch, config.export_dtype)))
+                                               dtype=getattr(torch, config.export_dtype), run_dir=plan.run_dir,
+                                               force=True))  # OUT/export belongs to the run
         summary["drafters"][plan.name] = entry
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(_summary_text(summary, config), file=log)

@@ -1,0 +1,97 @@
+"""Atomic file and folder writes: a reader sees the old content or the new, never a mix.
+
+Every write here goes to a hidden sibling first, is fsynced, and is renamed into place; the
+parent folder is fsynced after the rename so the new name survives a power cut. A folder that
+already exists is renamed aside before the new one takes its name, and removed only once the
+new one is in place: at no moment is neither on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside `path` durable (a no-op where the platform cannot open folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file below `root`, then every folder, deepest first."""
+    for folder, _dirs, names in os.walk(root, topdown=False):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(folder)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(temp, mode)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"), mode)
+
+
+def write_json_atomic(path: str | Path, data: Any, mode: int | None = None, **dump: Any) -> Path:
+    return write_text_atomic(path, json.dumps(data, **({"indent": 1} | dump)) + "\n", mode)
+
+
+def write_dir_atomically(final_dir: str | Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(staging)` in a hidden sibling folder, fsync it, then put it at `final_dir`.
+
+    An existing `final_dir` is renamed aside first and deleted only after the new folder took
+    its name; a crash at any point leaves the old folder (under its name or aside) or the new
+    one, never a half-written folder under the final name. Whether replacing `final_dir` is
+    allowed at all is the caller's decision (see `export.check_export_target`)."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
+    aside: Path | None = None
+    try:
+        build(staging)
+        fsync_tree(staging)
+        if final_dir.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old.", dir=final_dir.parent))
+            os.replace(final_dir, aside / final_dir.name)
+        os.replace(staging, final_dir)
+        fsync_dir(final_dir.parent)
+    except BaseException:
+        if aside is not None and (aside / final_dir.name).exists() and not final_dir.exists():
+            os.replace(aside / final_dir.name, final_dir)  # put the old folder back
+        raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        if aside is not None and final_dir.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+    return final_dir
