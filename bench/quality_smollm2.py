@@ -44,15 +44,13 @@ sys.path.insert(0, str(REPO))
 
 from dflash_train.checkpoint import STATE_FILE, read_state  # noqa: E402
 from dflash_train.cli import main as cli_main  # noqa: E402
-from dflash_train.config import FP8_CHOICES, TrainConfig  # noqa: E402
-from dflash_train.evaluate import (  # noqa: E402
-    DECODERS,
+from dflash_train.config import DECODERS, FP8_CHOICES, TrainConfig  # noqa: E402
+from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
+from dflash_train.eval.stats import (  # noqa: E402
     MergeError,
     PromptResult,
-    bench_label,
     format_benchmark,
     format_summary,
-    load_benchmark,
     merge_eval_results,
     summarize,
 )

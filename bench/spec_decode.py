@@ -5,7 +5,7 @@
         --limit 20 --max-new-tokens 256 --json out.json            # CUDA, bf16 by default
 
 For every prompt it runs, on the same rendered prompt:
-  1. our speculative decoder (`dflash_train.evaluate.generate`) -> tokens, per-step acceptance;
+  1. our speculative decoder (`dflash_train.decode.loop.generate`) -> tokens, per-step acceptance;
   2. target-only decoding through the same KV-cache loop          -> the speed-up baseline;
   3. the reference `dflash.model.dflash_generate` with the same exported drafter loaded by
      `DFlashDraftModel.from_pretrained` and the same HF target   -> τ cross-check.
@@ -40,16 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from dflash_train.evaluate import (  # noqa: E402
-    DECODERS,
-    bench_label,
-    default_stop_token_ids,
-    generate,
-    load_benchmark,
-    load_pair,
-    render_prompt,
-    tau_statistics,
-)
+from dflash_train.config import DECODERS  # noqa: E402
+from dflash_train.data.render import render_prompt, stop_token_ids  # noqa: E402
+from dflash_train.decode.loop import generate  # noqa: E402
+from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
+from dflash_train.eval.run import load_pair  # noqa: E402
+from dflash_train.eval.stats import tau_statistics  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -157,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     target, drafter = load_pair(args.target, args.drafter, device, dtype)
     block_size = drafter.config.block_size
     reference_module, reference = (None, None) if args.no_reference else load_reference(args.drafter, device, dtype)
-    stops = default_stop_token_ids(target)
+    stops = stop_token_ids(target.model, target.tokenizer)
     log(f"target {args.target} | drafter {args.drafter} (block {block_size}, layers {drafter.config.target_layer_ids}) | "
         f"stop ids {stops} | T={args.temperature} | max {args.max_new_tokens} new tokens")
 

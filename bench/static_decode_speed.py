@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from bench.flex_tuning import time_ms  # noqa: E402
 from bench.pipeline import QWEN3_8B, TINY, random_target  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.evaluate import generate, make_decoder  # noqa: E402
+from dflash_train.decode.loop import generate, make_decoder  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

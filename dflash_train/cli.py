@@ -1,7 +1,9 @@
-"""`dflash-train <command>`: each command is one typed config dataclass; each field one flag.
+"""`dflash-train <command>`: a static table of commands, each resolved only when it is asked for.
 
-Commands are listed in COMMANDS as (config class, runner, help); the runner imports lazily so
-`dflash-train --help` stays fast and a command's heavy imports load only when it runs.
+Each command lives in `dflash_train.commands.<module>` as a config dataclass (one flag per
+field) and a run function. `dflash-train --help` imports no command module; `dflash-train
+train --help` imports only `commands/train.py`, whose config is torch-free, so neither loads
+torch or transformers.
 """
 
 from __future__ import annotations
@@ -11,91 +13,74 @@ import dataclasses
 import difflib
 import importlib
 import sys
-from typing import Any, Callable
+from typing import NamedTuple
 
 from . import __version__
-from .config import ConfigError, TrainConfig, UserError, add_arguments, from_args, option
+from .config import add_arguments, from_args
+from .errors import UserError
 
 
-@dataclasses.dataclass
-class ExportConfig:
-    checkpoint: str = option("", "a run folder (its latest checkpoint) or a checkpoint folder")
-    out: str = option("", "the Hugging Face folder to write")
-    dtype: str = option("bfloat16", "weight dtype: bfloat16, float16 or float32")
-    force: bool = option(False, "replace a non-empty --out that is not an earlier export of this run")
-
-    def validate(self) -> None:
-        if not self.checkpoint or not self.out:
-            raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError(f"dtype {self.dtype!r}: use bfloat16, float16 or float32")
+class Command(NamedTuple):
+    module: str  # under dflash_train.commands
+    config: str  # the config dataclass in that module
+    run: str  # its run function
+    help: str
+    positional: str | None = None  # a config field that may also be given as the first argument
 
 
-def run_train(config: TrainConfig) -> int:
-    from .pipeline.trainer import train
-
-    train(config)
-    return 0
-
-
-def run_export(config: ExportConfig) -> int:
-    import torch
-
-    from .checkpoint import load_drafter, resolve_checkpoint
-    from .export import export_model
-
-    checkpoint = resolve_checkpoint(config.checkpoint)
-    drafter = load_drafter(checkpoint)
-    out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
-                       source=checkpoint, force=config.force)
-    cfg = drafter.config
-    print(f"exported {checkpoint} -> {out}")
-    print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
-          f"target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}, {config.dtype}")
-    return 0
-
-
-# name -> (config class, "module:function" or callable, help, positional field or None)
-COMMANDS: dict[str, tuple[type, Any, str, str | None]] = {
-    "train": (TrainConfig, run_train, "train a drafter (or several) against a frozen target", None),
-    "export": (ExportConfig, run_export, "write the Hugging Face folder of a trained drafter", "checkpoint"),
+COMMANDS: dict[str, Command] = {
+    "quickstart": Command("quickstart", "QuickstartConfig", "run_quickstart",
+                          "the whole product on SmolLM2 in ~10 minutes on a CPU: data, training, acceptance, export"),
+    "regenerate": Command("regenerate", "RegenerateConfig", "run_regenerate",
+                          "answer prompts with the target itself (resumable) to make training data"),
+    "cache-features": Command("cache_features", "CacheFeaturesConfig", "run_cache_features",
+                              "store the target's hidden states for a data set (sharded, resumable) to train without running it"),
+    "train": Command("train", "TrainConfig", "run_train", "train a drafter (or several) against a frozen target"),
+    "export": Command("export", "ExportConfig", "run_export", "write the Hugging Face folder of a trained drafter",
+                      "checkpoint"),
+    "eval": Command("eval", "EvalConfig", "run_eval",
+                    "speculative decoding with an exported drafter: tau, its histogram, tokens/s, speed-up"),
+    "eval-merge": Command("eval_merge", "EvalMergeConfig", "run_eval_merge",
+                          "merge the --json files of `eval --offset --limit` shards into one run's numbers", "inputs"),
 }
 
 
-def register(name: str, config_class: type, runner: str | Callable, help: str, positional: str | None = None) -> None:
-    COMMANDS[name] = (config_class, runner, help, positional)
+def _module(command: Command):
+    return importlib.import_module(f"dflash_train.commands.{command.module}")
 
 
-def _load_optional_commands() -> None:
-    """Commands owned by other modules register themselves here (keeps this file small)."""
-    for module in ("dflash_train.data.commands", "dflash_train.evaluate", "dflash_train.quickstart"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name != module:
-                raise
-
-
-def build_parser() -> argparse.ArgumentParser:
-    _load_optional_commands()
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the `selected` command's module is imported to add its flags."""
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train DFlash block-diffusion drafters for lossless speculative decoding.",
     )
     parser.add_argument("--version", action="version", version=f"dflash-train {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (config_class, _runner, help_text, positional) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        if positional:
-            command.add_argument(f"_{positional}", metavar=positional.upper(), nargs="?")
-        add_arguments(command, config_class)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        child = sub.add_parser(name, help=command.help, description=command.help)
+        if name != selected:
+            continue
+        if command.positional:
+            child.add_argument(f"_{command.positional}", metavar=command.positional.upper(), nargs="?")
+        add_arguments(child, getattr(_module(command), command.config))
     return parser
 
 
+def _selected_command(argv: list[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_selected_command(argv))
     args, unknown = parser.parse_known_args(argv)
-    config_class, runner, _help, positional = COMMANDS[args.command]
+    command = COMMANDS[args.command]
+    module = _module(command)
+    config_class = getattr(module, command.config)
     if unknown:
         flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(config_class)] + ["--config"]
         first = unknown[0].split("=")[0]
@@ -103,17 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean {close[0]}?" if close else f"; see dflash-train {args.command} --help"
         print(f"dflash-train {args.command}: unknown argument {unknown[0]!r}{hint}", file=sys.stderr)
         return 2
-    if positional:
-        value = getattr(args, f"_{positional}")
-        delattr(args, f"_{positional}")
+    if command.positional:
+        value = getattr(args, f"_{command.positional}")
+        delattr(args, f"_{command.positional}")
         if value is not None:
-            setattr(args, positional, value)
+            setattr(args, command.positional, value)
     try:
         config = from_args(config_class, args)
-        if isinstance(runner, str):
-            module, function = runner.split(":")
-            runner = getattr(importlib.import_module(module), function)
-        return int(runner(config) or 0)
+        return int(getattr(module, command.run)(config) or 0)
     except (UserError, FileNotFoundError) as error:
         print(f"dflash-train {args.command}: {error}", file=sys.stderr)
         return 2
@@ -123,8 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m` this file runs as __main__; commands register into the importable
-    # module, so dispatch through it.
-    from dflash_train.cli import main as package_main
-
-    sys.exit(package_main())
+    sys.exit(main())

@@ -16,17 +16,14 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .errors import ConfigError, UserError  # noqa: F401 - re-exported: most modules import them from here
+
 C = TypeVar("C")
 
 FP8_CHOICES = ("off", "head", "all")  # train --fp8 (fp8.py)
-
-
-class UserError(Exception):
-    """An input the user can fix (config, data, model choice); printed without a traceback."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value or key is wrong; the message says which and how to fix it."""
+DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
+THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:

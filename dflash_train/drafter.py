@@ -322,3 +322,14 @@ def embed_block_tokens(
     """Frozen target embedding of block tokens (scaled for targets such as Gemma that scale)."""
     embeds = F.embedding(token_ids, embed_weight)
     return embeds * scale if scale != 1.0 else embeds
+
+
+def unwrap_drafter(drafter: nn.Module) -> DFlashDrafter:
+    """The DFlashDrafter inside a torch.compile wrapper or a DistributedDataParallel wrapper."""
+    for _ in range(4):
+        if isinstance(drafter, DFlashDrafter):
+            return drafter
+        drafter = getattr(drafter, "_orig_mod", None) or getattr(drafter, "module", None) or drafter
+    if not isinstance(drafter, DFlashDrafter):
+        raise TypeError(f"expected a DFlashDrafter, got {type(drafter).__name__}")
+    return drafter

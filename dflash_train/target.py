@@ -86,6 +86,12 @@ class TargetSpec:
         )
 
 
+def hidden_state_index(layer_id: int) -> int:
+    """Where layer id k (the output of decoder layer k) sits in Hugging Face's `hidden_states`:
+    index 0 is the embedding output, so layer k is index k + 1."""
+    return layer_id + 1
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DESIGN §1 rule: n = 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1))."""
     if num_draft_layers < 1:
@@ -159,6 +165,18 @@ class _StopForward(Exception):
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """The dtype a target runs in unless told otherwise: bfloat16 on CUDA, float32 elsewhere."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def dtype_from_name(name: str, device: str | torch.device) -> torch.dtype:
+    """A --dtype flag's value: "auto" (bfloat16 on CUDA, float32 elsewhere) or a name in
+    config.DTYPE_NAMES."""
+    from .config import DTYPE_NAMES
+
+    if name == "auto":
+        return default_dtype(device)
+    if name not in DTYPE_NAMES:
+        raise UserError(f"dtype {name!r}: use auto, {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:

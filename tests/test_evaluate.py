@@ -23,19 +23,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train import evaluate
 from dflash_train.attention import dense_mask
 from dflash_train.config import UserError
+from dflash_train.data.render import render_prompt, stop_token_ids
+from dflash_train.decode import loop
+from dflash_train.decode.loop import generate, rejection_sample
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, embed_block_tokens
-from dflash_train.evaluate import (
-    InTrainingEvaluator,
-    generate,
-    hook_free_view,
-    load_benchmark,
-    read_prompt_file,
-    rejection_sample,
-    tau_statistics,
-)
+from dflash_train.eval.benchmarks import load_benchmark, read_prompt_file
+from dflash_train.eval.in_training import InTrainingEvaluator, hook_free_view
+from dflash_train.eval.run import load_pair
+from dflash_train.eval.stats import MergeError, merge_eval_results, tau_statistics
 from dflash_train.export import export_model
 from tiny import tiny_target
 
@@ -309,7 +306,7 @@ def test_bfloat16_drafter_keeps_float32_rope_and_matches_the_reference(fitted, r
 
     fitted.target.model.save_pretrained(tmp_path / "target")
     export_model(fitted.drafter, tmp_path / "drafter", dtype=torch.bfloat16)
-    target, drafter = evaluate.load_pair(str(tmp_path / "target"), str(tmp_path / "drafter"), torch.device("cpu"), torch.bfloat16)
+    target, drafter = load_pair(str(tmp_path / "target"), str(tmp_path / "drafter"), torch.device("cpu"), torch.bfloat16)
     assert drafter.fc.weight.dtype == torch.bfloat16 and drafter.inv_freq.dtype == torch.float32
     torch.testing.assert_close(drafter.inv_freq, fitted.drafter.inv_freq, rtol=0, atol=0)
     reference = DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.bfloat16).eval()
@@ -383,7 +380,7 @@ def sample_positions(target, drafter, prompt, count, runs, seed):
     generator = torch.Generator().manual_seed(seed)
     tokens, lengths = [], []
     for _ in range(runs):
-        result = evaluate.generate(target, drafter, prompt, count, temperature=1.0, generator=generator)
+        result = generate(target, drafter, prompt, count, temperature=1.0, generator=generator)
         tokens.append(result.tokens)
         lengths += result.acceptance_lengths
     return torch.tensor(tokens), lengths
@@ -411,7 +408,7 @@ def test_sampling_matches_the_targets_own_distribution(monkeypatch):
     def accept_all(drafts, target_probs, draft_probs, generator=None):
         return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=generator))
 
-    monkeypatch.setattr(evaluate, "rejection_sample", accept_all)
+    monkeypatch.setattr(loop, "rejection_sample", accept_all)
     broken, _ = sample_positions(target, drafter, prompt, count, runs=250, seed=1)
     assert min(chi_square_p_value(torch.bincount(broken[:, i], minlength=vocab), marginals[i]) for i in (1, 2)) < 1e-6
 
@@ -707,13 +704,13 @@ def test_merging_refuses_overlapping_or_mismatched_shards(sharded_eval, tmp_path
     from dflash_train import cli
 
     shard0 = sharded_eval / "shard0.json"
-    with pytest.raises(evaluate.MergeError, match=r"mtbench: prompt '81' is in both"):
-        evaluate.merge_eval_results([shard0, sharded_eval / "whole.json"])
+    with pytest.raises(MergeError, match=r"mtbench: prompt '81' is in both"):
+        merge_eval_results([shard0, sharded_eval / "whole.json"])
     other_block = json.loads(shard0.read_text())
     other_block["block_size"] += 1
     (tmp_path / "other.json").write_text(json.dumps(other_block))
-    with pytest.raises(evaluate.MergeError, match="block size"):
-        evaluate.merge_eval_results([sharded_eval / "shard2.json", tmp_path / "other.json"])
+    with pytest.raises(MergeError, match="block size"):
+        merge_eval_results([sharded_eval / "shard2.json", tmp_path / "other.json"])
     assert cli.main(["eval-merge", f"{shard0},{shard0}"]) == 2
     assert "shards overlap" in capsys.readouterr().err
 
@@ -810,9 +807,9 @@ def test_smollm2_greedy_speculative_is_lossless_and_matches_the_reference(tmp_pa
     drafter = random_drafter(target, block_size=8, layer_ids=(1, 14, 27), mask_token_id=mask, std=0.02)
     export_model(drafter, tmp_path / "drafter", dtype=torch.float32)
     reference = DFlashDraftModel.from_pretrained(tmp_path / "drafter", dtype=torch.float32).eval()
-    stops = evaluate.default_stop_token_ids(target)
+    stops = stop_token_ids(target.model, target.tokenizer)
     for prompt in load_benchmark("mtbench")[:2]:
-        ids = evaluate.render_prompt(target.tokenizer, prompt.messages)
+        ids = render_prompt(target.tokenizer, prompt.messages)
         spec = generate(target, drafter, ids, 48, stops)
         assert spec.tokens == generate(target, None, ids, 48, stops).tokens
         theirs = reference_module.dflash_generate(reference, target.model, torch.tensor([ids]), 48, stops, return_stats=True)

@@ -1,4 +1,4 @@
-"""The static decoder: preallocated caches, fixed step shapes, CUDA graphs (static_decode.py).
+"""The static decoder: preallocated caches, fixed step shapes, CUDA graphs (decode/static.py).
 
 On CPU the static functions run eagerly, so these tests check everything but capture/replay
 against the Hugging Face forward and the drafter's own `draft`; the GPU tests check that the
@@ -17,8 +17,8 @@ import transformers
 
 from dflash_train.config import UserError
 from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from dflash_train.evaluate import generate, make_decoder
-from dflash_train.static_decode import StaticDrafter, StaticTarget, static_state, static_unsupported
+from dflash_train.decode.loop import generate, make_decoder
+from dflash_train.decode.static import StaticDrafter, StaticTarget, static_state, static_unsupported
 from dflash_train.target import Target
 from test_evaluate import random_drafter
 from tiny import tiny_target

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.evaluate import generate, generate_target_only
+from dflash_train.decode.loop import generate, generate_target_only
 from dflash_train.export import load_exported_drafter
 from dflash_train.objective import ObjectiveConfig, block_labels
 from dflash_train.pipeline.trainer import train

@@ -49,7 +49,7 @@ import torch
 from ..config import ConfigError
 from ..progress import Progress, format_seconds
 from .readers import DataError, Prompt, RowStats
-from .render import RenderError, render_prompt
+from .render import RenderError, render_prompt, stop_token_ids
 
 # Prompts are sorted by length inside windows of this many batches: less padding, and the
 # batches stay a function of the input alone (see the module doc).
@@ -84,20 +84,6 @@ class Generated:
 
     def answer_tokens(self) -> list[int]:
         return self.tokens[:-1] if self.finish_reason == "stop" else self.tokens
-
-
-def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """End-of-turn ids: the tokenizer's eos and every eos id of the model's generation config
-    (Llama-3 and Qwen list several: `<|eot_id|>`, `<|im_end|>`, `<|endoftext|>`)."""
-    ids: list[int] = []
-    generation_config = getattr(model, "generation_config", None)
-    for value in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        for token_id in value if isinstance(value, (list, tuple)) else [value]:
-            if token_id is not None and int(token_id) not in ids:
-                ids.append(int(token_id))
-    if not ids:
-        raise ConfigError("the target declares no end-of-turn token (no eos_token_id in its tokenizer or generation_config)")
-    return ids
 
 
 def row_seed(seed: int, row_id: str) -> int:

@@ -186,8 +186,30 @@ def render_conversation(
 
 
 def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool | None = None) -> list[int]:
-    """Token ids of a prompt ending with the generation prompt: what the target reads before answering."""
+    """Token ids of a prompt ending with the generation prompt: what the target reads before
+    answering (`regenerate`, `eval`, the in-training evaluator all serve prompts through this).
+    A base model without a chat template reads the user turns as plain text after its BOS."""
+    if tokenizer is None:
+        raise RenderError("the target has no tokenizer next to it: prompts are rendered with its chat template")
     if not messages or messages[-1]["role"] == "assistant":
         raise RenderError("render_prompt needs messages ending with a user turn (drop the assistant answer to regenerate it)")
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer.encode("\n\n".join(m["content"] for m in messages if m["role"] == "user")))
     text = _render_text(tokenizer, messages, True, enable_thinking)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos and every eos id of the model's generation config
+    (Llama-3 and Qwen list several: `<|eot_id|>`, `<|im_end|>`, `<|endoftext|>`). What
+    `regenerate` stops at is what `eval` and the in-training evaluator stop at."""
+    ids: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    for value in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    if not ids:
+        raise UserError("the target declares no end-of-turn token (no eos_token_id in its tokenizer or "
+                        "generation_config); pass --stop-token-ids")
+    return ids

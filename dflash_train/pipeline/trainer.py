@@ -249,7 +249,7 @@ def train(
 
     evaluator = None
     if config.eval_every:
-        from ..evaluate import InTrainingEvaluator
+        from ..eval.in_training import InTrainingEvaluator
 
         evaluator = InTrainingEvaluator.from_benchmark(
             targets[0], config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens)

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DFlashDrafter, apply_rope, embed_block_tokens
-from .target import Target
+from ..drafter import DFlashDrafter, apply_rope, embed_block_tokens
+from ..target import Target, hidden_state_index
 
 Outputs = TypeVar("Outputs")
 
@@ -324,7 +324,7 @@ def _probe(target: Target) -> str | None:
             return f"its modules do not run as a Llama/Qwen block ({type(error).__name__}: {error})"
     logits = torch.cat([first[0], second[0]])
     states = torch.cat([first[1], second[1]], dim=1)
-    expected_states = torch.cat([reference.hidden_states[k + 1] for k in range(layers)], dim=-1)
+    expected_states = torch.cat([reference.hidden_states[hidden_state_index(k)] for k in range(layers)], dim=-1)
     for name, got, expected in (("logits", logits, reference.logits[0]), ("hidden states", states, expected_states)):
         error = float((got - expected).abs().max()) / (float(expected.abs().max()) + 1e-6)
         if not error <= 1e-4:
@@ -453,7 +453,7 @@ def _weight_storage(*modules: nn.Module | None) -> tuple[int, ...]:
 
 
 class StaticDecoder:
-    """The decode loop's operations (see `evaluate.generate`) on a `StaticState`: fixed shapes go
+    """The decode loop's operations (see `decode.loop.generate`) on a `StaticState`: fixed shapes go
     through the captured steps, odd ones (the prompt, a short last block, a first context longer
     than a block) run the same functions eagerly. Device scalars are set with fill kernels, so
     nothing here waits for the GPU; `greedy` returns host ints, its one transfer per step."""

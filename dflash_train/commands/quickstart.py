@@ -17,9 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from . import cli
-from .config import ConfigError, TrainConfig, option
-from .progress import format_seconds
+from ..config import ConfigError, TrainConfig, option
+from ..progress import format_seconds
 
 GPU_RECIPE = """\
 For a strong drafter, on a GPU (one H200 trains the QUALITY.md recipe in ~2.5 minutes):
@@ -84,10 +83,11 @@ def plot_training_curve(metrics_path: Path, png_path: Path) -> Path:
 
 
 def run_quickstart(config: QuickstartConfig) -> int:
-    from .data.commands import CacheFeaturesConfig, RegenerateConfig, run_cache_features, run_regenerate
-    from .evaluate import EvalConfig, run_eval
-    from .gguf import smollm2_target_dir
-    from .pipeline.trainer import train
+    from ..gguf import smollm2_target_dir
+    from ..pipeline.trainer import train
+    from .cache_features import CacheFeaturesConfig, run_cache_features
+    from .eval import EvalConfig, run_eval
+    from .regenerate import RegenerateConfig, run_regenerate
 
     started = time.monotonic()
     out = Path(config.out)
@@ -182,7 +182,3 @@ def _summary(config, target_dir, data, train_summary, evaluation, export, png, t
         "=" * 78,
     ]
     return "\n".join(lines)
-
-
-cli.register("quickstart", QuickstartConfig, run_quickstart,
-             "the whole product on SmolLM2 in ~10 minutes on a CPU: data, training, acceptance, export")

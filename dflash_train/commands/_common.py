@@ -1,0 +1,32 @@
+"""What the data commands share: the checks of their common flags and loading the target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import DTYPE_NAMES, THINKING, ConfigError
+
+
+def check_target_flags(target: str, out: str, thinking: str, dtype: str, batch_size: int) -> None:
+    if not target:
+        raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file)")
+    if not out:
+        raise ConfigError("no output: pass --out")
+    if thinking not in THINKING:
+        raise ConfigError(f"thinking {thinking!r}: use auto (the template's default), on or off")
+    if dtype not in ("auto", *DTYPE_NAMES):
+        raise ConfigError(f"dtype {dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
+    if batch_size < 0:
+        raise ConfigError(f"batch_size must be at least 1 (or 0 for automatic), got {batch_size}")
+
+
+def load_target_for(target_path: str, device: Any, dtype: str) -> Any:
+    """The target on `device`, its weights in `dtype` ("auto" keeps load_target's default)."""
+    import torch
+
+    from ..target import load_target
+
+    weights = None if dtype == "auto" else getattr(torch, dtype)
+    print(f"loading target {target_path} on {device}")
+    return load_target(Path(target_path).resolve(), device, weights)

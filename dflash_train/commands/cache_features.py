@@ -1,0 +1,76 @@
+"""`dflash-train cache-features`: store the target's hidden states for a data set (sharded,
+resumable) so training can run without the target's forward.
+
+Ends with the `rows: read=N used=M skipped=K` accounting of its input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config import THINKING, ConfigError, option
+from ._common import check_target_flags, load_target_for
+
+
+@dataclasses.dataclass
+class CacheFeaturesConfig:
+    """Run the target once over conversations and store its hidden states for training."""
+
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    data: list[str] = option([], "training conversations: JSONL/JSON/Parquet files (comma-separated)")
+    out: str = option("", "cache folder (new or empty; an interrupted cache there is resumed)")
+    max_seq_len: int = option(2048, "longer conversations are truncated (training may truncate further)")
+    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
+    target_layer_ids: list[int] = option([], "target layers to store; empty = DESIGN rule with num_layers layers")
+    num_layers: int = option(5, "how many layers the default rule picks (the drafter's depth, by default)")
+    batch_size: int = option(0, "sequences per target forward; 0 = 32 on CUDA, 8 on CPU")
+    shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)")
+    dtype: str = option("auto", "stored dtype: auto (the target's: bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
+    device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
+
+    def validate(self) -> None:
+        check_target_flags(self.target, self.out, self.thinking, self.dtype, self.batch_size)
+        if not self.data:
+            raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
+        if self.max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        if self.num_layers < 1:
+            raise ConfigError(f"num_layers must be at least 1, got {self.num_layers}")
+        if self.shard_size_mb <= 0:
+            raise ConfigError(f"shard_size_mb must be > 0, got {self.shard_size_mb}")
+
+
+def run_cache_features(config: CacheFeaturesConfig) -> int:
+    import torch
+
+    from ..data.feature_cache import DTYPES, write_feature_cache
+    from ..data.samples import load_training_samples
+    from ..target import default_target_layer_ids, resolve_device
+
+    device = resolve_device(config.device)
+    target = load_target_for(config.target, device, config.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
+    data = [str(Path(p).resolve()) for p in config.data]
+    thinking = THINKING[config.thinking]
+    samples, stats = load_training_samples(
+        data, target.tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
+        enable_thinking=thinking,
+    )
+    if not samples:
+        print(stats.summary())
+        raise ConfigError(f"no usable rows in {', '.join(config.data)} (see the reasons above)")
+    layer_ids = list(config.target_layer_ids) or default_target_layer_ids(target.spec.num_hidden_layers, config.num_layers)
+    dtype = DTYPES[config.dtype] if config.dtype != "auto" else target.embed_weight.dtype
+    batch_size = config.batch_size or (32 if target.device.type == "cuda" else 8)
+    print(f"caching target layers {layer_ids} ({torch.finfo(dtype).bits}-bit {str(dtype).removeprefix('torch.')}) "
+          f"of {len(samples)} samples")
+    report = write_feature_cache(
+        target, samples, stats, config.out, layer_ids=layer_ids, dtype=dtype, batch_size=batch_size,
+        shard_size_mb=config.shard_size_mb,
+        settings={"max_seq_len": config.max_seq_len, "min_supervised_tokens": config.min_supervised_tokens,
+                  "enable_thinking": thinking, "data": data},
+    )
+    print(report.summary())
+    return 0

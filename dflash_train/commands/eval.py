@@ -1,0 +1,132 @@
+"""`dflash-train eval`: speculative decoding with an exported drafter: τ, its histogram,
+tokens/s and the speed-up over target-only decoding, on benchmarks or a prompts file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, UserError, option
+from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    drafter: str = option("", "an exported drafter folder (dflash-train export)")
+    bench: list[str] = option(["mtbench"], f"benchmarks, comma-separated: {', '.join(BENCHMARKS)} or a prompts file (.jsonl, .json, .parquet, .txt)")
+    max_new_tokens: int = option(256, "new tokens per prompt at most")
+    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)")
+    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all")
+    temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling")
+    device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32")
+    baseline: bool = option(True, "also decode target-only through the same loop, for the speed-up")
+    stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids")
+    seed: int = option(0, "sampling seed (T > 0)")
+    json: str = option("", "also write the numbers and per-prompt records to this JSON file")
+    decoder: str = option("auto", "auto (static where the target passes its probe, else hf), static (preallocated caches, CUDA graphs on GPU) or hf (Hugging Face, eager)")
+    thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off; as the drafter was trained")
+
+    def validate(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"decoder {self.decoder!r}: use {', '.join(DECODERS)}")
+        if not self.target or not self.drafter:
+            raise ConfigError("eval needs --target DIR and --drafter DIR")
+        if not self.bench:
+            raise ConfigError(f"--bench is empty: give one or more of {available_benchmarks()}")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be at least 1")
+        if self.offset < 0:
+            raise ConfigError("offset must be ≥ 0")
+        if self.limit < 0:
+            raise ConfigError("limit must be ≥ 0 (0 = all prompts)")
+        if not self.temperature >= 0 or not math.isfinite(self.temperature):
+            raise ConfigError("temperature must be ≥ 0")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            raise ConfigError(f"dtype {self.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
+        if self.thinking not in THINKING:
+            raise ConfigError(f"thinking {self.thinking!r}: use {', '.join(THINKING)}")
+
+
+
+def run_eval(config: EvalConfig) -> int:
+    import torch
+
+    from ..data.render import render_prompt, stop_token_ids
+    from ..decode.loop import describe_decoder, generate, make_decoder
+    from ..eval.run import load_pair, run_benchmark
+    from ..eval.stats import format_benchmark, format_summary, summarize
+    from ..target import dtype_from_name, resolve_device
+
+    device = resolve_device(config.device)
+    dtype = dtype_from_name(config.dtype, device)
+    thinking = THINKING[config.thinking]
+    # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
+    benches = {}
+    for name in config.bench:
+        prompts = load_benchmark(name)
+        benches[bench_label(name)] = prompts[config.offset :][: config.limit or None]
+    if not any(benches.values()):
+        raise UserError(f"no prompts left after --offset {config.offset} in {', '.join(config.bench)}")
+    target, drafter = load_pair(config.target, config.drafter, device, dtype)
+    stops = list(config.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
+    block_size = drafter.config.block_size
+    print(
+        f"target {config.target} ({target.spec.model_type}, {target.spec.num_hidden_layers} layers) | drafter {config.drafter} "
+        f"(block {block_size}, {drafter.config.num_hidden_layers} layers) | {device} {str(dtype).removeprefix('torch.')} | "
+        f"T={config.temperature} | max {config.max_new_tokens} new tokens | stop ids {stops}",
+        flush=True,
+    )
+    # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
+    # A shard may hold no prompt of a shorter benchmark; it is reported with 0 prompts.
+    # One cache size for the whole run (the longest prompt + new tokens): the static decoder
+    # captures its graphs here, once, instead of inside the first timed prompt of each size.
+    first = next(prompts for prompts in benches.values() if prompts)[0]
+    warm_ids = render_prompt(target.tokenizer, first.messages, thinking)
+    longest = max(len(render_prompt(target.tokenizer, p.messages, thinking)) for prompts in benches.values() for p in prompts)
+    cache_tokens = longest + config.max_new_tokens
+    for warm_drafter in (drafter, None):
+        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder,
+                 cache_tokens=cache_tokens)
+        with torch.no_grad():
+            make_decoder(target, warm_drafter, 0, config.decoder, cache_tokens).prepare()
+    print(describe_decoder(target, drafter, cache_tokens, config.decoder), flush=True)
+
+    summaries: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    for name, prompts in benches.items():
+        results = run_benchmark(
+            target, drafter, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            baseline=config.baseline, stop_token_ids=stops, seed=config.seed, label=name, decoder=config.decoder,
+            cache_tokens=cache_tokens, enable_thinking=thinking,
+        )
+        summaries[name] = summarize(results, block_size)
+        records[name] = [dataclasses.asdict(r) for r in results]
+        print("\n".join(format_benchmark(name, summaries[name])), flush=True)
+
+    print()
+    print("\n".join(format_summary(summaries)))
+    if config.json:
+        payload = {
+            "config": dataclasses.asdict(config),
+            "block_size": block_size,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "stop_token_ids": stops,
+            "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
+        }
+        out = Path(config.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {out}")
+    failed = sum(s["errors"] for s in summaries.values())
+    if failed:
+        print(f"{failed} prompt(s) failed; see the first traceback above", file=sys.stderr)
+    return 1 if failed else 0
+
+

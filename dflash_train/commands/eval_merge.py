@@ -1,0 +1,37 @@
+"""`dflash-train eval-merge`: one run's numbers from the --json files of `eval` shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import ConfigError, option
+from ..eval.stats import format_benchmark, format_summary, merge_eval_results
+
+
+@dataclasses.dataclass
+class EvalMergeConfig:
+    inputs: list[str] = option([], "the --json files of `dflash-train eval` shards, comma-separated")
+    json: str = option("", "write the merged numbers and per-prompt records to this JSON file")
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise ConfigError("eval-merge needs SHARD.json,SHARD.json,... (or --inputs)")
+
+
+def run_eval_merge(config: EvalMergeConfig) -> int:
+    payload = merge_eval_results(config.inputs)
+    summaries = {name: bench["summary"] for name, bench in payload["benchmarks"].items()}
+    for name, summary in summaries.items():
+        print("\n".join(format_benchmark(name, summary)))
+    print()
+    print("\n".join(format_summary(summaries)))
+    if config.json:
+        out = Path(config.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {out} (merged {len(payload['shards'])} shards)")
+    return 1 if any(s["errors"] for s in summaries.values()) else 0
+
+

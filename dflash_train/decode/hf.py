@@ -1,0 +1,168 @@
+"""The decode loop's operations through the Hugging Face model, eagerly: any architecture
+transformers runs (sliding windows, Gemma, ...), any drafter subclass, the drafter on any device.
+
+Target hidden states come from Hugging Face `output_hidden_states` (`target.hidden_state_index`),
+as in the reference; no hook is ever registered on the target.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from ..target import Target, hidden_state_index
+from .static import greedy_by_parts
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """transformers ≥ 5.2x calls the KV cache argument `cache` (and warns on `past_key_values`);
+    earlier 5.x releases only know `past_key_values`."""
+    kind = type(model)
+    if kind not in _CACHE_ARGUMENT:
+        names = inspect.signature(model.forward).parameters
+        _CACHE_ARGUMENT[kind] = "cache" if "cache" in names else "past_key_values"
+    return _CACHE_ARGUMENT[kind]
+
+
+def _selectable_hidden_states() -> bool:
+    """Recent transformers accept `output_hidden_states=[indices]` and keep only those states."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_SELECTABLE = _selectable_hidden_states()
+
+
+def new_target_cache(model: nn.Module) -> Any:
+    """A DynamicCache that can be cropped: sliding-window layers (Gemma 3) keep their past
+    until `crop` tells them how much to drop, as the reference does."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+def _crop_takes_tokens_to_remove() -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
+
+
+_CROP_REMOVES = _crop_takes_tokens_to_remove()
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first `length` positions of the target's KV cache."""
+    remove = cache.get_seq_length() - length
+    if _CROP_REMOVES:
+        # transformers ≥ 5.1x: crop(-n) removes n tokens; crop(0) lets sliding-window layers drop
+        # the states they no longer need (as the reference does after every step).
+        cache.crop(-remove)
+    elif remove > 0:
+        # Older releases: crop(max_length) keeps an absolute length, and crop(0) would empty it.
+        cache.crop(length)
+
+
+def _target_forward(
+    target: Target, ids: torch.Tensor, start: int, cache: Any, layer_ids: Sequence[int] | None, last_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [n, vocab] (float32) for ids [1, n] at positions start.., appended to `cache`,
+    and the concatenated hidden states of `layer_ids` [1, n, len·hidden] when asked."""
+    model = target.model
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    kwargs: dict[str, Any] = {_cache_argument(model): cache, "use_cache": True, "position_ids": positions}
+    if last_only:
+        kwargs["logits_to_keep"] = 1  # the prompt's logits are never needed, only the last row
+    if layer_ids is not None:
+        kwargs["output_hidden_states"] = [hidden_state_index(k) for k in layer_ids] if _SELECTABLE else True
+    out = model(ids, **kwargs)
+    features = None
+    if layer_ids is not None:
+        features = torch.cat([out.hidden_states[hidden_state_index(k)] for k in layer_ids], dim=-1)
+    return out.logits[0].float(), features
+
+
+def _draft_logits(
+    drafter: DFlashDrafter,
+    target: Target,
+    cache: DrafterCache,
+    new_features: torch.Tensor,
+    start: int,
+    bonus: torch.Tensor,
+    length: int,
+) -> torch.Tensor:
+    """Drafter logits [length − 1, vocab] (float32, on the target's device) for the block
+    [bonus, MASK × (length − 1)] anchored at `start`; `new_features` are the context positions
+    start − n .. start − 1 not yet in the drafter cache.
+
+    The drafter may live on another device or in another dtype than the target: features and
+    block embeddings travel to it, and only its B − 1 output rows travel back, so the LM head
+    (vocab × hidden, the largest tensor) never moves."""
+    weight = drafter.fc.weight
+    device, dtype = weight.device, weight.dtype
+    count = new_features.shape[1]
+    block_ids = torch.full((1, length), drafter.config.mask_token_id, dtype=torch.long, device=bonus.device)
+    block_ids[0, 0] = bonus
+    embeds = embed_block_tokens(block_ids, target.embed_weight, drafter.config.input_embedding_scale)
+    hidden = drafter.draft(
+        cache,
+        new_features.to(device, dtype),
+        torch.arange(start - count, start, device=device)[None],
+        embeds.to(device, dtype),
+        torch.arange(start, start + length, device=device)[None],
+    )
+    head = target.head_weight
+    logits = F.linear(hidden[0, 1:].to(head.device, head.dtype), head).float()
+    softcap = drafter.config.final_logit_softcapping
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+
+class HFDecoder:
+    """The decode loop's operations (prefill, draft, verify, greedy, keep) through the Hugging
+    Face model with a DynamicCache, run eagerly: any architecture transformers runs (sliding windows, Gemma, ...), any drafter
+    subclass (its `draft` is called), the drafter on any device."""
+
+    kind = "hf"
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None):
+        self.target, self.drafter = target, drafter
+        self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
+        self.cache = new_target_cache(target.model)
+        self.drafter_cache = DrafterCache(len(drafter.layers)) if drafter is not None else None
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, features = _target_forward(self.target, prompt, 0, self.cache, self.layer_ids, last_only=True)
+        return logits[-1], features
+
+    def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
+        return _draft_logits(self.drafter, self.target, self.drafter_cache, features, start, bonus, length)
+
+    def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _target_forward(self.target, block, start, self.cache, self.layer_ids if features else None)
+
+    def greedy(
+        self, features: torch.Tensor | None, start: int, bonus: torch.Tensor, length: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        return greedy_by_parts(self, features, start, bonus, length)
+
+    def keep(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+    def prepare(self) -> None:
+        """Nothing to capture: every forward runs eagerly."""
+
