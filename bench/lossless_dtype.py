@@ -25,7 +25,7 @@ from bench.quality_smollm2 import ShardRunner, merge_group, shard_jobs  # noqa: 
 from dflash_train.drafter import DrafterConfig  # noqa: E402
 from dflash_train.export import export_model  # noqa: E402
 from dflash_train.gguf import hf_folder_from_gguf  # noqa: E402
-from dflash_train.pipeline.trainer import init_drafter  # noqa: E402
+from dflash_train.pipeline.build import init_drafter  # noqa: E402
 from dflash_train.target import load_target  # noqa: E402
 
 

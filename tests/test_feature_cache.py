@@ -16,7 +16,8 @@ from dflash_train.config import ConfigError, TrainConfig
 from dflash_train.data.feature_cache import FeatureCache, FeatureCacheError, write_feature_cache
 from dflash_train.data.samples import load_training_samples
 from dflash_train.pipeline.batches import BatchPlanner
-from dflash_train.pipeline.trainer import LiveTarget, train
+from dflash_train.pipeline.build import LiveTarget
+from dflash_train.pipeline.trainer import train
 from dflash_train.objective import ObjectiveConfig
 from dflash_train.target import load_target
 from test_regenerate import tiny_smollm_dir

@@ -33,9 +33,9 @@ def test_replicas_stay_identical_after_every_step(tmp_path, target):
     lock = threading.Lock()
 
     def record(worker, step):
-        flat = torch.cat([p.detach().flatten() for p in worker.setup.drafter.parameters()])
+        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()])
         with lock:
-            fingerprints.setdefault(step, {})[worker.setup.rank] = flat.clone()
+            fingerprints.setdefault(step, {})[worker.replica.rank] = flat.clone()
 
     config = _config(tmp_path, drafter_devices=["cpu", "cpu", "cpu"], steps=12)
     summary = train(config, samples=pattern_samples(48), target=target, log=_quiet(), step_hook=record)
@@ -116,7 +116,7 @@ def test_interrupt_stops_cleanly_with_a_checkpoint(tmp_path, target):
     import signal
 
     def interrupt(worker, step):
-        if step == 2 and worker.setup.rank == 0:
+        if step == 2 and worker.replica.rank == 0:
             os.kill(os.getpid(), signal.SIGINT)
 
     summary = train(_config(tmp_path, steps=500), samples=pattern_samples(16), target=target, log=_quiet(),

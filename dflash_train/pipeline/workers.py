@@ -4,17 +4,23 @@
                                                                           │ replicas: GradientReducer
 Target worker t handles every batch whose stream position g satisfies g % T == t, so several
 target GPUs can feed the drafters; each (target, drafter) pair has its own bounded queue, so a
-drafter always knows where its next batch comes from and backpressure cannot deadlock.
-Features move GPU to GPU as a peer copy on side streams ordered by CUDA events, never
-through the host.
+drafter always knows where its next batch comes from and backpressure cannot deadlock (the
+`BatchRouter` owns that rule). Features move GPU to GPU as a peer copy on side streams ordered by
+CUDA events, never through the host.
+
+Each worker takes one setup object. A drafter worker talks to small named collaborators: its
+`Inbox` (batches), the `GradientReducer` (replicas), its `Checkpointer` (rank 0 only: who
+checkpoints), the shared `EvaluationSchedule` (rank 0 only) and its `CompileWatch`; what a step
+computes is `step.training_step`; who logs it is the coordinator, from the `StepReport`s.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -45,6 +51,20 @@ class FeatureBatch:
     layer_ids: list[int]
 
 
+@dataclass(frozen=True)
+class StepRange:
+    """The steps this run trains: start (0, or the resumed step) up to end (exclusive)."""
+
+    start: int
+    end: int
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start)
+
+
 def record_ready(tensor: torch.Tensor):
     if tensor.device.type != "cuda":
         return None
@@ -53,53 +73,106 @@ def record_ready(tensor: torch.Tensor):
     return event
 
 
+class BatchRouter:
+    """Which target worker produces each batch of a step, and which queue it goes to.
+
+    Batch j of step s sits at stream position s × batches_per_step + j; target worker
+    position % num_targets produces it. In replicas mode it goes to the replica that trains it
+    (batch j belongs to rank j // grad_accum); in variants mode every drafter trains every batch.
+    """
+
+    def __init__(self, num_targets: int, num_drafter_threads: int, *, batches_per_step: int, grad_accum: int,
+                 every_drafter_trains_every_batch: bool, depth: int):
+        self.num_targets = num_targets
+        self.batches_per_step = batches_per_step
+        self.grad_accum = grad_accum
+        self.broadcast = every_drafter_trains_every_batch
+        self.queues = [[queue.Queue(maxsize=depth) for _ in range(num_drafter_threads)] for _ in range(num_targets)]
+
+    def producer_of(self, step: int, index: int) -> int:
+        return (step * self.batches_per_step + index) % self.num_targets
+
+    def produced_by(self, target_index: int, step: int) -> list[int]:
+        return [j for j in range(self.batches_per_step) if self.producer_of(step, j) == target_index]
+
+    def destinations(self, step: int, index: int) -> list[queue.Queue]:
+        row = self.queues[self.producer_of(step, index)]
+        return row if self.broadcast else [row[index // self.grad_accum]]
+
+    def inbox(self, slot: int, batch_indices: list[int], stop: StopSignal) -> "Inbox":
+        return Inbox(self, [row[slot] for row in self.queues], batch_indices, stop)
+
+    def mean_depth(self) -> float:
+        everything = [q for row in self.queues for q in row]
+        return sum(q.qsize() for q in everything) / max(1, len(everything))
+
+
+@dataclass
+class Inbox:
+    """Where one drafter thread's batches come from: one queue per target worker."""
+
+    router: BatchRouter
+    queues: list[queue.Queue]
+    batch_indices: list[int]  # which batches of each step this thread trains on
+    stop: StopSignal
+
+    def receive(self, step: int) -> tuple[list[FeatureBatch], float]:
+        """This thread's batches of `step` in order, and the seconds spent waiting for them."""
+        items, waited = [], 0.0
+        for j in self.batch_indices:
+            item, seconds = get(self.queues[self.router.producer_of(step, j)], self.stop)
+            waited += seconds
+            if item.host.step != step or item.host.index != j:
+                raise RuntimeError(f"expected batch ({step}, {j}), got ({item.host.step}, {item.host.index})")
+            items.append(item)
+        return items, waited
+
+
+@dataclass
+class TargetSetup:
+    """Everything one target worker thread owns."""
+
+    thread_name: str
+    index: int  # which target worker (batch positions ≡ index mod the number of target workers)
+    source: FeatureSource
+    planner: BatchPlanner
+    router: BatchRouter
+    steps: StepRange
+    stop: StopSignal
+    compile_safety: bool = False
+
+
 class TargetWorker(Worker):
-    def __init__(
-        self,
-        name: str,
-        stop: StopSignal,
-        source: FeatureSource,
-        planner: BatchPlanner,
-        *,
-        index: int,
-        num_target_workers: int,
-        start_step: int,
-        total_steps: int,
-        routes: Callable[[int, int], list[queue.Queue]],
-        compile_safety: bool = False,
-    ):
-        super().__init__(name, stop)
-        self.compile_safety = compile_safety
-        self.source = source
-        self.planner = planner
-        self.index = index
-        self.num_target_workers = num_target_workers
-        self.start_step = start_step
-        self.total_steps = total_steps
-        self.routes = routes
+    def __init__(self, setup: TargetSetup):
+        super().__init__(setup.thread_name, setup.stop)
+        self.setup = setup
         self.tokens = 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.setup.source.device
+
     def work(self) -> None:
-        if self.source.device.type == "cuda":
-            torch.cuda.set_device(self.source.device)
-        if self.compile_safety:
+        setup = self.setup
+        if setup.source.device.type == "cuda":
+            torch.cuda.set_device(setup.source.device)
+        if setup.compile_safety:
             configure_worker_thread()
-        per_step = self.planner.batches_per_step
-        for step in range(self.start_step, self.total_steps):
-            mine = [j for j in range(per_step) if (step * per_step + j) % self.num_target_workers == self.index]
+        for step in setup.steps:
+            mine = setup.router.produced_by(setup.index, step)
             if not mine:
                 continue
             self.stop_signal.check()
             started = time.perf_counter()
-            batches = self.planner.step_batches(step)
+            batches = setup.planner.step_batches(step)
             for j in mine:
                 batch = batches[j]
-                features = self.source.features(batch)
-                item = FeatureBatch(batch, features, record_ready(features), self.source.layer_ids)
+                features = setup.source.features(batch)
+                item = FeatureBatch(batch, features, record_ready(features), setup.source.layer_ids)
                 self.times.computing += time.perf_counter() - started
                 self.times.items += 1
                 self.tokens += int(batch.lengths.sum())
-                for target_queue in self.routes(step, j):
+                for target_queue in setup.router.destinations(step, j):
                     self.times.waiting += put(target_queue, item, self.stop_signal)
                 started = time.perf_counter()
 
@@ -197,93 +270,144 @@ class StepReport:
 
 
 @dataclass
-class DrafterSetup:
-    """Everything one drafter worker owns."""
+class Replica:
+    """What one drafter thread trains, and how one step of it is taken."""
 
     name: str  # run name (variants) or "drafter"
-    rank: int  # replica rank within its drafter (0 saves checkpoints)
+    rank: int  # replica rank within its drafter (0 checkpoints and evaluates)
     device: torch.device
     drafter: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     frozen: FrozenTargetParts
     objective: ObjectiveConfig
-    run_dir: Path | None  # where rank 0 saves; None for other replicas
     layer_ids: list[int]  # this drafter's target layers, in its order
+    attention_backend: str
+    autocast_dtype: torch.dtype | None
+    clip_grad: float
+
+    def step(self, micro_batches: list[DrafterBatch], sync_gradients: Callable[[], None] | None) -> StepResult:
+        return training_step(
+            self.drafter, self.optimizer, self.scheduler, micro_batches, self.frozen, self.objective,
+            attention_backend=self.attention_backend, clip_grad=self.clip_grad,
+            autocast_dtype=self.autocast_dtype, sync_gradients=sync_gradients,
+        )
+
+
+@dataclass
+class Checkpointer:
+    """Who checkpoints a drafter: its rank-0 thread, every `every` steps and when it stops."""
+
+    run_dir: Path
+    every: int
+    keep: int
+    state: dict  # written into each checkpoint's state.json (the run's config, the layer union)
+    saved_step: int  # the newest step on disk (the resumed step at start)
+    last: Path | None = None
+
+    def due(self, completed_step: int, end_step: int) -> bool:
+        """A periodic save; the final one is `save` from the worker's exit path."""
+        return completed_step % self.every == 0 and completed_step < end_step
+
+    def save(self, step: int, replica: Replica) -> None:
+        if step <= self.saved_step:
+            return
+        self.last = save_checkpoint(self.run_dir, step, replica.drafter, replica.optimizer, replica.scheduler,
+                                    self.state, keep=self.keep)
+        self.saved_step = step
+
+
+class Evaluator(Protocol):
+    def measure(self, drafter: torch.nn.Module) -> dict: ...
+
+
+class EvaluationSchedule:
+    """Real tau every `every` steps and at the last step, one decode at a time (the
+    evaluator's target is shared by every drafter of the run)."""
+
+    def __init__(self, evaluator: Evaluator, every: int, end_step: int):
+        self.evaluator = evaluator
+        self.every = every
+        self.end_step = end_step
+        self._lock = threading.Lock()
+
+    def after_step(self, step: int, drafter: torch.nn.Module) -> dict | None:
+        if (step + 1) % self.every and step + 1 != self.end_step:
+            return None
+        with self._lock:
+            return self.evaluator.measure(drafter)
+
+
+@dataclass
+class CompileWatch:
+    """Counts a drafter thread's compiles: a shape's first step compiles (warm-up, per bucket);
+    any compile on a shape seen before is a recompile, and an error with --fail-on-recompile."""
+
+    thread_name: str
+    fail_on_recompile: bool = False
+    seen_shapes: set = field(default_factory=set)
+    compiles: int = 0
+    recompiles_after_warmup: int = 0
+
+    def count(self) -> int:
+        return recompile_snapshot().get(self.thread_name, {}).get("compiles", 0)
+
+    def account(self, shape: tuple, before: int) -> None:
+        new = self.count() - before
+        self.compiles += new
+        if shape in self.seen_shapes and new > 0:
+            self.recompiles_after_warmup += new
+            if self.fail_on_recompile:
+                raise RecompileAfterWarmupError(
+                    f"{self.thread_name}: {new} compile(s) on an already-compiled shape {shape} "
+                    f"(--fail-on-recompile); see TORCH_LOGS=recompiles for the failing guard"
+                )
+        self.seen_shapes.add(shape)
+
+
+StepHook = Callable[["DrafterWorker", int], None]  # (worker, step) after each step: tests and benches
+
+
+@dataclass
+class DrafterSetup:
+    """Everything one drafter worker thread owns and talks to."""
+
+    thread_name: str
+    replica: Replica
+    inbox: Inbox
+    steps: StepRange
+    stop: StopSignal
+    reports: queue.Queue  # StepReports for the coordinator
+    reducer: GradientReducer | None = None  # replicas: gradients summed after every backward
+    checkpointer: Checkpointer | None = None  # rank 0 of a drafter, unless checkpoints are off
+    evaluation: EvaluationSchedule | None = None  # rank 0, with --eval-every
+    compile_watch: CompileWatch | None = None  # when the run compiles
+    hook: StepHook | None = None
 
 
 class DrafterWorker(Worker):
-    def __init__(
-        self,
-        thread_name: str,
-        stop: StopSignal,
-        setup: DrafterSetup,
-        *,
-        inputs: list[queue.Queue],  # one per target worker
-        batch_indices: list[int],  # which batches of each step this worker trains on
-        batches_per_step: int,
-        start_step: int,
-        total_steps: int,
-        reports: queue.Queue,
-        reducer: GradientReducer | None,
-        attention_backend: str,
-        autocast_dtype: torch.dtype | None,
-        clip_grad: float,
-        save_every: int,
-        keep_checkpoints: int,
-        checkpoint_state: Callable[[int], dict],
-        on_step_done: Callable[["DrafterWorker", int], None] | None = None,
-        compile_safety: bool = False,
-        fail_on_recompile: bool = False,
-        evaluate: Callable[["DrafterWorker", int], dict | None] | None = None,
-    ):
-        super().__init__(thread_name, stop)
-        self.evaluate = evaluate
-        self.compile_safety = compile_safety
-        self.fail_on_recompile = fail_on_recompile
-        self.seen_shapes: set[tuple] = set()
-        self.compiles = 0
-        self.recompiles_after_warmup = 0
+    def __init__(self, setup: DrafterSetup):
+        super().__init__(setup.thread_name, setup.stop)
         self.setup = setup
-        self.inputs = inputs
-        self.batch_indices = batch_indices
-        self.batches_per_step = batches_per_step
-        self.start_step = start_step
-        self.total_steps = total_steps
-        self.reports = reports
-        self.reducer = reducer
-        self.attention_backend = attention_backend
-        self.autocast_dtype = autocast_dtype
-        self.clip_grad = clip_grad
-        self.save_every = save_every
-        self.keep_checkpoints = keep_checkpoints
-        self.checkpoint_state = checkpoint_state
-        self.on_step_done = on_step_done
-        self.completed_step = start_step
-        self.saved_step = start_step
-        self.last_checkpoint: Path | None = None
+        self.replica = setup.replica
+        self.completed_step = setup.steps.start
         self._streams: dict = {}
 
-    def _receive(self, step: int) -> tuple[list[DrafterBatch], float, int, int]:
-        batches, waited, samples, tokens = [], 0.0, 0, 0
-        for j in self.batch_indices:
-            producer = (step * self.batches_per_step + j) % len(self.inputs)
-            item, seconds = get(self.inputs[producer], self.stop_signal)
-            waited += seconds
-            if item.host.step != step or item.host.index != j:
-                raise RuntimeError(f"expected batch ({step}, {j}), got ({item.host.step}, {item.host.index})")
-            batches.append(self._to_drafter_batch(item))
-            samples += len(item.host.sample_ids)
-            tokens += int(item.host.lengths.sum())
-        return batches, waited, samples, tokens
+    @property
+    def device(self) -> torch.device:
+        return self.replica.device
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.setup.checkpointer.last if self.setup.checkpointer is not None else None
 
     def _to_drafter_batch(self, item: FeatureBatch) -> DrafterBatch:
-        device, key = self.setup.device, self.setup.name
+        device, key = self.replica.device, self.replica.name
         features = move_features(item, device, self._streams)
-        if item.layer_ids != self.setup.layer_ids:
+        if item.layer_ids != self.replica.layer_ids:
             b, s, _ = features.shape
             per_layer = features.view(b, s, len(item.layer_ids), -1)
-            columns = torch.tensor([item.layer_ids.index(k) for k in self.setup.layer_ids], device=device)
+            columns = torch.tensor([item.layer_ids.index(k) for k in self.replica.layer_ids], device=device)
             features = per_layer.index_select(2, columns).flatten(2)
         anchors, anchor_valid = item.host.anchors[key]
         return DrafterBatch(
@@ -296,77 +420,53 @@ class DrafterWorker(Worker):
             scored_rows=item.host.scored_rows.get(key),
         )
 
-    @property
-    def device(self) -> torch.device:
-        return self.setup.device
-
-    def _thread_compiles(self) -> int:
-        return recompile_snapshot().get(self.name, {}).get("compiles", 0) if self.compile_safety else 0
-
-    def _account_compiles(self, shape: tuple, before: int) -> None:
-        """A shape's first step compiles (warm-up, per bucket); any compile on a shape seen
-        before is a recompile: counted, and an error with --fail-on-recompile."""
-        new = self._thread_compiles() - before
-        self.compiles += new
-        if shape in self.seen_shapes and new > 0:
-            self.recompiles_after_warmup += new
-            if self.fail_on_recompile:
-                raise RecompileAfterWarmupError(
-                    f"{self.name}: {new} compile(s) on an already-compiled shape {shape} "
-                    f"(--fail-on-recompile); see TORCH_LOGS=recompiles for the failing guard"
-                )
-        self.seen_shapes.add(shape)
-
-    def _save(self, step: int) -> None:
-        if self.setup.run_dir is None or step <= self.saved_step:
-            return
-        self.last_checkpoint = save_checkpoint(
-            self.setup.run_dir, step, self.setup.drafter, self.setup.optimizer, self.setup.scheduler,
-            self.checkpoint_state(step), keep=self.keep_checkpoints,
-        )
-        self.saved_step = step
+    def _receive(self, step: int) -> tuple[list[DrafterBatch], float, int, int]:
+        items, waited = self.setup.inbox.receive(step)
+        batches = [self._to_drafter_batch(item) for item in items]
+        samples = sum(len(item.host.sample_ids) for item in items)
+        tokens = sum(int(item.host.lengths.sum()) for item in items)
+        return batches, waited, samples, tokens
 
     def work(self) -> None:
-        setup = self.setup
-        if setup.device.type == "cuda":
-            torch.cuda.set_device(setup.device)
-        setup.drafter.train()
-        if self.compile_safety:
+        setup, replica = self.setup, self.replica
+        if replica.device.type == "cuda":
+            torch.cuda.set_device(replica.device)
+        replica.drafter.train()
+        if setup.compile_watch is not None:
             configure_worker_thread()
-        sync = (lambda: self.reducer.sync(setup.rank)) if self.reducer is not None else None
+        sync = functools.partial(setup.reducer.sync, replica.rank) if setup.reducer is not None else None
+        end = setup.steps.end
         try:
-            incoming = self._receive(self.start_step) if self.start_step < self.total_steps else None
-            for step in range(self.start_step, self.total_steps):
+            incoming = self._receive(setup.steps.start) if len(setup.steps) else None
+            for step in setup.steps:
                 micro_batches, waited, samples, tokens = incoming
                 # Take the next step's batches now: their GPU-to-GPU copies then overlap
                 # this step's compute instead of following it.
-                incoming = self._receive(step + 1) if step + 1 < self.total_steps else None
+                incoming = self._receive(step + 1) if step + 1 < end else None
                 started = time.perf_counter()
                 shape = tuple(tuple(b.input_ids.shape) for b in micro_batches)
-                compiles_before = self._thread_compiles()
-                result = training_step(
-                    setup.drafter, setup.optimizer, setup.scheduler, micro_batches, setup.frozen, setup.objective,
-                    attention_backend=self.attention_backend, clip_grad=self.clip_grad,
-                    autocast_dtype=self.autocast_dtype, sync_gradients=sync,
-                )
+                compiles_before = setup.compile_watch.count() if setup.compile_watch is not None else 0
+                result = replica.step(micro_batches, sync)
                 seconds = time.perf_counter() - started
-                self._account_compiles(shape, compiles_before)
+                if setup.compile_watch is not None:
+                    setup.compile_watch.account(shape, compiles_before)
                 self.times.computing += seconds
                 self.times.waiting += waited
                 self.times.items += 1
                 self.completed_step = step + 1
-                evaluation = self.evaluate(self, step) if self.evaluate is not None else None
-                self.reports.put(StepReport(setup.name, setup.rank, step, result, samples, tokens, seconds, waited,
-                                            evaluation))
-                if self.on_step_done is not None:
-                    self.on_step_done(self, step)
-                if self.completed_step % self.save_every == 0 and self.completed_step < self.total_steps:
-                    self._save(self.completed_step)
+                evaluation = setup.evaluation.after_step(step, replica.drafter) if setup.evaluation is not None else None
+                setup.reports.put(StepReport(replica.name, replica.rank, step, result, samples, tokens, seconds, waited,
+                                             evaluation))
+                if setup.hook is not None:
+                    setup.hook(self, step)
+                if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
+                    setup.checkpointer.save(self.completed_step, replica)
         except PipelineStopped:
             pass
         # Whether finished, interrupted or stopped by another worker's failure, this
         # drafter's weights are those of its last completed step: save them.
-        self._save(self.completed_step)
+        if setup.checkpointer is not None:
+            setup.checkpointer.save(self.completed_step, replica)
 
 
 def wait_for_workers(workers: list[Worker], stop: StopSignal, timeout: float) -> list[str]:

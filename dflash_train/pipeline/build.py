@@ -1,0 +1,477 @@
+"""The build steps of a training run, in the order `train()` calls them.
+
+    layout          which devices run target workers and drafter workers
+    drafter plans   one plan per drafter to train (replicas: one; variants: one per entry)
+    feature supply  the target(s) and where features come from (live target or feature cache)
+    samples         the training rows
+    drafter shapes  each plan's DrafterConfig and ObjectiveConfig, from the target
+    resume point    the step to start from and the checkpoints to load
+    pipeline        replicas (models, optimizers), checkpointers, the evaluator, queues, workers
+
+Each step is a function of what the steps before it returned; none starts a thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import queue
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import torch
+
+from ..attention import resolve_backend
+from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_trainer
+from ..config import ConfigError, TrainConfig, unknown_key_error
+from ..drafter import DFlashDrafter, DrafterConfig
+from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
+from ..objective import ObjectiveConfig
+from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
+from ..target import Target, load_target, resolve_device, resolve_mask_token_id
+from .batches import BatchPlanner, HostBatch, auto_buckets
+from .runtime import StopSignal
+from .workers import (
+    BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
+    GradientReducer, Replica, StepHook, StepRange, TargetSetup, TargetWorker,
+)
+
+# Keys a variant may override; everything else is shared by construction (one target stream).
+VARIANT_KEYS = (
+    "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
+    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
+)
+
+
+# --- layout ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Devices of the target worker threads and of the drafter worker threads (several threads
+    may share a device; a one-device run is one target thread and one drafter thread on it)."""
+
+    target_devices: list[torch.device]
+    drafter_devices: list[torch.device]
+
+    @property
+    def uses_cuda(self) -> bool:
+        return any(d.type == "cuda" for d in [*self.target_devices, *self.drafter_devices])
+
+
+def resolve_layout(config: TrainConfig) -> Layout:
+    return Layout(
+        [resolve_device(d) for d in (config.target_devices or [config.device])],
+        [resolve_device(d) for d in (config.drafter_devices or [config.device])],
+    )
+
+
+# --- drafter plans -----------------------------------------------------------------------------
+
+@dataclass
+class DrafterPlan:
+    """One drafter to train: its settings, folder, and the devices of its replicas."""
+
+    name: str
+    config: TrainConfig
+    run_dir: Path
+    devices: list[torch.device]
+    drafter_config: DrafterConfig | None = None  # set by `describe_drafters`
+    objective: ObjectiveConfig | None = None
+
+
+def plan_drafters(config: TrainConfig, layout: Layout) -> list[DrafterPlan]:
+    out = Path(config.out)
+    if config.mode == "replicas":
+        return [DrafterPlan("drafter", config, out, list(layout.drafter_devices))]
+    plans, names = [], set()
+    for i, overrides in enumerate(config.variants):
+        for key in overrides:
+            if key not in VARIANT_KEYS:
+                raise unknown_key_error(key, list(VARIANT_KEYS), f"variants[{i}]")
+        name = str(overrides.get("name") or f"variant{i}")
+        if name in names:
+            raise ConfigError(f"variants[{i}]: name {name!r} is used twice")
+        names.add(name)
+        values = {k: v for k, v in overrides.items() if k != "name"}
+        variant = dataclasses.replace(config, **values)
+        variant.validate()
+        devices = layout.drafter_devices
+        plans.append(DrafterPlan(name, variant, out / name, [devices[i % len(devices)]]))
+    return plans
+
+
+def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+# --- feature supply ----------------------------------------------------------------------------
+
+class LiveTarget:
+    """FeatureSource running the target model on its device."""
+
+    def __init__(self, target: Target, layer_ids: list[int]):
+        self.target = target
+        self.layer_ids = layer_ids
+        self.device = target.device
+
+    def features(self, batch: HostBatch) -> torch.Tensor:
+        return self.target.features(batch.input_ids.to(self.device, non_blocking=True), self.layer_ids)
+
+
+@dataclass
+class FeatureSupply:
+    """The targets (one per target worker) and the feature cache, if features come from one."""
+
+    targets: list[Target]
+    cache: Any = None  # data.feature_cache.FeatureCache
+
+    @property
+    def first(self) -> Target:
+        return self.targets[0]
+
+    def sources(self, layout: Layout, layer_ids: list[int], log: TextIO) -> list[FeatureSource]:
+        """One feature source per target worker: the live target, or the cache read on its device."""
+        if self.cache is None:
+            return [LiveTarget(target, layer_ids) for target in self.targets]
+        devices = layout.target_devices
+        sources = [self.cache.source(devices[t % len(devices)], layer_ids) for t in range(len(self.targets))]
+        print(f"features: cache {self.cache.directory} ({len(self.cache)} samples, layers {self.cache.layer_ids}, "
+              f"{self.cache.dtype}) read on {', '.join(str(s.device) for s in sources)}", file=log)
+        return sources
+
+
+def load_feature_supply(
+    config: TrainConfig, layout: Layout, given: Target | Sequence[Target] | None, log: TextIO,
+) -> FeatureSupply:
+    targets: list[Target] = [] if given is None else [given] if isinstance(given, Target) else list(given)
+    cache = None
+    if config.features:
+        from ..data.feature_cache import FeatureCache
+
+        if config.data:
+            raise ConfigError(f"pass --data or --features, not both: the feature cache {config.features} holds its own samples")
+        cache = FeatureCache(config.features)
+        if not targets:
+            # No target forward runs; its embedding, head and tokenizer are still needed: one copy,
+            # on the CPU, in the drafters' dtype, serves every target worker.
+            path = config.target or cache.target
+            print(f"loading target {path} on cpu (embedding, head, tokenizer; features from {config.features})", file=log)
+            drafters_on_cuda = any(d.type == "cuda" for d in layout.drafter_devices)
+            targets.append(load_target(path, "cpu", torch.bfloat16 if drafters_on_cuda else None))
+        cache.check_target(targets[0])
+        targets += targets[:1] * (len(layout.target_devices) - len(targets))
+    for device in layout.target_devices[len(targets):]:
+        print(f"loading target {config.target} on {device}", file=log)
+        targets.append(load_target(config.target, device))
+    return FeatureSupply(targets, cache)
+
+
+# --- samples -----------------------------------------------------------------------------------
+
+def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> list:
+    """The training rows: from the feature cache, or rendered from --data with the target's tokenizer."""
+    if supply.cache is not None:
+        samples, stats = supply.cache.training_samples(config.max_seq_len, config.min_supervised_tokens)
+        print(stats.summary(), file=log)
+        if not samples:
+            raise ConfigError(f"no usable training rows in the feature cache {config.features} (see the reasons above)")
+        return samples
+    from ..data.samples import load_training_samples
+
+    tokenizer = supply.first.tokenizer
+    if not config.data:
+        raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
+    if tokenizer is None:
+        raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
+    samples, stats = load_training_samples(
+        config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens
+    )
+    print(stats.summary(), file=log)
+    if not samples:
+        raise ConfigError(f"no usable training rows in {', '.join(config.data)} (see the reasons above)")
+    return samples
+
+
+# --- drafter shapes ----------------------------------------------------------------------------
+
+def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target) -> None:
+    """Each plan's drafter and objective, sized from the target; --fp8 checked against both."""
+    mask_token_id = resolve_mask_token_id(config.mask_token_id, target.tokenizer, target.embed_weight.shape[0])
+    for plan in plans:
+        plan.drafter_config = DrafterConfig.from_target(
+            target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
+            mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
+        )
+        plan.objective = ObjectiveConfig(
+            block_size=plan.config.block_size, num_anchors=plan.config.num_anchors, loss=plan.config.loss,
+            gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
+            compiled_head=all(compiles_drafter(config, device) for device in plan.devices),
+            fp8_head=plan.config.fp8 != "off",
+        )
+        if plan.config.fp8 != "off":
+            check_fp8_support(plan, target)
+
+
+def check_fp8_support(plan: DrafterPlan, target: Target) -> None:
+    """--fp8 needs FP8 products on every device of the drafter and 16-aligned model dims."""
+    spec = target.spec
+    dims = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+    if plan.config.fp8 == "all":
+        dims.update(intermediate_size=spec.intermediate_size, **{
+            "num_attention_heads × head_dim": spec.num_attention_heads * spec.head_dim,
+            "num_key_value_heads × head_dim": spec.num_key_value_heads * spec.head_dim,
+        })
+    try:
+        check_fp8_dims(dims)
+    except ValueError as error:
+        raise ConfigError(f"{plan.name}: {error}") from None
+    for device in plan.devices:
+        reason = fp8_unsupported(device)
+        if reason:
+            raise ConfigError(f"{plan.name}: --fp8 {plan.config.fp8}: {reason}; use --fp8 off")
+
+
+def layer_union(plans: list[DrafterPlan]) -> list[int]:
+    """Every target layer some drafter reads: what the target workers capture."""
+    return sorted({k for plan in plans for k in plan.drafter_config.target_layer_ids})
+
+
+# --- resume point ------------------------------------------------------------------------------
+
+@dataclass
+class ResumePoint:
+    start_step: int = 0
+    checkpoints: dict[str, Path] = field(default_factory=dict)  # per plan name
+
+
+def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO) -> ResumePoint:
+    if not config.resume:
+        return ResumePoint()
+    found = {plan.name: latest_checkpoint(plan.run_dir) for plan in plans}
+    steps = {name: read_state(path)["step"] for name, path in found.items() if path is not None}
+    if not steps:
+        print(f"--resume: no complete checkpoint in {config.out}, starting from step 0", file=log)
+        return ResumePoint()
+    if len(set(steps.values())) != 1 or len(steps) != len(plans):
+        raise ConfigError(f"cannot resume: drafters have checkpoints at different steps {steps}")
+    start = next(iter(steps.values()))
+    print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
+    return ResumePoint(start, found)
+
+
+def step_range(config: TrainConfig, resume: ResumePoint, stop_at: int | None, log: TextIO) -> StepRange:
+    end = min(config.steps, stop_at) if stop_at is not None else config.steps
+    if resume.start_step >= end:
+        print(f"nothing to do: already at step {resume.start_step} of {config.steps}", file=log)
+    return StepRange(resume.start_step, end)
+
+
+# --- compile safety ----------------------------------------------------------------------------
+
+def shape_buckets(config: TrainConfig) -> list[int]:
+    return sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
+
+
+def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device, str]:
+    return {d: resolve_backend(config.attention, d) for d in layout.drafter_devices}
+
+
+def prepare_compile_safety(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], log: TextIO) -> bool:
+    """Install the multi-thread compile fixes (process-wide, idempotent) when anything compiles;
+    returns whether it does."""
+    backends = attention_backends(config, layout)
+    compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices)
+    if compiles:
+        from .compile_safety import install_compile_safety, recompile_limit_for
+
+        threads = sum(len(plan.devices) for plan in plans)
+        report = install_compile_safety(
+            recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads), fail_on_recompile_limit_hit=True,
+        )
+        print(f"compile safety: {report}", file=log)
+    return compiles
+
+
+# --- pipeline: replicas, evaluator, queues, workers ----------------------------------------------
+
+def init_drafter(config: DrafterConfig, seed: int) -> DFlashDrafter:
+    """Weights drawn from N(0, 0.02) (norms at 1), as Hugging Face initialises Qwen3 layers."""
+    generator = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return drafter
+
+
+class FrozenPartsByDevice:
+    """The target's embedding and head on each drafter device, copied once per device (once if tied)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self._on: dict[torch.device, FrozenTargetParts] = {}
+
+    def on(self, device: torch.device) -> FrozenTargetParts:
+        if device not in self._on:
+            dtype = torch.bfloat16 if device.type == "cuda" else None
+            embed = self.target.embed_weight.detach()
+            head = self.target.head_weight.detach()
+            tied = embed.data_ptr() == head.data_ptr()
+            embed = embed.to(device=device, dtype=dtype or embed.dtype)
+            head = embed if tied else head.to(device=device, dtype=dtype or head.dtype)
+            spec = self.target.spec
+            self._on[device] = FrozenTargetParts(embed, head, spec.input_embedding_scale, spec.final_logit_softcapping)
+        return self._on[device]
+
+
+def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if use_bf16 else None
+
+
+def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
+    """run.json: the settings this drafter trains with and its drafter config."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / "run.json").write_text(json.dumps({
+        "train_config": dataclasses.asdict(plan.config), "drafter_config": plan.drafter_config.to_dict(),
+        "target": str(config.target), "mode": config.mode, "name": plan.name,
+    }, indent=2))
+
+
+def build_replicas(
+    plan: DrafterPlan, config: TrainConfig, resume: ResumePoint, frozen: FrozenPartsByDevice,
+    backends: dict[torch.device, str],
+) -> list[Replica]:
+    """The drafter's weights (fresh or from its checkpoint) on each of its devices, with an
+    optimizer and LR schedule each (restored on resume)."""
+    checkpoint = resume.checkpoints.get(plan.name)
+    if checkpoint is not None:
+        base = load_drafter(checkpoint)
+        if base.config.to_dict() != plan.drafter_config.to_dict():
+            raise ConfigError(f"cannot resume {plan.run_dir}: its checkpoint was trained with a different drafter config")
+    else:
+        base = init_drafter(plan.drafter_config, plan.config.seed)
+    replicas = []
+    for rank, device in enumerate(plan.devices):
+        model = copy.deepcopy(base).to(device)
+        if compiles_drafter(config, device):
+            # One graph per bucket for the whole drafter forward (flex inside it), so the
+            # elementwise work around the matmuls fuses; the module itself stays
+            # uncompiled, so checkpoints keep plain parameter names.
+            model.forward = torch.compile(model.forward, dynamic=False)
+        if plan.config.fp8 == "all":
+            use_fp8_linears(model)
+        optimizer = make_optimizer(model, plan.config.lr, plan.config.weight_decay,
+                                   (plan.config.adam_beta1, plan.config.adam_beta2))
+        scheduler = warmup_cosine(optimizer, config.steps, plan.config.warmup_ratio, plan.config.min_lr_ratio)
+        if checkpoint is not None:
+            restore_trainer(checkpoint, optimizer, scheduler)
+        replicas.append(Replica(
+            name=plan.name, rank=rank, device=device, drafter=model, optimizer=optimizer, scheduler=scheduler,
+            frozen=frozen.on(device), objective=plan.objective, layer_ids=plan.drafter_config.target_layer_ids,
+            attention_backend=backends[device], autocast_dtype=autocast_dtype(config, device),
+            clip_grad=plan.config.clip_grad,
+        ))
+    return replicas
+
+
+def build_evaluation(config: TrainConfig, target: Target, steps: StepRange, log: TextIO) -> EvaluationSchedule | None:
+    """The in-training evaluator (real tau by speculative decoding every --eval-every steps)."""
+    if not config.eval_every:
+        return None
+    from ..eval.in_training import InTrainingEvaluator
+
+    evaluator = InTrainingEvaluator.from_benchmark(
+        target, config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens)
+    print(f"in-training eval: real tau every {config.eval_every} steps on {len(evaluator.prompts)} "
+          f"{config.eval_bench} prompts, {config.eval_max_new_tokens} new tokens, on {target.device}", file=log)
+    return EvaluationSchedule(evaluator, config.eval_every, steps.end)
+
+
+@dataclass
+class Pipeline:
+    """The built run, ready to start: its workers and what the coordinator watches."""
+
+    stop: StopSignal
+    reports: queue.Queue
+    router: BatchRouter
+    planner: BatchPlanner
+    target_workers: list[TargetWorker]
+    drafter_workers: list[DrafterWorker]
+    reducers: list[GradientReducer]
+    targets: list[Target]
+
+    @property
+    def workers(self) -> list:
+        return [*self.target_workers, *self.drafter_workers]
+
+    def rank0(self, plan: DrafterPlan) -> DrafterWorker:
+        return next(w for w in self.drafter_workers if w.replica.name == plan.name and w.replica.rank == 0)
+
+
+def build_pipeline(
+    config: TrainConfig, layout: Layout, plans: list[DrafterPlan], supply: FeatureSupply,
+    sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, compiles: bool, evaluation: EvaluationSchedule | None,
+    step_hook: StepHook | None, save_checkpoints: bool,
+) -> Pipeline:
+    stop = StopSignal()
+    reports: queue.Queue = queue.Queue()
+    grad_accum = config.grad_accum
+    replicas_per_step = len(plans[0].devices) if config.mode == "replicas" else 1
+    batches_per_step = replicas_per_step * grad_accum
+    slots = [(plan, rank) for plan in plans for rank in range(len(plan.devices))]
+    router = BatchRouter(len(supply.targets), len(slots), batches_per_step=batches_per_step, grad_accum=grad_accum,
+                         every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
+    union = layer_union(plans)
+    backends = attention_backends(config, layout)
+    frozen = FrozenPartsByDevice(supply.first)
+
+    drafter_workers, reducers = [], []
+    for plan in plans:
+        write_run_record(plan, config)
+        replicas = build_replicas(plan, config, resume, frozen, backends)
+        reducer = GradientReducer([r.drafter for r in replicas], stop) if len(replicas) > 1 else None
+        if reducer is not None:
+            reducers.append(reducer)
+        for replica in replicas:
+            slot = slots.index((plan, replica.rank))
+            thread_name = f"drafter-{slot}" + (f"[{plan.name}]" if config.mode == "variants" else "")
+            rank0 = replica.rank == 0
+            checkpointer = Checkpointer(
+                plan.run_dir, config.save_every, config.keep_checkpoints,
+                {"train_config": dataclasses.asdict(plan.config), "layer_union": union}, saved_step=steps.start,
+            ) if rank0 and save_checkpoints else None
+            indices = list(range(replica.rank * grad_accum, (replica.rank + 1) * grad_accum))
+            drafter_workers.append(DrafterWorker(DrafterSetup(
+                thread_name=thread_name, replica=replica, inbox=router.inbox(slot, indices, stop), steps=steps,
+                stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer,
+                evaluation=evaluation if rank0 else None,
+                compile_watch=CompileWatch(thread_name, config.fail_on_recompile) if compiles else None,
+                hook=step_hook,
+            )))
+
+    planner = BatchPlanner(
+        samples, batch_size=config.batch_size, batches_per_step=batches_per_step, buckets=shape_buckets(config),
+        seed=config.seed, objectives={plan.name: plan.objective for plan in plans},
+        pad_id=(supply.first.tokenizer.pad_token_id or 0) if supply.first.tokenizer is not None else 0,
+        pin_memory=layout.uses_cuda,
+    )
+    target_workers = [
+        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles))
+        for t, source in enumerate(sources)
+    ]
+    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets)
+
+
+def cpu_threads_per_worker(pipeline: Pipeline) -> int | None:
+    """On a CPU-only run every worker computes on the same cores: one intra-op pool each, not
+    one per core each (oversubscribed OpenMP pools run several times slower, not just slower)."""
+    if any(w.device.type != "cpu" for w in pipeline.drafter_workers) or any(t.device.type != "cpu" for t in pipeline.targets):
+        return None
+    return max(1, (os.cpu_count() or 1) // len(pipeline.workers))

@@ -1,0 +1,208 @@
+"""What a run reports: one record per completed step, the sinks records go to, the lines a
+person reads (step line, pipeline note) and the end-of-run summary.
+
+A step is complete when every replica of its drafter has reported it (`StepAssembler`); its
+record (`step_record`) is the one thing every sink receives. Sinks share a three-method
+interface, so another sink (TensorBoard, a database) is one class and one line in
+`open_sinks`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TextIO
+
+from ..objective import summarize_metrics
+from ..progress import format_seconds
+from .workers import DrafterWorker, StepReport
+
+
+class Sink(Protocol):
+    """Where step and pipeline records go; every method is called from the coordinator's thread."""
+
+    def write_step(self, drafter: str, record: dict) -> None: ...
+
+    def write_pipeline(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """`metrics.jsonl` in each drafter's run folder (one line per step) and `pipeline.jsonl` in
+    the run folder (one line per logged step of the first drafter)."""
+
+    def __init__(self, metrics_paths: dict[str, Path], pipeline_path: Path):
+        self._metrics = {name: _open_append(path) for name, path in metrics_paths.items()}
+        self._pipeline = _open_append(pipeline_path)
+
+    def write_step(self, drafter: str, record: dict) -> None:
+        _write_line(self._metrics[drafter], record)
+
+    def write_pipeline(self, record: dict) -> None:
+        _write_line(self._pipeline, record)
+
+    def close(self) -> None:
+        for handle in [*self._metrics.values(), self._pipeline]:
+            handle.close()
+
+
+def _open_append(path: Path) -> TextIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a")
+
+
+def _write_line(handle: TextIO, record: dict) -> None:
+    handle.write(json.dumps(record) + "\n")
+    handle.flush()
+
+
+def open_sinks(metrics_paths: dict[str, Path], pipeline_path: Path) -> list[Sink]:
+    """The sinks every run writes to."""
+    return [JsonlSink(metrics_paths, pipeline_path)]
+
+
+class StepAssembler:
+    """Collects the replicas' reports of a step; hands them over once all have arrived."""
+
+    def __init__(self, replicas_per_drafter: dict[str, int]):
+        self.expected = replicas_per_drafter
+        self._pending: dict[tuple[str, int], list[StepReport]] = {}
+
+    def add(self, report: StepReport) -> list[StepReport] | None:
+        key = (report.drafter, report.step)
+        reports = self._pending.setdefault(key, [])
+        reports.append(report)
+        if len(reports) < self.expected[report.drafter]:
+            return None
+        return self._pending.pop(key)
+
+
+def step_record(reports: list[StepReport], elapsed: float) -> dict:
+    """One completed step of one drafter, summed over its replicas: what every sink receives."""
+    sums = {k: sum(r.result.metric_sums[k] for r in reports) for k in reports[0].result.metric_sums}
+    metrics = summarize_metrics(sums)
+    record = {
+        "step": reports[0].step + 1,
+        "loss": sum(r.result.loss for r in reports),
+        "accuracy": metrics["accuracy"],
+        "tau_sim": metrics["tau_sim"],
+        "position_accuracy": metrics["position_accuracy"],
+        "lr": reports[0].result.lr,
+        "grad_norm": reports[0].result.grad_norm,
+        "skipped": reports[0].result.skipped,
+        "step_s": round(max(r.seconds + r.waited for r in reports), 4),
+        "compute_s": round(max(r.seconds for r in reports), 4),
+        "wait_s": round(max(r.waited for r in reports), 4),
+        "samples": sum(r.samples for r in reports),
+        "tokens": sum(r.tokens for r in reports),
+        "elapsed_s": round(elapsed, 2),
+    }
+    measured = next((r.evaluation for r in reports if r.evaluation), None)
+    if measured:
+        record["tau_real"] = measured["tau"]
+        record["tau_real_pooled"] = measured["tau_pooled"]
+        record["tau_real_decoder"] = measured["decoder"]
+    return record
+
+
+@dataclass
+class RunningStats:
+    """Per drafter: what the summary shows."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def add(self, record: dict) -> None:
+        self.steps += 1
+        self.samples += record["samples"]
+        self.tokens += record["tokens"]
+        self.skipped += int(record["skipped"])
+        self.history.append(record)
+
+
+def eval_line(record: dict, measured: dict, name: str | None) -> str:
+    return (f"{'[' + name + '] ' if name else ''}eval at step {record['step']}: "
+            f"real tau {measured['tau']:.3f} (pooled {measured['tau_pooled']:.3f}, "
+            f"{measured['tokens']} tokens in {measured['seconds']:.1f}s, {measured['decoder']} decoder) "
+            f"| simulated tau {record['tau_sim']:.3f}")
+
+
+def step_line(record: dict, name: str | None, total: int, eta: float) -> str:
+    prefix = f"[{name}] " if name else ""
+    throughput = record["samples"] / record["step_s"] if record["step_s"] > 0 else 0.0
+    tokens = record["tokens"] / record["step_s"] if record["step_s"] > 0 else 0.0
+    return (
+        f"{prefix}step {record['step']}/{total} | loss {record['loss']:.4f} | acc {record['accuracy']:.3f} | "
+        f"tau_sim {record['tau_sim']:.2f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.2f} | "
+        f"{record['step_s']:.3f} s/step (wait {record['wait_s']:.3f}) | {throughput:.1f} samples/s | "
+        f"{tokens / 1000:.1f}k tok/s | eta {format_seconds(eta)}"
+    )
+
+
+def worker_stats(workers) -> dict:
+    stats = {}
+    for w in workers:
+        entry = {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
+                 "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2)}
+        if isinstance(w, DrafterWorker):
+            watch = w.setup.compile_watch
+            entry.update(compiles=watch.compiles if watch else 0,
+                         recompiles_after_warmup=watch.recompiles_after_warmup if watch else 0)
+        stats[w.name] = entry
+    return stats
+
+
+def pipeline_note(workers, depth: float) -> str:
+    """Who is the bottleneck at a glance: busy fraction per worker and mean queue depth."""
+    busy = " ".join(f"{w.name.split('[')[0].replace('target-', 't').replace('drafter-', 'd')} {w.times.busy_fraction():.2f}"
+                    for w in workers)
+    watches = [w.setup.compile_watch for w in workers if isinstance(w, DrafterWorker) and w.setup.compile_watch]
+    note = f" | busy {busy} | queue {depth:.1f}"
+    if not watches:
+        return note
+    compiled = sum(w.compiles for w in watches)
+    recompiled = sum(w.recompiles_after_warmup for w in watches)
+    return note + f" | compiles {compiled} (recompiles {recompiled})"
+
+
+def recompile_snapshot() -> dict:
+    try:
+        from .compile_safety import recompile_snapshot as snapshot
+    except ImportError:
+        return {}
+    try:
+        return snapshot()
+    except Exception:  # noqa: BLE001 - metrics must never fail a finished run
+        return {}
+
+
+def summary_text(summary: dict, total_steps: int) -> str:
+    lines = ["", "=" * 72, f"training summary ({summary['stop_reason']}, {format_seconds(summary['elapsed_s'])})"]
+    for name, entry in summary["drafters"].items():
+        lines.append(f"  {name}: steps {summary['steps_done'].get(name)}/{total_steps}")
+        if "loss" in entry:
+            lines.append(
+                f"    loss {entry['first_loss']:.3f} -> {entry['loss']:.3f} (mean of last steps) | "
+                f"accuracy {entry['accuracy']:.3f} | simulated tau {entry['tau_sim']:.2f}"
+            )
+        if entry.get("tau_real"):
+            real = entry["tau_real"]
+            lines.append(f"    real tau at step {real['step']}: {real['tau']:.3f} (pooled {real['tau_pooled']:.3f}), "
+                         "by speculative decoding")
+        lines.append(f"    {entry['samples_per_s']} samples/s | skipped (non-finite) steps: {entry['skipped_steps']}")
+        lines.append(f"    checkpoint: {entry['checkpoint']}")
+        if entry.get("export"):
+            lines.append(f"    exported HF folder: {entry['export']}")
+    lines.append("  workers (busy = computing / (computing + waiting)):")
+    for name, w in summary["workers"].items():
+        compiles = f"  compiles {w['compiles']} (after warm-up {w['recompiles_after_warmup']})" if "compiles" in w else ""
+        lines.append(f"    {name:<24} busy {w['busy']:.2f}  compute {w['computing_s']}s  wait {w['waiting_s']}s  "
+                     f"items {w['items']}{compiles}")
+    lines.append(f"  mean queue depth {summary['mean_queue_depth']} | gradient sync {summary['gradient_sync_s']}s")
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""The package's shape: no import circle, no room importing a room above it, a core that knows
+nothing of threads, files or the CLI, and a `--help` that loads neither torch nor transformers.
+
+The import graph is read statically (ast), with every import counted, including those inside
+functions: a lazy import that climbs a floor is still a lower room knowing a higher one.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
+
+# Floors, top to bottom (DESIGN.md §2): a module may import its own floor or lower ones.
+# A dotted prefix names every module under it ("pipeline" covers pipeline.trainer, ...).
+FLOORS = {
+    "commands": 10,  # one module per CLI command
+    "cli": 9,  # the static command table
+    "pipeline": 8,  # build steps, workers, coordinator, reporting, compile safety
+    "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
+    "decode": 6, "step": 6, "export": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
+    "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache
+    "target": 4, "gguf": 4,  # the frozen target (a GGUF file is one way to load it)
+    "objective": 3, "fp8": 3,  # the loss and its FP8 products
+    # the bottom: the mask, settings, errors, and the small utilities everything may use
+    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "": 2,  # "" = __init__
+}
+CORE = ("attention", "drafter", "objective", "step", "fp8")
+# What the core must not touch: threads, files and processes, the command line.
+NOT_FOR_THE_CORE = {"threading", "queue", "os", "pathlib", "shutil", "tempfile", "json", "signal", "subprocess",
+                    "argparse", "sys"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> tuple[set[str], set[str]]:
+    """(package modules imported, top-level outside modules imported) by one module."""
+    inside, outside = set(), set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "dflash_train" or alias.name.startswith("dflash_train."):
+                    inside.add(alias.name.removeprefix("dflash_train").lstrip("."))
+                else:
+                    outside.add(alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if name else []
+                if not is_package:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "dflash_train" or (node.module or "").startswith("dflash_train."):
+                target = node.module.removeprefix("dflash_train").lstrip(".")
+            else:
+                outside.add((node.module or "").split(".")[0])
+                continue
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}" if target else alias.name
+                inside.add(candidate if candidate in MODULES else target)
+    resolved = set()
+    for target in inside:
+        while target not in MODULES:  # `from .x import y` where y is a name in module x
+            target = target.rpartition(".")[0]
+        if target != name:
+            resolved.add(target)
+    return resolved, outside
+
+
+GRAPH = {name: _imports(name, path)[0] for name, path in MODULES.items()}
+
+
+def floor_of(module: str) -> int:
+    for prefix in sorted(FLOORS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + ".") or prefix == "" and module == "":
+            return FLOORS[prefix]
+    raise AssertionError(f"dflash_train.{module} has no floor in FLOORS: add it to the table in {__file__}")
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_floor():
+    for module in MODULES:
+        floor_of(module)
+
+
+def test_no_room_imports_a_room_above_it():
+    climbs = [f"dflash_train.{a or '__init__'} (floor {floor_of(a)}) imports dflash_train.{b} (floor {floor_of(b)})"
+              for a, targets in GRAPH.items() for b in targets if floor_of(b) > floor_of(a)]
+    assert not climbs, "\n".join(climbs)
+
+
+def test_no_import_circle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_checks_can_fail():
+    """The walkers see what they must: a circle in a made-up graph, a climb in the real one
+    if the table said so, and the imports of a real module."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert "pipeline.workers" in GRAPH["pipeline.trainer"] or "pipeline.build" in GRAPH["pipeline.trainer"]
+    assert "target" in GRAPH["drafter"] and floor_of("drafter") > floor_of("target")
+    assert {"commands.cache_features", "pipeline.trainer"} <= GRAPH["commands.quickstart"]  # lazy imports count
+
+
+def test_the_core_knows_nothing_of_threads_files_or_the_cli():
+    for module in CORE:
+        _, outside = _imports(module, MODULES[module])
+        assert not outside & NOT_FOR_THE_CORE, f"dflash_train.{module} imports {sorted(outside & NOT_FOR_THE_CORE)}"
+        assert all(floor_of(t) <= floor_of("step") and not t.startswith(("data", "pipeline", "eval", "decode"))
+                   for t in GRAPH[module]), (module, GRAPH[module])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["eval", "--help"], ["quickstart", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    code = (
+        "import sys\n"
+        "from dflash_train.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert "usage: dflash-train" in done.stdout
+    assert "HEAVY []" in done.stdout, done.stdout[-400:]
