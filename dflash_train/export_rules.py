@@ -383,7 +383,7 @@ def _target(folder: DraftFolder) -> str | None:
     # The drafter reads the target's states (fc input), embeds with the target's table (mask id,
     # vocab) and decodes with its head (vLLM maps a different draft vocabulary through d2t).
     if folder.target is None:
-        raise _Skip("no target given")
+        raise _Skip("no target given (export --check DIR --target TARGET_DIR compares it)")
     target = folder.target
     hidden, vocab = _need(folder, "hidden_size", "vocab_size")
     problems = []
