@@ -41,6 +41,7 @@ from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, TargetSpec, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets
 from .runtime import StopSignal
+from .tensorboard import close_sinks, open_sinks, tensorboard_enabled
 from .workers import DrafterSetup, DrafterWorker, GradientReducer, StepReport, TargetWorker, wait_for_workers
 
 # Keys a variant may override; everything else is shared by construction (one target stream).
@@ -216,6 +217,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     target_devices, drafter_devices = resolve_layout(config)
     plans = plan_drafters(config, drafter_devices)
+    tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
 
     # --- target(s) and data ------------------------------------------------------------
     targets: list[Target] = [] if target is None else [target] if isinstance(target, Target) else list(target)
@@ -418,6 +420,9 @@ def train(
     print(_layout_line(config, plans, targets, planner, start_step), file=log)
     logs = {plan.name: MetricsLog(plan.run_dir / "metrics.jsonl") for plan in plans}
     pipeline_log = MetricsLog(out / "pipeline.jsonl")
+    boards, pipeline_board = open_sinks(config.tensorboard, out, {plan.name: plan.run_dir for plan in plans})
+    if pipeline_board:
+        print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}", file=log)
     stats = {plan.name: RunningStats() for plan in plans}
     progress = Progress(end_step - start_step, "train", stream=log if log is not sys.stdout else sys.stderr)
     pending: dict[tuple[str, int], list[StepReport]] = {}
@@ -454,6 +459,8 @@ def train(
                                f"{measured['tokens']} tokens in {measured['seconds']:.1f}s, {measured['decoder']} decoder) "
                                f"| simulated tau {record['tau_sim']:.3f}")
             logs[report.drafter].write(record)
+            if boards:
+                boards[report.drafter].write_step(record)
             if report.drafter == plans[0].name:
                 progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
             if (report.step + 1) % config.log_every == 0 or report.step + 1 == end_step:
@@ -462,9 +469,12 @@ def train(
                 line = _step_line(record, report.drafter if len(plans) > 1 else None, config.steps, eta)
                 progress.print(line + _pipeline_note(workers, depth))
                 if report.drafter == plans[0].name:
-                    pipeline_log.write({"step": report.step + 1, "elapsed_s": round(time.monotonic() - started, 2),
-                                        "mean_queue_depth": round(depth, 3), "workers": _worker_stats(workers),
-                                        "compiles": _recompile_snapshot()})
+                    pipeline_record = {"step": report.step + 1, "elapsed_s": round(time.monotonic() - started, 2),
+                                       "mean_queue_depth": round(depth, 3), "workers": _worker_stats(workers),
+                                       "compiles": _recompile_snapshot()}
+                    pipeline_log.write(pipeline_record)
+                    if pipeline_board:
+                        pipeline_board.write_pipeline(pipeline_record)
         stop.stop("finished")
         hung = wait_for_workers(workers, stop, timeout=30.0)
     finally:
@@ -472,6 +482,7 @@ def train(
         torch.set_num_threads(threads_before)
         for metrics_log in [*logs.values(), pipeline_log]:
             metrics_log.close()
+        close_sinks(boards, pipeline_board)
     progress.close()
     if hung:
         raise RuntimeError(f"workers did not stop within 30 s after the pipeline stopped: {', '.join(hung)}")
