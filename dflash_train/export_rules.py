@@ -110,7 +110,7 @@ def _is_int(value: Any) -> bool:
 
 def _need(folder: DraftFolder, *keys: str) -> list[Any]:
     values = [folder.config.get(k) for k in keys]
-    if any(not _is_int(v) or v < 1 for v, k in zip(values, keys)):
+    if any(not _is_int(v) or v < 1 for v in values):
         raise _Skip("needs config_keys")
     return values
 
