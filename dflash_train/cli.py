@@ -36,12 +36,15 @@ COMMANDS: dict[str, Command] = {
     "cache-features": Command("cache_features", "CacheFeaturesConfig", "run_cache_features",
                               "store the target's hidden states for a data set (sharded, resumable) to train without running it"),
     "train": Command("train", "TrainConfig", "run_train", "train a drafter (or several) against a frozen target"),
-    "export": Command("export", "ExportConfig", "run_export", "write the Hugging Face folder of a trained drafter",
+    "export": Command("export", "ExportConfig", "run_export",
+                      "write the Hugging Face folder of a trained drafter (or --check DIR against SGLang's and vLLM's loaders)",
                       "checkpoint"),
     "eval": Command("eval", "EvalConfig", "run_eval",
                     "speculative decoding with an exported drafter: tau, its histogram, tokens/s, speed-up"),
     "eval-merge": Command("eval_merge", "EvalMergeConfig", "run_eval_merge",
                           "merge the --json files of `eval --offset --limit` shards into one run's numbers", "inputs"),
+    "doctor": Command("doctor", "DoctorConfig", "run_doctor",
+                      "will a run work here? versions, compile fixes, GPUs (bf16, FP8, peers), flex, disk, a target's probe"),
 }
 
 

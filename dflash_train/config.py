@@ -229,6 +229,7 @@ class TrainConfig:
     eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
     eval_limit: int = option(8, "prompts used by --eval-every")
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
+    tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
 
     def validate(self) -> None:
         if self.mode not in ("replicas", "variants"):
@@ -251,6 +252,8 @@ class TrainConfig:
             raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
         if self.fp8 not in FP8_CHOICES:
             raise ConfigError(f"fp8 {self.fp8!r}: use {', '.join(FP8_CHOICES)}")
+        if self.tensorboard not in ("auto", "on", "off"):
+            raise ConfigError(f"tensorboard {self.tensorboard!r}: use auto, on or off")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
         if self.eval_every < 0 or self.eval_limit < 1 or self.eval_max_new_tokens < 1:

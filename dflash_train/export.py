@@ -1,10 +1,11 @@
 """Export a trained drafter as the Hugging Face folder that the reference and serving engines load.
 
 config.json carries `architectures: ["DFlashDraftModel"]`, the drafter dims, `block_size`,
-`num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`; weights are
-safetensors named `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight` — no
-embedding and no LM head (they stay the target's). Serving engines skip unknown weight
-names silently, so the exact key set is checked before anything is written.
+`num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids, block_size,
+num_target_layers}`; weights are safetensors named `layers.*`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight` — no embedding and no LM head (they stay the target's).
+Serving engines skip unknown weight names and fill missing keys with their own defaults, so the
+staged folder is checked against every rule of `export_rules.RULES` before it takes its name.
 """
 
 from __future__ import annotations
@@ -18,42 +19,29 @@ from safetensors.torch import save_file
 
 from .config import UserError
 from .drafter import DFlashDrafter, DrafterConfig
+from .export_rules import TargetShape, check_folder, expected_weight_names, failures
 from .files import write_dir_atomically
+
+__all__ = ["ExportError", "check_export_target", "expected_weight_names", "export_drafter", "export_model",
+           "hf_config", "load_exported_drafter"]
 
 # Written into every export: which run it came from, so a later export of the same run may
 # replace it while any other non-empty folder is refused (see check_export_target).
 PROVENANCE_FILE = "export.json"
 
-_LAYER_KEYS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-
-
 class ExportError(UserError, ValueError):
     pass
 
 
-def expected_weight_names(num_layers: int) -> set[str]:
-    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    names.update(f"layers.{i}.{key}" for i in range(num_layers) for key in _LAYER_KEYS)
-    return names
-
-
 def hf_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     rope = dict(config.rope_parameters)
+    # Every key both in dflash_config and at the top level: SGLang and the reference read
+    # dflash_config first, older readers only the top level (export_rules.py).
     dflash_config: dict[str, Any] = {
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
     }
     if config.input_embedding_scale != 1.0:
         dflash_config["input_embedding_scale"] = config.input_embedding_scale
@@ -140,20 +128,21 @@ def export_drafter(
     provenance; `check_export_target` decides (with `source` and `force`) whether `out_dir` may
     be replaced."""
     check_export_target(out_dir, run_dir, source=source, force=force)
-    expected = expected_weight_names(drafter_config.num_hidden_layers)
-    names = set(state_dict)
-    if names != expected:
-        missing, unknown = sorted(expected - names), sorted(names - expected)
-        raise ExportError(f"drafter weights do not match the DFlash layout: missing {missing[:5]}, unknown {unknown[:5]}")
+    # The drafter's own target dims: the written folder is checked against what it was trained on.
+    target = TargetShape(drafter_config.hidden_size, drafter_config.num_target_layers, drafter_config.vocab_size)
 
     def build(staging: Path) -> None:
-        tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in sorted(names)}
+        tensors = {name: state_dict[name].detach().to("cpu", dtype).contiguous() for name in sorted(state_dict)}
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config(drafter_config, dtype), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
         provenance = {"run": str(Path(run_dir).resolve()) if run_dir is not None else None}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
+        broken = failures(check_folder(staging, target))  # before the rename: a failure writes nothing
+        if broken:
+            rules = "; ".join(f"{v.rule.name}: {v.detail}" for v in broken)
+            raise ExportError(f"the export breaks the serving engines' loader rules ({rules}); nothing was written")
 
     out_dir = write_dir_atomically(Path(out_dir), build)
     return out_dir

@@ -47,7 +47,8 @@ def test_reference_loads_export_and_matches_logits(tmp_path, family):
 
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"]
-    assert exported["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3, 4]}
+    assert exported["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3, 4], "block_size": 5,
+                                         "num_target_layers": target.spec.num_hidden_layers}
     assert exported["num_target_layers"] == target.spec.num_hidden_layers
 
 

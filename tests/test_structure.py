@@ -21,7 +21,7 @@ FLOORS = {
     "cli": 9,  # the static command table
     "pipeline": 8,  # build steps, workers, coordinator, reporting, compile safety
     "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
-    "decode": 6, "step": 6, "export": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
+    "decode": 6, "step": 6, "export": 6, "export_rules": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
     "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache
     "target": 4, "gguf": 4,  # the frozen target (a GGUF file is one way to load it)
     "objective": 3, "fp8": 3,  # the loss and its FP8 products

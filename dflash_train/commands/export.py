@@ -1,4 +1,5 @@
-"""`dflash-train export`: write the Hugging Face folder of a trained drafter from a run or checkpoint."""
+"""`dflash-train export`: write the Hugging Face folder of a trained drafter from a run or checkpoint,
+or (`--check DIR`) judge any drafter folder against the serving engines' loader rules."""
 
 from __future__ import annotations
 
@@ -13,15 +14,27 @@ class ExportConfig:
     out: str = option("", "the Hugging Face folder to write (new, empty, or an earlier export of this run)")
     dtype: str = option("bfloat16", "weight dtype: bfloat16, float16 or float32")
     force: bool = option(False, "replace a non-empty --out that is not an earlier export of this run")
+    check: str = option("", "write nothing: check this drafter folder (ours, a z-lab release, another trainer's) "
+                            "against the SGLang and vLLM loader rules; exit 1 if one fails")
+    target: str = option("", "with --check: the target's Hugging Face folder, to compare hidden size, vocabulary "
+                             "and layer count against")
 
     def validate(self) -> None:
+        if self.check:
+            if self.checkpoint or self.out or self.force:
+                raise ConfigError("--check DIR writes nothing: pass it without RUN_DIR_OR_CHECKPOINT, --out or --force")
+            return
+        if self.target:
+            raise ConfigError("--target is only for --check (an export takes the target's dims from the checkpoint)")
         if not self.checkpoint or not self.out:
-            raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR")
+            raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR (or --check DIR)")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype {self.dtype!r}: use {', '.join(DTYPE_NAMES)}")
 
 
 def run_export(config: ExportConfig) -> int:
+    if config.check:
+        return run_check(config.check, config.target)
     import torch
 
     from ..checkpoint import load_drafter, resolve_checkpoint
@@ -32,7 +45,29 @@ def run_export(config: ExportConfig) -> int:
     out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
                        source=checkpoint, force=config.force)
     cfg = drafter.config
-    print(f"exported {checkpoint} -> {out}")
+    print(f"exported {checkpoint} -> {out} (passes every SGLang/vLLM loader rule: dflash-train export --check {out})")
     print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}, {config.dtype}")
     return 0
+
+
+def run_check(folder: str, target: str = "") -> int:
+    """Print every rule's verdict; 0 when none fails, 1 otherwise (a missing folder is an input error)."""
+    import json
+    from pathlib import Path
+
+    from ..errors import UserError
+    from ..export_rules import check_folder, failures, render_verdicts, target_shape_from_config
+
+    if not Path(folder).is_dir():
+        raise UserError(f"--check {folder}: no such folder")
+    shape = None
+    if target:
+        try:
+            shape = target_shape_from_config(json.loads((Path(target) / "config.json").read_text()))
+        except (OSError, ValueError, KeyError) as error:
+            raise UserError(f"--target {target}: not a Hugging Face model folder with a readable config.json "
+                            f"({type(error).__name__}: {error})") from None
+    verdicts = check_folder(folder, shape)
+    print(render_verdicts(folder, verdicts))
+    return 1 if failures(verdicts) else 0

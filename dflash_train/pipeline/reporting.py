@@ -16,6 +16,7 @@ from typing import Protocol, TextIO
 
 from ..objective import summarize_metrics
 from ..progress import format_seconds
+from .tensorboard import TensorBoardSink, tensorboard_enabled
 from .workers import DrafterWorker, StepReport
 
 
@@ -58,9 +59,14 @@ def _write_line(handle: TextIO, record: dict) -> None:
     handle.flush()
 
 
-def open_sinks(metrics_paths: dict[str, Path], pipeline_path: Path) -> list[Sink]:
-    """The sinks every run writes to."""
-    return [JsonlSink(metrics_paths, pipeline_path)]
+def open_sinks(out: Path, run_dirs: dict[str, Path], tensorboard: str = "off") -> list[Sink]:
+    """The sinks a run writes to: metrics.jsonl / pipeline.jsonl always, TensorBoard event
+    files next to them unless `tensorboard` ("auto" | "on" | "off") turns them off."""
+    sinks: list[Sink] = [JsonlSink({name: folder / "metrics.jsonl" for name, folder in run_dirs.items()},
+                                   out / "pipeline.jsonl")]
+    if tensorboard_enabled(tensorboard):
+        sinks.append(TensorBoardSink(out, run_dirs))
+    return sinks
 
 
 class StepAssembler:

@@ -26,6 +26,7 @@ from .build import (
 )
 from .coordinator import Coordinator
 from .reporting import Sink, open_sinks
+from .tensorboard import tensorboard_enabled
 from .workers import StepHook
 
 
@@ -58,6 +59,7 @@ def train(
 
     layout = resolve_layout(config)
     plans = plan_drafters(config, layout)
+    tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
     supply = load_feature_supply(config, layout, target, log)
     if samples is None:
         samples = load_samples(config, supply, log)
@@ -71,8 +73,9 @@ def train(
                               evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints)
     print(layout_line(config, plans, pipeline, steps.start), file=log)
 
-    all_sinks = [*open_sinks({plan.name: plan.run_dir / "metrics.jsonl" for plan in plans}, out / "pipeline.jsonl"),
-                 *sinks]
+    all_sinks = [*open_sinks(out, {plan.name: plan.run_dir for plan in plans}, config.tensorboard), *sinks]
+    if len(all_sinks) > 1 + len(sinks):
+        print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}", file=log)
     return Coordinator(config, plans, pipeline, steps, all_sinks, log).run()
 
 

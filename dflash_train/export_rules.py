@@ -1,0 +1,473 @@
+"""What SGLang and vLLM need from a DFlash drafter folder, as one table of named rules.
+
+Read in the engines' loader sources (cited per rule below):
+  SGLang  python/sglang/srt/models/dflash.py            (model, weight loader)
+          python/sglang/srt/speculative/dflash_utils.py  (parse_dflash_draft_config, layer types)
+          python/sglang/srt/utils/hf_transformers_utils.py (get_rope_config)
+  vLLM    vllm/model_executor/models/qwen3_dflash.py     (model, causality, weight loader)
+          vllm/model_executor/models/registry.py          (DFlashDraftModel -> qwen3_dflash)
+          vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (aux layers = target_layer_ids + 1)
+          vllm/transformers_utils/config.py               (set_default_rope_theta: 1e6 when unset)
+Both engines parse config.json through transformers' AutoConfig and fill anything missing with
+*their* defaults, and both skip or mis-map weights silently in places, so a folder that loads is
+not yet a folder that drafts. A rule passes only where every loader reads the same value we
+wrote. `check_folder` reads config.json and the safetensors headers (no tensor data, no torch),
+so it checks any folder: ours, a z-lab release, another trainer's output.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Per drafter layer, the names both loaders map (SGLang stacks q/k/v into qkv_proj and gate/up
+# into gate_up_proj; vLLM's WeightsMapper does the same).
+LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+BIAS_WEIGHTS = tuple(f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+_DIMS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
+def expected_weight_names(num_layers: int, attention_bias: bool = False) -> set[str]:
+    per_layer = LAYER_WEIGHTS + (BIAS_WEIGHTS if attention_bias else ())
+    return set(TOP_WEIGHTS) | {f"layers.{i}.{key}" for i in range(num_layers) for key in per_layer}
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the rules compare against when the target is known."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+
+
+def target_shape_from_config(raw: dict[str, Any]) -> TargetShape:
+    text = raw.get("text_config") or raw  # multimodal wrappers keep the LM's dims there
+    return TargetShape(int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"]))
+
+
+@dataclass
+class DraftFolder:
+    path: Path
+    config: dict[str, Any]
+    weights: dict[str, tuple[int, ...]] | None  # name -> shape; None when no safetensors file
+    target: TargetShape | None = None
+
+    @property
+    def dflash(self) -> dict[str, Any]:
+        value = self.config.get("dflash_config")
+        return value if isinstance(value, dict) else {}
+
+    def resolved(self, key: str) -> Any:
+        """dflash_config first, then the top level: the order SGLang's parse_dflash_draft_config,
+        vLLM's DFlashQwen3Model and the reference all read."""
+        return self.dflash.get(key, self.config.get(key))
+
+
+class _Skip(Exception):
+    """The rule cannot be judged because something another rule reports is missing."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    what: str  # one line: what a passing folder has
+    source: str  # where the loaders read it
+    check: Callable[[DraftFolder], str | None]  # None = passes, else why not
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rule: Rule
+    status: str  # "ok", "FAIL" or "skip"
+    detail: str
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _need(folder: DraftFolder, *keys: str) -> list[Any]:
+    values = [folder.config.get(k) for k in keys]
+    if any(not _is_int(v) or v < 1 for v in values):
+        raise _Skip("needs config_keys")
+    return values
+
+
+def _layer_ids(folder: DraftFolder) -> list[int]:
+    ids = folder.dflash.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+        raise _Skip("needs valid target_layer_ids")
+    return ids
+
+
+def _layer_types(folder: DraftFolder) -> list[str]:
+    (layers,) = _need(folder, "num_hidden_layers")
+    types = folder.config.get("layer_types")
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise _Skip("needs valid layer_types")
+    return types
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def _architecture(folder: DraftFolder) -> str | None:
+    # vLLM registry: "DFlashDraftModel" -> qwen3_dflash.DFlashQwen3ForCausalLM; SGLang:
+    # models/dflash.py EntryClass = DFlashDraftModel. Both build the config with AutoConfig,
+    # and DFlashQwen3Model (like the reference's config_class) expects a Qwen3Config.
+    architectures = folder.config.get("architectures")
+    if architectures != [ARCHITECTURE]:
+        return f"architectures is {architectures!r}; both engines dispatch on [{ARCHITECTURE!r}]"
+    if folder.config.get("model_type") != "qwen3":
+        return (f"model_type is {folder.config.get('model_type')!r}; the engines read the drafter config as "
+                "transformers' Qwen3Config (model_type 'qwen3')")
+    return None
+
+
+def _config_keys(folder: DraftFolder) -> str | None:
+    # Every dim the loaders read with getattr(config, ..., default): a missing one becomes
+    # Qwen3Config's default (hidden 4096, head_dim 128, ...) instead of an error.
+    missing = [k for k in (*_DIMS, "rms_norm_eps") if k not in folder.config]
+    if missing:
+        return f"config.json lacks {', '.join(missing)} (an engine would use its own default)"
+    wrong = [k for k in _DIMS if not _is_int(folder.config[k]) or folder.config[k] < 1]
+    if wrong:
+        return f"not positive integers: {', '.join(f'{k}={folder.config[k]!r}' for k in wrong)}"
+    eps = folder.config["rms_norm_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        return f"rms_norm_eps={eps!r} is not a small positive number"
+    heads, kv_heads = folder.config["num_attention_heads"], folder.config["num_key_value_heads"]
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    return None
+
+
+def _dflash_config(folder: DraftFolder) -> str | None:
+    # vLLM finds the auxiliary layers only in dflash_config.target_layer_ids (eagle3_utils) and
+    # reads mask_token_id there first; SGLang's parse_dflash_draft_config and the reference read
+    # every key in dflash_config first and fall back to the top level.
+    if not isinstance(folder.config.get("dflash_config"), dict):
+        return "no dflash_config object"
+    problems = [f"dflash_config lacks {k}" for k in ("target_layer_ids", "mask_token_id") if k not in folder.dflash]
+    problems += [f"neither dflash_config nor the top level has {k}" for k in ("block_size", "num_target_layers")
+                 if folder.resolved(k) is None]
+    problems += [f"{k} is {folder.dflash[k]!r} in dflash_config but {folder.config[k]!r} at the top level"
+                 for k in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers")
+                 if k in folder.dflash and k in folder.config and folder.dflash[k] != folder.config[k]]
+    if folder.dflash.get("use_aux_hidden_state", folder.config.get("use_aux_hidden_state", True)) is False:
+        problems.append("use_aux_hidden_state is false: vLLM would build no fc and ignore the target's states")
+    return "; ".join(problems) or None
+
+
+def _target_layer_ids(folder: DraftFolder) -> str | None:
+    # SGLang DFlashDraftConfig.resolve_target_layer_ids: a non-empty int list, every id in
+    # [0, num_target_layers), num_target_layers falling back to the drafter's own layer count.
+    ids = folder.dflash.get("target_layer_ids")
+    if ids is None:
+        raise _Skip("needs dflash_config")
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+        return f"target_layer_ids {ids!r} is not a non-empty list of integers"
+    bound = folder.resolved("num_target_layers")
+    where = "num_target_layers"
+    if bound is None:
+        (bound,) = _need(folder, "num_hidden_layers")
+        where = "the drafter's num_hidden_layers (SGLang's fallback without num_target_layers)"
+    if not _is_int(bound) or bound < 1:
+        return f"num_target_layers {bound!r} is not a positive integer"
+    outside = [i for i in ids if not 0 <= i < bound]
+    if outside:
+        return f"target layer ids {outside} are outside [0, {bound}) ({where})"
+    # vLLM prefers eagle_aux_hidden_state_layer_ids (already shifted by one) when present.
+    aux = folder.config.get("eagle_aux_hidden_state_layer_ids")
+    if aux and list(aux) != [i + 1 for i in ids]:
+        return f"eagle_aux_hidden_state_layer_ids {aux} is not target_layer_ids + 1 = {[i + 1 for i in ids]}"
+    return None
+
+
+def _mask_token_id(folder: DraftFolder) -> str | None:
+    # SGLang parse_dflash_draft_config: an int >= 0 (else it looks up the "<|MASK|>" token);
+    # the id indexes the target's embedding table in every engine.
+    value = folder.resolved("mask_token_id")
+    if value is None:
+        raise _Skip("needs dflash_config")
+    (vocab,) = _need(folder, "vocab_size")
+    if not _is_int(value) or not 0 <= value < vocab:
+        return f"mask_token_id {value!r} is not a row of the {vocab}-row embedding table"
+    return None
+
+
+def _block_size(folder: DraftFolder) -> str | None:
+    # SGLang resolve_block_size (default 16 when absent), the reference (default 16): the block
+    # the drafter was trained for; 1 would draft nothing.
+    value = folder.resolved("block_size")
+    if value is None:
+        raise _Skip("needs dflash_config")
+    if not _is_int(value) or value < 2:
+        return f"block_size {value!r} is not an integer >= 2"
+    return None
+
+
+def _layer_types_rule(folder: DraftFolder) -> str | None:
+    # SGLang _get_dflash_layer_attention_params: one entry per draft layer, full_attention or
+    # sliding_attention (the latter needs config.sliding_window); vLLM _resolve_layer_attention
+    # takes the window from dflash_config.swa_window_size, else sliding_window.
+    (layers,) = _need(folder, "num_hidden_layers")
+    types = folder.config.get("layer_types")
+    if not isinstance(types, list):
+        return f"layer_types is {types!r}; write one entry per drafter layer (full_attention = non-causal)"
+    if len(types) != layers:
+        return f"layer_types has {len(types)} entries for {layers} drafter layers"
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        return f"layer types {unknown} are neither of {', '.join(LAYER_TYPES)}"
+    if "sliding_attention" in types:
+        window = folder.config.get("sliding_window")
+        if not _is_int(window) or window < 1:
+            return "sliding_attention layers need a top-level sliding_window (SGLang reads only that)"
+        swa = folder.dflash.get("swa_window_size")
+        if swa is not None and swa != window:
+            return f"dflash_config.swa_window_size {swa} (vLLM) differs from sliding_window {window} (SGLang)"
+    return None
+
+
+def _causality(folder: DraftFolder) -> str | None:
+    # SGLang: full_attention -> ENCODER_ONLY (non-causal), sliding_attention -> DECODER (causal),
+    # is_causal is never read. vLLM _dflash_layer_causal: is_causal, then dflash_config.causal,
+    # then layer_types[i] == sliding_attention; dflash_config.use_swa forces sliding everywhere.
+    # The reference: is_causal, then the layer type. Every layer must come out the same in all.
+    types = _layer_types(folder)
+    is_causal = folder.config.get("is_causal")
+    override = folder.dflash.get("causal")
+    disagree = []
+    for i, layer_type in enumerate(types):
+        sglang = layer_type == "sliding_attention"
+        vllm = bool(is_causal) if is_causal is not None else bool(override) if override is not None else sglang
+        reference = bool(is_causal) if is_causal is not None else sglang
+        if not sglang == vllm == reference:
+            disagree.append(f"layer {i} ({layer_type}): SGLang {'causal' if sglang else 'non-causal'}, "
+                            f"vLLM {'causal' if vllm else 'non-causal'}, reference {'causal' if reference else 'non-causal'}")
+    if folder.dflash.get("use_swa") and "sliding_attention" not in types:
+        disagree.append("dflash_config.use_swa makes vLLM slide every layer; SGLang attends fully")
+    return "; ".join(disagree[:3]) or None
+
+
+def _hidden_act(folder: DraftFolder) -> str | None:
+    # SGLang DFlashMLP raises for anything but silu; vLLM's Qwen2MLP supports only silu too.
+    act = folder.config.get("hidden_act")
+    if act != "silu":
+        return f"hidden_act is {act!r}; both engines implement only 'silu' (write it explicitly)"
+    return None
+
+
+def _rope(folder: DraftFolder) -> str | None:
+    # SGLang get_rope_config: rope_parameters["rope_theta"], else rope_theta. vLLM
+    # DFlashQwen3DecoderLayer: set_default_rope_theta(config, 1e6) puts 1e6 into
+    # rope_parameters when no theta was given. Scaling: rope_parameters (transformers 5) or
+    # rope_scaling (4.x, null = none). Style: SGLang reads rope_is_neox_style, then
+    # is_neox_style; vLLM only is_neox_style; both default to neox, and a mismatch with training
+    # fails silently (acceptance collapses).
+    params = folder.config.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    thetas = {k: v for k, v in (("rope_parameters.rope_theta", params.get("rope_theta")),
+                                ("rope_theta", folder.config.get("rope_theta"))) if v is not None}
+    if not thetas:
+        return "no rope_theta (vLLM would use 1e6, SGLang fails): write rope_theta and rope_parameters"
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in thetas.values()):
+        return f"rope theta is not a positive number: {thetas}"
+    if len(set(thetas.values())) > 1:
+        return f"rope theta disagrees between places: {thetas}"
+    if "rope_type" not in params and "rope_scaling" not in folder.config:
+        return "rope scaling is not written (rope_parameters.rope_type or rope_scaling: null)"
+    scaling = folder.config.get("rope_scaling")
+    scaled = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else "default"
+    if "rope_type" in params and "rope_scaling" in folder.config and params["rope_type"] != scaled:
+        return f"rope_parameters.rope_type is {params['rope_type']!r} but rope_scaling says {scaled!r}"
+    sglang_neox = folder.config.get("rope_is_neox_style", folder.config.get("is_neox_style", True))
+    vllm_neox = folder.config.get("is_neox_style", True)
+    if bool(sglang_neox) != bool(vllm_neox):
+        return f"rope_is_neox_style {sglang_neox} (SGLang) but is_neox_style {vllm_neox} (vLLM)"
+    return None
+
+
+def _weight_names(folder: DraftFolder) -> str | None:
+    # SGLang DFlashDraftModel.load_weights skips any name it cannot resolve; vLLM's load_weights
+    # prefixes "model." to every name (a stored "model." prefix would not map), loads its own
+    # embedding / LM head when names contain embed_tokens / lm_head, and asserts on mask_hidden.
+    if folder.weights is None:
+        return f"no *.safetensors weights in {folder.path}"
+    names = set(folder.weights)
+    for pattern, why in (("mask_hidden", "vLLM refuses it"), ("embed_tokens", "the target's embedding is used"),
+                         ("lm_head", "the target's LM head is used")):
+        found = sorted(n for n in names if pattern in n)
+        if found:
+            return f"{pattern} weights {found[:3]}: {why}; the drafter must not carry them"
+    prefixed = sorted(n for n in names if n.startswith("model."))
+    if prefixed:
+        return f"names start with 'model.' ({prefixed[:2]}): vLLM adds that prefix itself"
+    (layers,) = _need(folder, "num_hidden_layers")
+    expected = expected_weight_names(layers, bool(folder.config.get("attention_bias", False)))
+    missing, unknown = sorted(expected - names), sorted(names - expected)
+    if missing or unknown:
+        return (f"weights do not match the DFlash layout the loaders map: missing {missing[:4]}, "
+                f"unknown {unknown[:4]} (SGLang skips unknown names silently)")
+    return None
+
+
+def _fc_shape(folder: DraftFolder) -> str | None:
+    # SGLang: fc = ReplicatedLinear(len(target_layer_ids) * hidden_size, hidden_size), checked at
+    # load ("fc.weight shape mismatch"). vLLM _get_dflash_fc_input_size: (target_hidden_size or
+    # hidden_size) * number of aux layers ("incompatible draft/target pair" at run time).
+    if folder.weights is None or "fc.weight" not in folder.weights:
+        raise _Skip("needs weight_names")
+    ids = _layer_ids(folder)
+    (hidden,) = _need(folder, "hidden_size")
+    target_hidden = folder.config.get("target_hidden_size") or hidden
+    if target_hidden != hidden:
+        return (f"target_hidden_size {target_hidden} differs from hidden_size {hidden}: vLLM would project "
+                f"{len(ids)} x {target_hidden}, SGLang {len(ids)} x {hidden}")
+    want = (hidden, len(ids) * hidden)
+    if tuple(folder.weights["fc.weight"]) != want:
+        return f"fc.weight is {list(folder.weights['fc.weight'])}, not [hidden {hidden}, {len(ids)} ids x {hidden}]"
+    return None
+
+
+def _projection_shapes(folder: DraftFolder) -> str | None:
+    # The shapes SGLang's QKVParallelLinear / MergedColumnParallelLinear / RMSNorm and vLLM's
+    # equivalents allocate from the config; a weight of another shape fails to load or, for a
+    # norm, broadcasts wrongly.
+    if folder.weights is None:
+        raise _Skip("needs weight_names")
+    hidden, layers, heads, kv_heads, head_dim, inter = _need(
+        folder, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size")
+    per_layer = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "self_attn.q_proj.bias": (heads * head_dim,), "self_attn.k_proj.bias": (kv_heads * head_dim,),
+        "self_attn.v_proj.bias": (kv_heads * head_dim,), "self_attn.o_proj.bias": (hidden,),
+    }
+    want = {"hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    want.update({f"layers.{i}.{k}": shape for i in range(layers) for k, shape in per_layer.items()})
+    wrong = [f"{name} {list(folder.weights[name])} (expected {list(shape)})"
+             for name, shape in want.items() if name in folder.weights and tuple(folder.weights[name]) != shape]
+    return f"{len(wrong)} weights of the wrong shape: {'; '.join(wrong[:3])}" if wrong else None
+
+
+def _target(folder: DraftFolder) -> str | None:
+    # The drafter reads the target's states (fc input), embeds with the target's table (mask id,
+    # vocab) and decodes with its head (vLLM maps a different draft vocabulary through d2t).
+    if folder.target is None:
+        raise _Skip("no target given (export --check DIR --target TARGET_DIR compares it)")
+    target = folder.target
+    hidden, vocab = _need(folder, "hidden_size", "vocab_size")
+    problems = []
+    if hidden != target.hidden_size:
+        problems.append(f"hidden_size {hidden} but the target's is {target.hidden_size}")
+    if vocab != target.vocab_size:
+        problems.append(f"vocab_size {vocab} but the target's is {target.vocab_size}")
+    layers = folder.resolved("num_target_layers")
+    if layers is not None and layers != target.num_hidden_layers:
+        problems.append(f"num_target_layers {layers} but the target has {target.num_hidden_layers} layers")
+    return "; ".join(problems) or None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("architecture", f"architectures [{ARCHITECTURE!r}], model_type 'qwen3'", "vLLM registry.py; SGLang models/dflash.py", _architecture),
+    Rule("config_keys", "every drafter dim written explicitly (no engine default)", "both engines' getattr defaults", _config_keys),
+    Rule("dflash_config", "target_layer_ids and mask_token_id in dflash_config; block_size, num_target_layers resolvable; no disagreement",
+         "SGLang speculative/dflash_utils.py; vLLM qwen3_dflash.py, eagle3_utils.py", _dflash_config),
+    Rule("target_layer_ids", "ids in [0, num_target_layers)", "SGLang speculative/dflash_utils.py; vLLM eagle3_utils.py", _target_layer_ids),
+    Rule("mask_token_id", "an embedding row", "SGLang speculative/dflash_utils.py; vLLM qwen3_dflash.py", _mask_token_id),
+    Rule("block_size", "an integer >= 2", "SGLang speculative/dflash_utils.py; the reference", _block_size),
+    Rule("layer_types", "one allowed type per drafter layer", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _layer_types_rule),
+    Rule("causality", "every layer equally causal in SGLang, vLLM and the reference", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _causality),
+    Rule("hidden_act", "silu", "SGLang models/dflash.py DFlashMLP; vLLM qwen2.py MLP", _hidden_act),
+    Rule("rope", "rope theta, scaling and style written explicitly and consistently", "SGLang hf_transformers_utils.py; vLLM qwen3_dflash.py", _rope),
+    Rule("weight_names", "exactly the names the loaders map", "SGLang models/dflash.py load_weights; vLLM qwen3_dflash.py load_weights", _weight_names),
+    Rule("fc_shape", "fc.weight [hidden, n_ids x hidden]", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _fc_shape),
+    Rule("projection_shapes", "every layer weight shaped from the config", "SGLang/vLLM linear layers", _projection_shapes),
+    Rule("target", "hidden size, vocabulary and layer count of the target", "the pairing itself", _target),
+)
+
+
+# ----------------------------------------------------------------------------- reading a folder
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def read_folder(path: str | Path, target: TargetShape | None = None) -> DraftFolder:
+    """The config and weight shapes of a drafter folder (FileNotFoundError if it is not there)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}  # reported by architecture/config_keys, not raised: --check judges any folder
+    files = sorted(path.glob("*.safetensors"))
+    weights = None
+    if files:
+        weights = {}
+        for file in files:
+            try:
+                weights.update(safetensors_shapes(file))
+            except (OSError, ValueError, struct.error):
+                weights[f"<unreadable safetensors file {file.name}>"] = ()
+    return DraftFolder(path, config if isinstance(config, dict) else {}, weights, target)
+
+
+def check_folder(path: str | Path, target: TargetShape | None = None) -> list[Verdict]:
+    folder = read_folder(path, target)
+    verdicts = []
+    for rule in RULES:
+        try:
+            problem = rule.check(folder)
+        except _Skip as skip:
+            verdicts.append(Verdict(rule, "skip", str(skip)))
+            continue
+        verdicts.append(Verdict(rule, "FAIL" if problem else "ok", problem or rule.what))
+    return verdicts
+
+
+def failures(verdicts: list[Verdict]) -> list[Verdict]:
+    return [v for v in verdicts if v.status == "FAIL"]
+
+
+def render_verdicts(path: str | Path, verdicts: list[Verdict]) -> str:
+    lines = [f"{path}: the SGLang and vLLM loader rules"]
+    lines += [f"  {v.status:<4}  {v.rule.name:<18} {v.detail}" for v in verdicts]
+    counts = {s: sum(v.status == s for v in verdicts) for s in ("ok", "FAIL", "skip")}
+    lines.append(f"{len(verdicts)} rules: {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped")
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""The loader-rule table (export_rules.RULES): our export passes every rule; every rule has a
+folder that breaks it and only it (one real export, then one change per case); export stops on a
+broken rule and writes nothing; `export --check DIR` judges any folder without writing."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.cli import main
+from dflash_train.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.export import ExportError, export_model
+from dflash_train.export_rules import RULES, TargetShape, check_folder, failures
+from tiny import FAMILIES, tiny_hf_model, tiny_target
+
+TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, vocab_size=96)  # tiny_target's dims
+
+
+@pytest.fixture(scope="module")
+def valid_export(tmp_path_factory):
+    target = tiny_target("qwen3")
+    config = DrafterConfig.from_target(target.spec, num_layers=2, block_size=5, mask_token_id=95,
+                                       target_layer_ids=[1, 3, 4])
+    return export_model(DFlashDrafter(config), tmp_path_factory.mktemp("valid") / "export", dtype=torch.float32)
+
+
+def _edit_config(change):
+    def apply(folder: Path) -> None:
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        change(config)
+        path.write_text(json.dumps(config))
+    return apply
+
+
+def _edit_weights(change):
+    def apply(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        weights = load_file(str(path))
+        change(weights)
+        save_file(weights, str(path))
+    return apply
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def change(config):
+        node = config
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+    return change
+
+
+def _drop(*keys):
+    def change(config):
+        node = config
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+    return change
+
+
+def _both(*changes):
+    def change(config):
+        for c in changes:
+            c(config)
+    return change
+
+
+# (rule that must fail, what breaks it): each case changes one thing of the valid export.
+BREAKS = {
+    "architecture: another class": ("architecture", _edit_config(_set("architectures", ["Qwen3ForCausalLM"]))),
+    "architecture: unknown model_type": ("architecture", _edit_config(_set("model_type", "dflash"))),
+    "config_keys: head_dim left to a default": ("config_keys", _edit_config(_drop("head_dim"))),
+    "config_keys: eps missing": ("config_keys", _edit_config(_drop("rms_norm_eps"))),
+    "dflash_config: mask id only at the top level": ("dflash_config", _edit_config(_both(
+        _drop("dflash_config", "mask_token_id"), _set("mask_token_id", 95)))),
+    "dflash_config: block sizes disagree": ("dflash_config", _edit_config(_set("block_size", 8))),
+    "dflash_config: no aux hidden states": ("dflash_config", _edit_config(_set("dflash_config", "use_aux_hidden_state", False))),
+    "target_layer_ids: id past the target": ("target_layer_ids", _edit_config(_set("dflash_config", "target_layer_ids", [1, 3, 6]))),
+    "target_layer_ids: eagle aux ids not shifted": ("target_layer_ids", _edit_config(_set("eagle_aux_hidden_state_layer_ids", [1, 3, 4]))),
+    "mask_token_id: outside the table": ("mask_token_id", _edit_config(_set("dflash_config", "mask_token_id", 96))),
+    "block_size: 1": ("block_size", _edit_config(_both(_set("block_size", 1), _set("dflash_config", "block_size", 1)))),
+    "layer_types: one entry for two layers": ("layer_types", _edit_config(_set("layer_types", ["full_attention"]))),
+    "layer_types: unknown type": ("layer_types", _edit_config(_set("layer_types", ["full_attention", "chunked_attention"]))),
+    "layer_types: sliding without a window": ("layer_types", _edit_config(_set("layer_types", ["full_attention", "sliding_attention"]))),
+    "causality: is_causal (vLLM, reference) vs full_attention (SGLang)": ("causality", _edit_config(_set("is_causal", True))),
+    "causality: dflash_config.causal (vLLM only)": ("causality", _edit_config(_set("dflash_config", "causal", True))),
+    "hidden_act: gelu": ("hidden_act", _edit_config(_set("hidden_act", "gelu"))),
+    "rope: theta left to the engine": ("rope", _edit_config(_both(_drop("rope_theta"), _drop("rope_parameters")))),
+    "rope: thetas disagree": ("rope", _edit_config(_set("rope_theta", 1e6))),
+    "rope: scaling types disagree": ("rope", _edit_config(_set("rope_scaling", {"rope_type": "linear", "factor": 2.0}))),
+    "rope: neox style differs between engines": ("rope", _edit_config(_set("rope_is_neox_style", False))),
+    "weight_names: unknown name": ("weight_names", _edit_weights(lambda w: w.update(extra=torch.zeros(2)))),
+    "weight_names: missing layer weight": ("weight_names", _edit_weights(lambda w: w.pop("layers.1.mlp.up_proj.weight"))),
+    "weight_names: model. prefix": ("weight_names", _edit_weights(
+        lambda w: w.update({f"model.{k}": w.pop(k) for k in list(w)}))),
+    "weight_names: embedding": ("weight_names", _edit_weights(lambda w: w.update({"embed_tokens.weight": torch.zeros(96, 64)}))),
+    "weight_names: LM head": ("weight_names", _edit_weights(lambda w: w.update({"lm_head.weight": torch.zeros(96, 64)}))),
+    "weight_names: mask_hidden": ("weight_names", _edit_weights(lambda w: w.update({"mask_hidden": torch.zeros(64)}))),
+    "fc_shape: two ids' width for three ids": ("fc_shape", _edit_weights(lambda w: w.update({"fc.weight": torch.zeros(64, 128)}))),
+    "fc_shape: target_hidden_size (vLLM) differs from hidden_size (SGLang)": ("fc_shape", _edit_config(_set("target_hidden_size", 32))),
+    "projection_shapes: q_norm of another head_dim": ("projection_shapes", _edit_weights(
+        lambda w: w.update({"layers.0.self_attn.q_norm.weight": torch.zeros(12)}))),
+}
+
+
+def test_our_export_passes_every_rule(valid_export):
+    verdicts = check_folder(valid_export, TARGET)
+    assert [v.rule.name for v in verdicts] == [r.name for r in RULES]
+    assert {v.rule.name: v.status for v in verdicts} == {r.name: "ok" for r in RULES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_exports_through_the_rules(tmp_path, family):
+    target = tiny_target(family)
+    config = DrafterConfig.from_target(target.spec, num_layers=2, block_size=4, mask_token_id=90)
+    out = export_model(DFlashDrafter(config), tmp_path / "export", dtype=torch.float32)
+    shape = TargetShape(target.spec.hidden_size, target.spec.num_hidden_layers, target.spec.vocab_size)
+    assert not failures(check_folder(out, shape))
+
+
+def test_every_rule_has_a_case_that_breaks_it():
+    assert {rule for rule, _ in BREAKS.values()} | {"target"} == {r.name for r in RULES}
+
+
+@pytest.mark.parametrize("case", list(BREAKS))
+def test_a_folder_breaking_one_rule_fails_only_that_rule(valid_export, tmp_path, case):
+    rule, breaks = BREAKS[case]
+    folder = tmp_path / "broken"
+    shutil.copytree(valid_export, folder)
+    breaks(folder)
+    failed = {v.rule.name: v.detail for v in failures(check_folder(folder, TARGET))}
+    assert list(failed) == [rule], failed
+
+
+@pytest.mark.parametrize("target, words", [
+    (TargetShape(64, 8, 96), "num_target_layers 6 but the target has 8"),
+    (TargetShape(64, 6, 128), "vocab_size 96 but the target's is 128"),
+    (TargetShape(96, 6, 96), "hidden_size 64 but the target's is 96"),
+])
+def test_the_target_rule_compares_against_a_known_target(valid_export, target, words):
+    assert [v.rule.name for v in failures(check_folder(valid_export, target))] == ["target"]
+    assert words in failures(check_folder(valid_export, target))[0].detail
+    assert next(v for v in check_folder(valid_export) if v.rule.name == "target").status == "skip"
+
+
+def test_without_num_target_layers_ids_are_checked_against_the_drafter_layers_as_sglang_does(valid_export, tmp_path):
+    folder = tmp_path / "no-count"
+    shutil.copytree(valid_export, folder)
+    _edit_config(_both(_drop("num_target_layers"), _drop("dflash_config", "num_target_layers")))(folder)
+    failed = {v.rule.name: v.detail for v in failures(check_folder(folder))}
+    assert set(failed) == {"dflash_config", "target_layer_ids"}
+    assert "[3, 4] are outside [0, 2)" in failed["target_layer_ids"]  # 2 drafter layers
+
+
+def test_a_folder_laid_out_like_the_z_lab_releases_passes(valid_export, tmp_path):
+    """z-lab's configs keep block_size / num_target_layers only at the top level and rope_theta
+    without rope_parameters (transformers 4): every engine resolves them, so no rule fails."""
+    folder = tmp_path / "z-lab-like"
+    shutil.copytree(valid_export, folder)
+    _edit_config(_both(_drop("dflash_config", "block_size"), _drop("dflash_config", "num_target_layers"),
+                       _drop("rope_parameters"), _drop("dtype")))(folder)
+    assert not failures(check_folder(folder, TARGET))
+
+
+def test_export_stops_on_a_broken_rule_and_keeps_the_earlier_export(tmp_path):
+    target = tiny_target("llama")
+    good = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=95)
+    out = export_model(DFlashDrafter(good), tmp_path / "export", run_dir=tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = DrafterConfig(**{**good.to_dict(), "hidden_act": "gelu"})  # trains, but no engine serves it
+    with pytest.raises(ExportError, match="hidden_act"):
+        export_model(DFlashDrafter(bad), out, run_dir=tmp_path)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_path, capsys):
+    target_dir = tmp_path / "target"
+    tiny_hf_model("qwen3").save_pretrained(target_dir)
+    before = _tree(valid_export)
+    assert main(["export", "--check", str(valid_export), "--target", str(target_dir)]) == 0
+    out = capsys.readouterr().out
+    for rule in RULES:
+        assert f"ok    {rule.name}" in out
+    assert "14 rules: 14 ok, 0 failed, 0 skipped" in out
+    assert _tree(valid_export) == before
+
+    broken = tmp_path / "broken"
+    shutil.copytree(valid_export, broken)
+    _edit_config(_set("hidden_act", "gelu"))(broken)
+    assert main(["export", "--check", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  hidden_act" in out and "1 failed, 1 skipped" in out
+
+    assert main(["export", "--check", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["export", "--check", str(valid_export), "--target", str(tmp_path)]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_check_command_runs_without_torch(valid_export):
+    code = ("import sys; from dflash_train.cli import main; rc = main(['export', '--check', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code, str(valid_export)], capture_output=True, text=True,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert "14 rules: 13 ok, 0 failed, 1 skipped" in result.stdout
