@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -95,3 +96,36 @@ def write_dir_atomically(final_dir: str | Path, build: Callable[[Path], None]) -
         if aside is not None and final_dir.exists():
             shutil.rmtree(aside, ignore_errors=True)
     return final_dir
+
+
+# The hidden names the writers above leave when killed between their steps: a staging folder
+# `.NAME.XXXXXXXX`, a temporary file `.NAME.XXXXXXXX.tmp`, an old folder renamed aside
+# `.NAME.old.XXXXXXXX/NAME` (XXXXXXXX: tempfile's 8 random characters).
+_ASIDE = re.compile(r"\.(?P<name>.+)\.old\.[a-z0-9_]{8}")
+_STAGING = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}(\.tmp)?")
+
+
+def remove_leftover_staging(folder: str | Path) -> list[Path]:
+    """Clean up after writers of this module killed mid-write in `folder`: staging folders and
+    temporary files are removed; an old folder renamed aside whose replacement never took its
+    name is put back under it. Returns what was removed. Call only while nothing writes there."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for entry in sorted(folder.iterdir()):
+        aside = _ASIDE.fullmatch(entry.name)
+        if aside and entry.is_dir():
+            kept, final = entry / aside["name"], folder / aside["name"]
+            if kept.exists() and not final.exists():
+                os.replace(kept, final)
+                fsync_dir(folder)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        elif _STAGING.fullmatch(entry.name):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
