@@ -256,3 +256,11 @@ def test_cuda_source_matches_cpu(cache_dir):
     on_gpu = cache.source("cuda:0", [1, 3], dtype=torch.float32).features(batch)
     assert on_gpu.device.type == "cuda"
     torch.testing.assert_close(on_gpu.cpu(), cache.source("cpu", [1, 3]).features(batch), rtol=0, atol=0)
+
+
+def test_thinking_must_match_the_cache(cache_dir, tmp_path):
+    """The evaluator renders its prompts in the cache's thinking mode; another explicit
+    --thinking is refused before any model loads (--thinking auto takes the cache's)."""
+    with pytest.raises(ConfigError, match="--thinking off: the feature cache .* was rendered with thinking auto"):
+        train(_train_config(tmp_path / "a", features=str(cache_dir), thinking="off", eval_every=1), log=_quiet())
+    assert not (tmp_path / "a" / "run.json").exists()
