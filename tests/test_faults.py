@@ -279,3 +279,22 @@ def test_feature_cache_target_goes_where_the_evaluator_decodes():
     assert feature_target_device(with_eval, Layout([cuda0], [cuda1])) == cuda0
     assert feature_target_device(with_eval, Layout([cpu], [cuda1])) == cuda1
     assert feature_target_device(with_eval, Layout([cpu], [cpu])) == cpu
+
+
+def test_leftover_staging_is_removed_and_a_folder_renamed_aside_is_put_back(tmp_path):
+    """What each kill point of files.write_dir_atomically / write_bytes_atomic leaves, cleaned."""
+    from dflash_train.files import remove_leftover_staging
+
+    staging = Path(tempfile.mkdtemp(prefix=".step-00000009.", dir=tmp_path))
+    (staging / "drafter.safetensors").write_bytes(b"partial")
+    temp_file = Path(tempfile.mkstemp(prefix=".latest.", suffix=".tmp", dir=tmp_path)[1])
+    aside = Path(tempfile.mkdtemp(prefix=".export.old.", dir=tmp_path))
+    (aside / "export").mkdir()
+    (aside / "export" / "config.json").write_text("{}")  # killed after the old folder moved aside
+    kept = tmp_path / "step-00000008"
+    kept.mkdir()
+    (tmp_path / ".hidden-notes").write_text("mine")  # not a name our writers use
+    assert sorted(remove_leftover_staging(tmp_path)) == sorted([staging, temp_file, aside])
+    assert (tmp_path / "export" / "config.json").read_text() == "{}"
+    assert kept.is_dir() and (tmp_path / ".hidden-notes").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden-notes", "export", "step-00000008"]

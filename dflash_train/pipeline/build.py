@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import queue
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from ..attention import resolve_backend
 from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_trainer
 from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
-from ..files import remove_leftover_staging
+from ..files import remove_leftover_staging, write_json_atomic
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
@@ -410,11 +409,10 @@ def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | N
 
 def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
     """run.json: the settings this drafter trains with and its drafter config."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    (plan.run_dir / "run.json").write_text(json.dumps({
+    write_json_atomic(plan.run_dir / "run.json", {
         "train_config": dataclasses.asdict(plan.config), "drafter_config": plan.drafter_config.to_dict(),
         "target": str(config.target), "mode": config.mode, "name": plan.name,
-    }, indent=2))
+    }, indent=2)
 
 
 def build_replicas(

@@ -14,7 +14,6 @@ them before the error leaves `run`: nothing trains or writes after `train()` has
 
 from __future__ import annotations
 
-import json
 import queue
 import signal
 import sys
@@ -29,7 +28,9 @@ import torch
 from ..config import TrainConfig
 from ..errors import RunFailed
 from ..export import export_model
+from ..files import write_json_atomic
 from ..progress import Progress
+from ..target import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
 from .reporting import (
     RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
@@ -280,7 +281,7 @@ class Coordinator:
             summary["drafters"][plan.name] = entry
         if self.failure is not None:
             summary["stop_reason"] = f"failed: {self.failure}"
-        (Path(self.config.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json_atomic(Path(self.config.out) / "summary.json", summary, indent=2)
         print(summary_text(summary, self.config.steps), file=self.log)
         if error is not None:
             raise error
@@ -291,7 +292,7 @@ class Coordinator:
         return summary
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
-        return export_model(drafter, plan.run_dir / "export", dtype=getattr(torch, self.config.export_dtype),
+        return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.export_dtype, "cpu"),
                             run_dir=plan.run_dir, force=True)  # OUT/export belongs to the run
 
 
