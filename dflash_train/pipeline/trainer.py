@@ -15,7 +15,6 @@ Modes:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
