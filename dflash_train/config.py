@@ -283,7 +283,7 @@ class TrainConfig:
     min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
     block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens)")
     num_layers: int = option(5, "drafter decoder layers")
-    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes; at most max_seq_len)")
+    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)")
     target_layer_ids: list[int] = option([], "target layers to capture; empty = DESIGN rule with num_layers layers")
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
     loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
@@ -356,10 +356,6 @@ class TrainConfig:
                 f"block_size {self.block_size}: must be at least 2 (position 0 is the anchor, so a block "
                 "of 1 drafts nothing); DFlash uses 16"
             )
-        if self.num_anchors > self.max_seq_len:
-            raise ConfigError(
-                f"--num-anchors {self.num_anchors} is more than the {self.max_seq_len} positions of a sequence "
-                f"(--max-seq-len): at most one anchor per position; DFlash uses 512 at 3072 tokens")
         if self.seq_buckets:
             if any(b < 2 for b in self.seq_buckets) or any(a >= b for a, b in zip(self.seq_buckets, self.seq_buckets[1:])):
                 raise ConfigError(f"--seq-buckets {','.join(map(str, self.seq_buckets))}: lengths must be "
@@ -387,6 +383,12 @@ class TrainConfig:
         if self.out and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; the run folder must be a folder (new, or a run to --resume)")
         self.variant_configs()
+
+    def anchor_slots(self) -> int:
+        """The anchor slots trained: a sequence of max_seq_len tokens has fewer than max_seq_len
+        anchor positions, so slots past that would only be padding (every valid position is
+        drawn either way: the same loss, without the memory of the padded blocks)."""
+        return min(self.num_anchors, self.max_seq_len)
 
     def variant_configs(self) -> list[tuple[str, "TrainConfig"]]:
         """(name, settings) of each variant: the shared settings with the variant's overrides,

@@ -125,7 +125,6 @@ gamma = 4
     (dict(gamma=-7.0), "--gamma must be > 0"),
     (dict(gamma=0.0), "--gamma must be > 0"),
     (dict(export_dtype="int8"), "--export-dtype 'int8': use bfloat16, float16, float32"),
-    (dict(num_anchors=100000), "--num-anchors 100000 is more than the 2048 positions"),
     (dict(seq_buckets=[512, 256]), "--seq-buckets 512,256: lengths must be increasing"),
     (dict(seq_buckets=[256, 256]), "must be increasing"),
     (dict(seq_buckets=[1024, 4096]), "--seq-buckets 4096 is longer than --max-seq-len 2048"),

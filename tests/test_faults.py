@@ -220,6 +220,23 @@ def test_flex_attention_on_the_cpu_is_refused(tmp_path, target):
     assert not (tmp_path / "run.json").exists()
 
 
+def test_anchor_slots_beyond_the_sequence_are_not_allocated(tmp_path, target):
+    """--num-anchors 100000 tried to allocate hundreds of GB; a sequence of --max-seq-len tokens
+    has fewer anchor positions than that, so the run trains max_seq_len slots, says so, and
+    computes the loss of exactly that many."""
+    samples = pattern_samples(16)
+    log = tmp_path / "huge.log"
+    with open(log, "w") as handle:
+        train(_config(tmp_path / "huge", steps=3, num_anchors=100_000), samples=samples, target=target, log=handle)
+    train(_config(tmp_path / "exact", steps=3, num_anchors=128), samples=samples, target=target, log=_quiet())
+    text = log.read_text()
+    assert "--num-anchors 100000 is more than --max-seq-len 128: training 128 anchor slots" in text and "N=128" in text
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("huge", "exact")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert json.loads((tmp_path / "huge" / "run.json").read_text())["train_config"]["num_anchors"] == 100_000
+
+
 def test_buckets_shorter_than_a_row_are_refused(tmp_path, target):
     with pytest.raises(ConfigError, match="exceeds the largest bucket 64.*--seq-buckets"):
         train(_config(tmp_path, seq_buckets=[32, 64]), samples=pattern_samples(8, min_len=80, max_len=90),

@@ -247,16 +247,20 @@ def check_batch_size(config: TrainConfig, samples: Sequence[Any]) -> None:
 
 # --- drafter shapes ----------------------------------------------------------------------------
 
-def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target) -> None:
+def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target, log: TextIO) -> None:
     """Each plan's drafter and objective, sized from the target; --fp8 checked against both."""
     mask_token_id = resolve_mask_token_id(config.mask_token_id, target.tokenizer, target.embed_weight.shape[0])
     for plan in plans:
+        if plan.config.anchor_slots() < plan.config.num_anchors:
+            print(f"{plan.name}: --num-anchors {plan.config.num_anchors} is more than --max-seq-len "
+                  f"{plan.config.max_seq_len}: training {plan.config.anchor_slots()} anchor slots per sequence "
+                  "(a sequence has no more anchor positions; the loss is the same)", file=log)
         plan.drafter_config = DrafterConfig.from_target(
             target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
             mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
         )
         plan.objective = ObjectiveConfig(
-            block_size=plan.config.block_size, num_anchors=plan.config.num_anchors, loss=plan.config.loss,
+            block_size=plan.config.block_size, num_anchors=plan.config.anchor_slots(), loss=plan.config.loss,
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
             compiled_head=all(compiles_drafter(config, device) for device in plan.devices),
             fp8_head=plan.config.fp8 != "off",

@@ -61,7 +61,7 @@ def train(
     if samples is None:
         samples = load_samples(config, supply, log)
     check_batch_size(config, samples)
-    describe_drafters(plans, config, supply.first)
+    describe_drafters(plans, config, supply.first, log)
     sources = supply.sources(layout, layer_union(plans), log)
     resume = find_resume_point(config, plans, log)
     steps = step_range(config, resume, stop_at, log)
