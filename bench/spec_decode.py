@@ -46,6 +46,7 @@ from dflash_train.decode.loop import generate  # noqa: E402
 from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
 from dflash_train.eval.run import load_pair  # noqa: E402
 from dflash_train.eval.stats import tau_statistics  # noqa: E402
+from dflash_train.target import dtype_from_name  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         log("CUDA is not available: pass --device cpu")
         return 2
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+    dtype = dtype_from_name(args.dtype, device)
     log(f"torch {torch.__version__} | device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "") + f" | {dtype}")
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from . import __version__
 from .config import add_arguments, from_args
-from .errors import UserError
+from .errors import RunFailed, UserError
 
 
 class Command(NamedTuple):
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as error:
         print(f"dflash-train {args.command}: {error}", file=sys.stderr)
         return 2
+    except RunFailed as error:
+        print(f"dflash-train {args.command}: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("aborted", file=sys.stderr)
         return 130

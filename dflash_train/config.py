@@ -23,6 +23,7 @@ C = TypeVar("C")
 FP8_CHOICES = ("off", "head", "all")  # train --fp8 (fp8.py)
 DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
 
 
@@ -48,7 +49,9 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Convert a raw value (string from the CLI, or a parsed file value) to the field type."""
+    """Convert a raw value (a string from the command line, or a parsed file value) to the
+    field's type. Strings convert to numbers and lists; a bool never passes for a number
+    (TOML `steps = true` is an error, not one step)."""
     base, optional = _unwrap_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
@@ -65,14 +68,22 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
-        if base in (int, float, str):
+        if base in (int, float):
+            if isinstance(value, bool) or isinstance(value, (list, dict)):
+                raise ValueError(value)
             if base is int and isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return base(value)
+        if base is str:
+            if isinstance(value, (bool, list, dict)):
+                raise ValueError(value)
+            return str(value)
         if origin in (list, tuple):
             (item_tp,) = typing.get_args(base)[:1] or (str,)
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(value)
             return [_convert(v, item_tp, key) for v in value]
         if origin is dict or base is dict:
             if isinstance(value, str):
@@ -82,9 +93,22 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return dict(value)
         if base is Any:
             return value
+    except ConfigError:
+        raise  # an item of a list, already named
     except (TypeError, ValueError, json.JSONDecodeError):
-        raise ConfigError(f"{key}: cannot read {value!r} as {getattr(base, '__name__', base)}") from None
+        raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(base)}") from None
     return value
+
+
+_TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+               str: ("a string", "strings"), dict: ("a table", "tables")}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (list, tuple):
+        (item,) = typing.get_args(tp)[:1] or (str,)
+        return f"a list of {_TYPE_NAMES.get(typing.get_origin(item) or item, ('', 'values'))[1]}"
+    return _TYPE_NAMES.get(tp, (getattr(tp, "__name__", str(tp)),))[0]
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -98,15 +122,50 @@ def unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
-def from_dict(cls: type[C], raw: dict[str, Any], where: str = "config") -> C:
-    """Build `cls` from a mapping, converting types and refusing unknown keys."""
+def sections_of(cls: type) -> dict[str, tuple[str, ...]]:
+    """A config's sections (`SECTIONS` on the class: section name -> its fields); none for a
+    config too small to need them."""
+    return dict(getattr(cls, "SECTIONS", {}))
+
+
+def convert_values(cls: type, raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Typed field values from a mapping with the flags' names (`-` or `_`), flat or grouped in
+    the config's sections; unknown keys, keys in the wrong section and keys given twice are errors."""
     types_by_name = _field_types(cls)
-    values = {}
+    sections = sections_of(cls)
+    home = {name: section for section, names in sections.items() for name in names}
+    flat: dict[str, tuple[Any, str]] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        # A table under a section's name is that section (the field `data` is a list, the
+        # section [data] a table, so the two never clash).
+        if name in sections and (isinstance(value, dict) or name not in types_by_name):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{name}] must be a table of {name} settings, got {value!r}")
+            for inner, inner_value in value.items():
+                inner_name = inner.replace("-", "_")
+                if inner_name not in types_by_name:
+                    raise unknown_key_error(inner, list(sections[name]), f"{where}: [{name}]")
+                if home.get(inner_name) != name:
+                    raise ConfigError(f"{where}: [{name}] {inner}: {inner} belongs in [{home[inner_name]}]")
+                if inner_name in flat:
+                    raise ConfigError(f"{where}: {inner} is set twice ({flat[inner_name][1]} and [{name}] {inner})")
+                flat[inner_name] = (inner_value, f"[{name}] {inner}")
+            continue
         if name not in types_by_name:
-            raise unknown_key_error(key, list(types_by_name), where)
-        values[name] = _convert(value, types_by_name[name], f"{where}: {key}")
+            raise unknown_key_error(key, [*types_by_name, *sections], where)
+        if name in flat:
+            raise ConfigError(f"{where}: {key} is set twice ({flat[name][1]} and {key})")
+        flat[name] = (value, key)
+    return {name: _convert(value, types_by_name[name], f"{where}: {label}") for name, (value, label) in flat.items()}
+
+
+def from_dict(cls: type[C], raw: dict[str, Any], where: str = "config") -> C:
+    """Build `cls` from a mapping (see `convert_values`) and validate it."""
+    return build(cls, convert_values(cls, raw, where), where)
+
+
+def build(cls: type[C], values: dict[str, Any], where: str) -> C:
     try:
         config = cls(**values)
     except TypeError as error:
@@ -128,36 +187,45 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {error}") from None
 
 
+def _default_shown(field: dataclasses.Field) -> Any:
+    default = field.default if field.default is not dataclasses.MISSING else None
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = field.default_factory()  # type: ignore[misc]
+    return ",".join(map(str, default)) if isinstance(default, list) else default
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field; defaults stay unset so a config file can fill them."""
-    parser.add_argument("--config", help="a .toml or .json file with any of the keys below; flags override it")
+    """One flag per dataclass field, listed by section; defaults stay unset so a config file
+    can fill them."""
+    sections = sections_of(cls)
+    parser.add_argument("--config", help="a .toml or .json file with any of the keys below (flat, or in the "
+                        "[section] each is listed under); flags override it")
+    groups = {section: parser.add_argument_group(f"[{section}]") for section in sections}
+    home = {name: groups[section] for section, names in sections.items() for name in names}
     for field, tp in zip(dataclasses.fields(cls), _field_types(cls).values()):
-        help_text = field.metadata.get("help", "")
-        default = field.default if field.default is not dataclasses.MISSING else None
-        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = field.default_factory()  # type: ignore[misc]
+        target = home.get(field.name, parser)
+        help_text = f"{field.metadata.get('help', '')} (default: {_default_shown(field)})"
         base, _ = _unwrap_optional(tp)
-        shown = ",".join(map(str, default)) if isinstance(default, list) else default
         if base is bool:
-            parser.add_argument(
-                _flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS, help=f"{help_text} (default: {shown})",
-            )
+            target.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(
-                _flag(field.name), dest=field.name, default=argparse.SUPPRESS,
-                metavar=field.name.upper(), help=f"{help_text} (default: {shown})",
-            )
+            target.add_argument(_flag(field.name), dest=field.name, default=argparse.SUPPRESS,
+                                metavar=field.name.upper(), help=help_text)
 
 
 def from_args(cls: type[C], args: argparse.Namespace) -> C:
-    """Merge a config file (if any) with the flags given; flags win."""
-    raw: dict[str, Any] = {}
+    """Merge a config file (if any) with the flags given; flags win. Errors name the file and
+    key, or the flag."""
+    values: dict[str, Any] = {}
     config_path = getattr(args, "config", None)
     if config_path:
-        raw.update(load_file(config_path))
-    raw.update({k: v for k, v in vars(args).items() if k not in ("config", "command", "func")})
-    return from_dict(cls, raw, where=str(config_path) if config_path else "flags")
+        values.update(convert_values(cls, load_file(config_path), str(config_path)))
+    types_by_name = _field_types(cls)
+    for name, value in vars(args).items():
+        if name in types_by_name:
+            values[name] = _convert(value, types_by_name[name], _flag(name))
+    return build(cls, values, str(config_path) if config_path else "flags")
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -168,53 +236,75 @@ def load_file(path: str | Path) -> dict[str, Any]:
         return _read_toml(path)
     if path.suffix == ".json":
         try:
-            return json.loads(path.read_text())
+            raw = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: line {error.lineno}: {error.msg}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a config file holds one JSON object")
+        return raw
     raise ConfigError(f"{path}: use a .json or .toml config file")
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+def canonical_dtype(name: str, key: str) -> str:
+    """A dtype name from DTYPE_NAMES, accepting the short spellings in DTYPE_ALIASES."""
+    canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if canonical not in DTYPE_NAMES:
+        raise ConfigError(f"{key} {name!r}: use {', '.join(DTYPE_NAMES)} (or {', '.join(DTYPE_ALIASES)})")
+    return canonical
+
+
+# Keys a variant may override; everything else is shared by construction (one target stream).
+VARIANT_KEYS = (
+    "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
+    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
+)
+# Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
+FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything one `dflash-train train` run needs; `run.json` in the run folder records it."""
+    """Everything one `dflash-train train` run needs; `run.json` in the run folder records it.
+
+    Fields are flat (`config.lr`, flag `--lr`); `SECTIONS` groups them for `--help` and for
+    config files, which may write `lr = 6e-4` or `[optimizer]` / `lr = 6e-4`.
+    """
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file")
     data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)")
     out: str = option("", "run folder: checkpoints, metrics, run.json")
     features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
+    thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off")
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(8, "sequences per micro-batch, per drafter replica")
     grad_accum: int = option(1, "micro-batches per optimizer step, per replica")
     max_seq_len: int = option(2048, "longer conversations are truncated")
-    seq_buckets: list[int] = option([], "padded sequence lengths (one compile each); empty = automatic up to max_seq_len")
+    seq_buckets: list[int] = option([], "padded sequence lengths, increasing, at most max_seq_len (one compile each); empty = automatic up to max_seq_len")
     min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
     block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens)")
     num_layers: int = option(5, "drafter decoder layers")
-    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes)")
+    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)")
     target_layer_ids: list[int] = option([], "target layers to capture; empty = DESIGN rule with num_layers layers")
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
     loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
-    gamma: float | None = option(None, "decay gamma; empty = paper value for the block size (7 for B=16)")
-    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha")
+    gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)")
+    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]")
     loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits")
-    lr: float = option(6e-4, "peak learning rate (AdamW)")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.95, "AdamW beta2")
+    lr: float = option(6e-4, "peak learning rate (AdamW), > 0")
+    weight_decay: float = option(0.0, "AdamW weight decay, >= 0")
+    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
+    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)")
     warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up")
     min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak")
-    clip_grad: float = option(1.0, "gradient-norm clip")
+    clip_grad: float = option(1.0, "gradient-norm clip, > 0")
+    stop_after_bad_steps: int = option(10, "stop the run (exit 1) after this many consecutive non-finite (skipped) or zero-gradient steps, or once more than half of at least 2K steps were skipped; 0 = never")
     seed: int = option(0, "seed for drafter init, data order and anchors")
     device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)")
     target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0")
     drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2")
     mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`")
     variants: list[dict] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
-    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex or sdpa")
+    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
@@ -222,41 +312,123 @@ class TrainConfig:
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
     keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
     log_every: int = option(10, "a log line every K steps")
-    resume: bool = option(False, "continue from the latest complete checkpoint in `out`")
+    resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
     fail_on_recompile: bool = option(False, "error on any compile after a bucket's first step")
-    export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training")
+    export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training (bfloat16, float16, float32; empty = no export)")
     eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)")
     eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
     eval_limit: int = option(8, "prompts used by --eval-every")
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
     tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
 
+    SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
+        "data": ("data", "features", "thinking", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
+        "model": ("target", "block_size", "num_layers", "target_layer_ids", "mask_token_id"),
+        "objective": ("loss", "gamma", "dpace_alpha", "num_anchors", "loss_chunk_rows"),
+        "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
+                      "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
+        "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
+                     "compile", "fp8", "prefetch", "fail_on_recompile"),
+        "eval": ("eval_every", "eval_bench", "eval_limit", "eval_max_new_tokens"),
+        "checkpoint": ("out", "resume", "save_every", "keep_checkpoints", "export_dtype"),
+        "logging": ("log_every", "tensorboard"),
+    }
+
     def validate(self) -> None:
-        if self.mode not in ("replicas", "variants"):
-            raise ConfigError(f"mode {self.mode!r}: use replicas or variants")
+        """Every value checked before anything loads; each error names its flag."""
+        _choice("mode", self.mode, ("replicas", "variants"))
         if self.mode == "variants" and not self.variants:
             raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
-        if self.loss not in ("decay", "dpace"):
-            raise ConfigError(f"loss {self.loss!r}: use decay or dpace")
-        for name in ("steps", "batch_size", "grad_accum", "max_seq_len", "num_anchors", "prefetch", "save_every", "log_every"):
+        _choice("loss", self.loss, ("decay", "dpace"))
+        _choice("thinking", self.thinking, tuple(THINKING))
+        _choice("attention", self.attention, ("auto", "flex", "sdpa"))
+        _choice("compile", self.compile, ("auto", "on", "off"))
+        _choice("fp8", self.fp8, FP8_CHOICES)
+        _choice("precision", self.precision, ("auto", "bf16", "fp32"))
+        _choice("tensorboard", self.tensorboard, ("auto", "on", "off"))
+        for name in ("steps", "batch_size", "grad_accum", "max_seq_len", "num_anchors", "prefetch", "save_every",
+                     "log_every", "num_layers", "keep_checkpoints", "eval_limit", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1 (got {getattr(self, name)})")
+                raise ConfigError(f"{_flag(name)} must be at least 1 (got {getattr(self, name)})")
+        for name in ("eval_every", "loss_chunk_rows", "min_supervised_tokens", "stop_after_bad_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{_flag(name)} must be at least 0 (got {getattr(self, name)})")
         if self.block_size < 2:
             raise ConfigError(
                 f"block_size {self.block_size}: must be at least 2 (position 0 is the anchor, so a block "
                 "of 1 drafts nothing); DFlash uses 16"
             )
-        if self.attention not in ("auto", "flex", "sdpa"):
-            raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
-        if self.compile not in ("auto", "on", "off"):
-            raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
-        if self.fp8 not in FP8_CHOICES:
-            raise ConfigError(f"fp8 {self.fp8!r}: use {', '.join(FP8_CHOICES)}")
-        if self.tensorboard not in ("auto", "on", "off"):
-            raise ConfigError(f"tensorboard {self.tensorboard!r}: use auto, on or off")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision {self.precision!r}: use auto, bf16 or fp32")
-        if self.eval_every < 0 or self.eval_limit < 1 or self.eval_max_new_tokens < 1:
-            raise ConfigError("eval_every must be >= 0, eval_limit and eval_max_new_tokens >= 1")
+        if self.seq_buckets:
+            if any(b < 2 for b in self.seq_buckets) or any(a >= b for a, b in zip(self.seq_buckets, self.seq_buckets[1:])):
+                raise ConfigError(f"--seq-buckets {','.join(map(str, self.seq_buckets))}: lengths must be "
+                                  "increasing and at least 2, e.g. 512,1024,2048")
+            if self.seq_buckets[-1] > self.max_seq_len:
+                raise ConfigError(f"--seq-buckets {self.seq_buckets[-1]} is longer than --max-seq-len {self.max_seq_len} "
+                                  "(rows are truncated to max_seq_len, so it would never be used)")
+        _positive("lr", self.lr)
+        _positive("clip_grad", self.clip_grad, "; to clip almost never, use a large value such as 1e9")
+        if self.gamma is not None:
+            _positive("gamma", self.gamma)
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{_flag(name)} must be in [0, 1) (got {getattr(self, name)})")
+        if not 0 <= self.dpace_alpha <= 1:
+            raise ConfigError(f"--dpace-alpha must be in [0, 1] (got {self.dpace_alpha})")
         if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError("warmup_ratio must be in [0, 1)")
+            raise ConfigError(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.export_dtype:
+            self.export_dtype = canonical_dtype(self.export_dtype, "--export-dtype")
+        if self.out and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file; the run folder must be a folder (new, or a run to --resume)")
+        self.variant_configs()
+
+    def anchor_slots(self) -> int:
+        """The anchor slots trained: a sequence of max_seq_len tokens has fewer than max_seq_len
+        anchor positions, so slots past that would only be padding (every valid position is
+        drawn either way: the same loss, without the memory of the padded blocks)."""
+        return min(self.num_anchors, self.max_seq_len)
+
+    def variant_configs(self) -> list[tuple[str, "TrainConfig"]]:
+        """(name, settings) of each variant: the shared settings with the variant's overrides,
+        converted to the fields' types and validated like flags."""
+        if self.mode != "variants":
+            return []
+        types_by_name = _field_types(TrainConfig)
+        configs, names = [], set()
+        for i, overrides in enumerate(self.variants):
+            where = f"variants[{i}]"
+            if not isinstance(overrides, dict):
+                raise ConfigError(f"{where}: a variant is a table of overrides, e.g. {{name = 'b8', block_size = 8}}")
+            values = {}
+            for key, value in overrides.items():
+                name = key.replace("-", "_")
+                if name not in VARIANT_KEYS:
+                    raise unknown_key_error(key, list(VARIANT_KEYS), where)
+                if name != "name":
+                    values[name] = _convert(value, types_by_name[name], f"{where}: {key}")
+            label = str(overrides.get("name") or f"variant{i}")
+            if label in names:
+                raise ConfigError(f"{where}: name {label!r} is used twice")
+            names.add(label)
+            variant = dataclasses.replace(self, mode="replicas", variants=[], **values)
+            try:
+                variant.validate()
+            except ConfigError as error:
+                raise ConfigError(f"{where} ({label}): {error}") from None
+            configs.append((label, dataclasses.replace(variant, mode=self.mode, variants=self.variants)))
+        return configs
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        names = [str(c) for c in choices]
+        raise ConfigError(f"{_flag(name)} {value!r}: use {', '.join(names[:-1])} or {names[-1]}")
+
+
+def _positive(name: str, value: float, hint: str = "") -> None:
+    if not value > 0:  # also refuses NaN
+        raise ConfigError(f"{_flag(name)} must be > 0 (got {value}){hint}")

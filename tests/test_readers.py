@@ -63,8 +63,9 @@ def test_sharegpt_roles_are_mapped_and_stats_merge_across_files():
     assert sharegpt.first_example["conversations[*].value: expected a string"] == (
         f"{SHAREGPT}:3: conversations[1].value: expected a string, got a number"
     )
-    _, openai = read_all(OPENAI)
-    merged = RowStats().merge(openai).merge(sharegpt)
+    merged = RowStats()  # one RowStats across files, as load_training_samples keeps it
+    for path in (OPENAI, SHAREGPT):
+        list(read_conversations(path, merged))
     assert (merged.read, merged.used, merged.skipped) == (13, 4, 9)
     assert merged.summary().splitlines()[0] == "rows: read=13 used=4 skipped=9"
 

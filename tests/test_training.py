@@ -206,3 +206,37 @@ def test_drafter_loss_and_backward_never_wait_for_the_gpu():
             torch.cuda.set_sync_debug_mode(0)
     syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]
     assert not syncs, "\n".join(syncs)
+
+
+def test_thinking_switch_reaches_the_training_rows_and_the_eval_prompts():
+    """--thinking renders --data and the in-training evaluator's prompts the way regenerate does,
+    with the real Qwen3 template: off makes the empty think block part of the prompt (masked,
+    and the end of every eval prompt); on and auto leave it to the target (supervised)."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.pipeline.build import FeatureSupply, build_evaluation, load_samples
+    from dflash_train.pipeline.workers import StepRange
+    from dflash_train.target import Target
+    from test_render import NPM_SETUP, npm_tokenizer_dir
+    from tiny import tiny_hf_model
+
+    path = npm_tokenizer_dir("qwen3")
+    if path is None:
+        pytest.skip("real Qwen3 tokenizer absent: " + NPM_SETUP.format(name="qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    supply = FeatureSupply([Target(tiny_hf_model("qwen3", vocab=len(tokenizer), hidden=32, layers=2), tokenizer)])
+    data = Path(__file__).parent / "data" / "chat_openai.jsonl"
+    prompts = Path(__file__).parent / "data" / "eval_prompts.jsonl"
+    supervised, endings = {}, {}
+    for thinking in ("off", "on", "auto"):
+        config = tiny_train_config("unused", data=[str(data)], thinking=thinking, eval_every=1, eval_bench=str(prompts),
+                                   eval_limit=2, min_supervised_tokens=1)
+        samples = load_samples(config, supply, open(os.devnull, "w"))
+        supervised[thinking] = sum(int(s.loss_mask.sum()) for s in samples)
+        evaluation = build_evaluation(config, supply, StepRange(0, 1), open(os.devnull, "w"))
+        endings[thinking] = {tokenizer.decode(p[-6:]) for p in evaluation.evaluator.prompts}
+    empty_think = "<think>\n\n</think>\n\n"
+    assert all(text.endswith(empty_think) for text in endings["off"])
+    assert not any(text.endswith(empty_think) for text in endings["on"] | endings["auto"])
+    rows = len(samples)
+    assert supervised["on"] == supervised["auto"] >= supervised["off"] + 4 * rows  # the think block's tokens

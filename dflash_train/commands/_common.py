@@ -23,10 +23,8 @@ def check_target_flags(target: str, out: str, thinking: str, dtype: str, batch_s
 
 def load_target_for(target_path: str, device: Any, dtype: str) -> Any:
     """The target on `device`, its weights in `dtype` ("auto" keeps load_target's default)."""
-    import torch
+    from ..target import dtype_from_name, load_target
 
-    from ..target import load_target
-
-    weights = None if dtype == "auto" else getattr(torch, dtype)
+    weights = dtype_from_name(dtype, device)
     print(f"loading target {target_path} on {device}")
     return load_target(Path(target_path).resolve(), device, weights)

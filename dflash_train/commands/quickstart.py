@@ -88,6 +88,7 @@ def run_quickstart(config: QuickstartConfig) -> int:
     from .cache_features import CacheFeaturesConfig, run_cache_features
     from .eval import EvalConfig, run_eval
     from .regenerate import RegenerateConfig, run_regenerate
+    from .train import exit_code
 
     started = time.monotonic()
     out = Path(config.out)
@@ -130,6 +131,8 @@ def run_quickstart(config: QuickstartConfig) -> int:
         eval_every=max(1, config.steps // 2), eval_limit=3, eval_max_new_tokens=32,
     )
     summary = train(train_config)
+    if summary.get("interrupted_by"):  # saved; running it again continues from the checkpoint
+        return exit_code(summary)
     times["train"] = time.monotonic() - t
     png = plot_training_curve(run_dir / "metrics.jsonl", out / "training_curve.png")
 

@@ -54,7 +54,8 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
-from ..config import ConfigError
+from ..config import DTYPE_NAMES, ConfigError
+from ..files import fsync_dir as _fsync_dir, write_json_atomic as _write_json
 from ..progress import Progress, format_seconds
 from ..target import check_target_layer_ids, default_dtype
 from .readers import RowStats
@@ -64,7 +65,7 @@ FORMAT = "dflash-feature-cache"
 VERSION = 1
 ALIGN = 64
 HEADER = "cache.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the stored dtypes, by name
 # The rendering and capture settings a resumed write must share with the first one.
 _SETTINGS = ("target", "layer_ids", "dtype", "width", "max_seq_len", "min_supervised_tokens", "enable_thinking", "data")
 # Sorting samples by length inside windows of this many batches keeps padding low.
@@ -88,27 +89,6 @@ def _record_bytes(length: int, width: int, element_size: int) -> tuple[int, int]
     """(bytes of the record's features, bytes of the whole record before alignment padding)."""
     features = length * width * element_size
     return features, features + 5 * length
-
-
-def _write_json(path: Path, data: Any) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w") as handle:
-        json.dump(data, handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not possible on every platform; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _token_bytes(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> bytes:

@@ -59,7 +59,7 @@ class RowStats:
     """How many rows were read, how many are used, and why the others were skipped.
 
     Every row read is either used or skipped once, so `used + skipped == read` always holds;
-    `used` is derived to keep it that way. Merge the stats of several files with `merge`.
+    `used` is derived to keep it that way. Pass one RowStats to the readers of several files to count them together.
     """
 
     read: int = 0
@@ -83,13 +83,6 @@ class RowStats:
         if example is not None:
             self.first_example.setdefault(reason, example)
         log.debug("skipped: %s", example or reason)
-
-    def merge(self, other: "RowStats") -> "RowStats":
-        self.read += other.read
-        self.skipped_by_reason.update(other.skipped_by_reason)
-        for reason, example in other.first_example.items():
-            self.first_example.setdefault(reason, example)
-        return self
 
     def summary(self) -> str:
         lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}"]

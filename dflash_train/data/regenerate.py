@@ -47,6 +47,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from ..config import ConfigError
+from ..files import write_json_atomic
 from ..progress import Progress, format_seconds
 from .readers import DataError, Prompt, RowStats
 from .render import RenderError, render_prompt, stop_token_ids
@@ -214,9 +215,7 @@ def prepare_output(out: Path, record: dict[str, Any], log: TextIO) -> set[str]:
     if not check_output(out, record):
         out.parent.mkdir(parents=True, exist_ok=True)
         sidecar = settings_path(out)
-        temp = sidecar.with_name(sidecar.name + ".tmp")
-        temp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(temp, sidecar)
+        write_json_atomic(sidecar, record)
         out.touch()
         return set()
     data = out.read_bytes()

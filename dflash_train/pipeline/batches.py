@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..objective import ObjectiveConfig, block_labels, draw_anchors
 
 
@@ -87,7 +88,7 @@ class BatchPlanner:
         pin_memory: bool = False,
     ):
         if len(samples) < batch_size:
-            raise ValueError(f"{len(samples)} usable samples is fewer than batch_size {batch_size}")
+            raise ConfigError(f"{len(samples)} usable samples is fewer than batch_size {batch_size}")
         self.samples = samples
         self.batch_size = batch_size
         self.batches_per_step = batches_per_step
@@ -104,7 +105,8 @@ class BatchPlanner:
         self._lock = threading.Lock()
         longest = max(len(s.input_ids) for s in samples)
         if longest > self.buckets[-1]:
-            raise ValueError(f"a sample of {longest} tokens exceeds the largest bucket {self.buckets[-1]}")
+            raise ConfigError(f"a sample of {longest} tokens exceeds the largest bucket {self.buckets[-1]}: "
+                              "add a bucket of at least that length to --seq-buckets (or lower --max-seq-len)")
 
     def epoch_order(self, epoch: int) -> list[list[int]]:
         """Batches of sample indices for one epoch: shuffle, group similar lengths, shuffle groups."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import queue
 from dataclasses import dataclass, field
@@ -26,8 +25,9 @@ import torch
 
 from ..attention import resolve_backend
 from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_trainer
-from ..config import ConfigError, TrainConfig, unknown_key_error
+from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
+from ..files import remove_leftover_staging, write_json_atomic
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
@@ -38,13 +38,6 @@ from .workers import (
     BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
     GradientReducer, Replica, StepHook, StepRange, TargetSetup, TargetWorker,
 )
-
-# Keys a variant may override; everything else is shared by construction (one target stream).
-VARIANT_KEYS = (
-    "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
-    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
-)
-
 
 # --- layout ------------------------------------------------------------------------------------
 
@@ -62,10 +55,15 @@ class Layout:
 
 
 def resolve_layout(config: TrainConfig) -> Layout:
-    return Layout(
+    layout = Layout(
         [resolve_device(d) for d in (config.target_devices or [config.device])],
         [resolve_device(d) for d in (config.drafter_devices or [config.device])],
     )
+    on_cpu = [str(d) for d in layout.drafter_devices if d.type != "cuda"]
+    if config.attention == "flex" and on_cpu:
+        raise ConfigError(f"--attention flex: flex attention has no backward pass on {', '.join(on_cpu)} (it trains "
+                          "on CUDA only); use --attention sdpa or auto")
+    return layout
 
 
 # --- drafter plans -----------------------------------------------------------------------------
@@ -86,21 +84,31 @@ def plan_drafters(config: TrainConfig, layout: Layout) -> list[DrafterPlan]:
     out = Path(config.out)
     if config.mode == "replicas":
         return [DrafterPlan("drafter", config, out, list(layout.drafter_devices))]
-    plans, names = [], set()
-    for i, overrides in enumerate(config.variants):
-        for key in overrides:
-            if key not in VARIANT_KEYS:
-                raise unknown_key_error(key, list(VARIANT_KEYS), f"variants[{i}]")
-        name = str(overrides.get("name") or f"variant{i}")
-        if name in names:
-            raise ConfigError(f"variants[{i}]: name {name!r} is used twice")
-        names.add(name)
-        values = {k: v for k, v in overrides.items() if k != "name"}
-        variant = dataclasses.replace(config, **values)
-        variant.validate()
-        devices = layout.drafter_devices
-        plans.append(DrafterPlan(name, variant, out / name, [devices[i % len(devices)]]))
-    return plans
+    devices = layout.drafter_devices
+    return [DrafterPlan(name, variant, out / name, [devices[i % len(devices)]])
+            for i, (name, variant) in enumerate(config.variant_configs())]
+
+
+# Everything a run writes at the top of its folder (and in each variant's folder).
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "export")
+RUN_FOLDER_FILES = ("pipeline.jsonl", "summary.json")
+
+
+def prepare_run_folder(config: TrainConfig, plans: list[DrafterPlan]) -> Path:
+    """The run folder, created if new. Without --resume it must hold nothing a run writes (a
+    second run would mix its metrics and checkpoints with the first's); with it, what an
+    interrupted checkpoint write left behind is cleaned up."""
+    out = Path(config.out)
+    if not config.resume:
+        held = [out / name for name in RUN_FOLDER_FILES if (out / name).exists()]
+        held += [plan.run_dir / name for plan in plans for name in RUN_FILES if (plan.run_dir / name).exists()]
+        if held:
+            raise ConfigError(f"--out {out} already holds a training run ({', '.join(str(p) for p in held[:3])}); "
+                              "pass --resume to continue it, or choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    for plan in plans:
+        remove_leftover_staging(plan.run_dir / "checkpoints")
+    return out
 
 
 def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
@@ -154,19 +162,53 @@ def load_feature_supply(
         if config.data:
             raise ConfigError(f"pass --data or --features, not both: the feature cache {config.features} holds its own samples")
         cache = FeatureCache(config.features)
+        cached_thinking(config, cache)
         if not targets:
-            # No target forward runs; its embedding, head and tokenizer are still needed: one copy,
-            # on the CPU, in the drafters' dtype, serves every target worker.
+            # No target forward runs for training; its embedding, head and tokenizer are still
+            # needed (one copy serves every target worker), and the in-training evaluator runs it whole.
             path = config.target or cache.target
-            print(f"loading target {path} on cpu (embedding, head, tokenizer; features from {config.features})", file=log)
+            device = feature_target_device(config, layout)
+            use = "the in-training evaluator, embedding, head, tokenizer" if config.eval_every else "embedding, head, tokenizer"
+            print(f"loading target {path} on {device} ({use}; features from {config.features})", file=log)
             drafters_on_cuda = any(d.type == "cuda" for d in layout.drafter_devices)
-            targets.append(load_target(path, "cpu", torch.bfloat16 if drafters_on_cuda else None))
+            targets.append(load_target(path, device, torch.bfloat16 if drafters_on_cuda else None))
         cache.check_target(targets[0])
         targets += targets[:1] * (len(layout.target_devices) - len(targets))
     for device in layout.target_devices[len(targets):]:
         print(f"loading target {config.target} on {device}", file=log)
         targets.append(load_target(config.target, device))
     return FeatureSupply(targets, cache)
+
+
+def feature_target_device(config: TrainConfig, layout: Layout) -> torch.device:
+    """Where the target goes when features come from a cache: the CPU (only its embedding and
+    head are read, and copied to the drafters) unless --eval-every decodes with it, which on
+    GPUs must not run on the CPU inside a drafter thread: then the first target device, or the
+    first drafter device when the target devices are CPUs."""
+    if not config.eval_every:
+        return torch.device("cpu")
+    for device in [*layout.target_devices, *layout.drafter_devices]:
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def cached_thinking(config: TrainConfig, cache: Any) -> bool | None:
+    """The thinking mode of a feature cache's rows, which the evaluator's prompts must share:
+    --thinking auto takes it; another explicit value is refused."""
+    cached = cache.header.get("enable_thinking")
+    if config.thinking != "auto" and THINKING[config.thinking] != cached:
+        made = {value: name for name, value in THINKING.items()}[cached]
+        raise ConfigError(f"--thinking {config.thinking}: the feature cache {config.features} was rendered with "
+                          f"thinking {made}; the evaluator must render prompts as the training rows were "
+                          f"(pass --thinking {made} or auto)")
+    return cached
+
+
+def evaluation_thinking(config: TrainConfig, supply: FeatureSupply) -> bool | None:
+    if supply.cache is not None:
+        return cached_thinking(config, supply.cache)
+    return THINKING[config.thinking]
 
 
 # --- samples -----------------------------------------------------------------------------------
@@ -187,7 +229,8 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
     if tokenizer is None:
         raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
     samples, stats = load_training_samples(
-        config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens
+        config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
+        enable_thinking=THINKING[config.thinking],
     )
     print(stats.summary(), file=log)
     if not samples:
@@ -195,18 +238,29 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
     return samples
 
 
+def check_batch_size(config: TrainConfig, samples: Sequence[Any]) -> None:
+    if len(samples) < config.batch_size:
+        source = f"the feature cache {config.features}" if config.features else ", ".join(config.data) or "the given samples"
+        raise ConfigError(f"--batch-size {config.batch_size} is more than the {len(samples)} usable rows of {source}: "
+                          f"pass --batch-size {len(samples)} or less, or more data")
+
+
 # --- drafter shapes ----------------------------------------------------------------------------
 
-def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target) -> None:
+def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target, log: TextIO) -> None:
     """Each plan's drafter and objective, sized from the target; --fp8 checked against both."""
     mask_token_id = resolve_mask_token_id(config.mask_token_id, target.tokenizer, target.embed_weight.shape[0])
     for plan in plans:
+        if plan.config.anchor_slots() < plan.config.num_anchors:
+            print(f"{plan.name}: --num-anchors {plan.config.num_anchors} is more than --max-seq-len "
+                  f"{plan.config.max_seq_len}: training {plan.config.anchor_slots()} anchor slots per sequence "
+                  "(a sequence has no more anchor positions; the loss is the same)", file=log)
         plan.drafter_config = DrafterConfig.from_target(
             target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
             mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
         )
         plan.objective = ObjectiveConfig(
-            block_size=plan.config.block_size, num_anchors=plan.config.num_anchors, loss=plan.config.loss,
+            block_size=plan.config.block_size, num_anchors=plan.config.anchor_slots(), loss=plan.config.loss,
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
             compiled_head=all(compiles_drafter(config, device) for device in plan.devices),
             fp8_head=plan.config.fp8 != "off",
@@ -248,18 +302,40 @@ class ResumePoint:
 
 
 def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO) -> ResumePoint:
+    """The step to continue from. A checkpoint fixes its drafter's shape and its optimizer's
+    settings: a resume that changes either is refused (never silently ignored)."""
     if not config.resume:
         return ResumePoint()
     found = {plan.name: latest_checkpoint(plan.run_dir) for plan in plans}
-    steps = {name: read_state(path)["step"] for name, path in found.items() if path is not None}
-    if not steps:
+    states = {name: read_state(path) for name, path in found.items() if path is not None}
+    if not states:
         print(f"--resume: no complete checkpoint in {config.out}, starting from step 0", file=log)
         return ResumePoint()
+    steps = {name: state["step"] for name, state in states.items()}
     if len(set(steps.values())) != 1 or len(steps) != len(plans):
         raise ConfigError(f"cannot resume: drafters have checkpoints at different steps {steps}")
+    for plan in plans:
+        check_resumable(plan, found[plan.name], states[plan.name])
     start = next(iter(steps.values()))
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
     return ResumePoint(start, found)
+
+
+def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
+    saved = state.get("drafter_config", {})
+    wanted = plan.drafter_config.to_dict()
+    changed = [f"{key} {saved.get(key)!r} -> {wanted.get(key)!r}" for key in sorted(set(saved) | set(wanted))
+               if saved.get(key) != wanted.get(key)]
+    if changed:
+        raise ConfigError(f"cannot resume {plan.run_dir}: its checkpoint {checkpoint.name} holds a different drafter "
+                          f"({'; '.join(changed)}); resume with the run's settings, or start a new run in another --out")
+    saved_settings = state.get("train_config", {})
+    for key in FIXED_BY_CHECKPOINT:
+        if key in saved_settings and saved_settings[key] != getattr(plan.config, key):
+            raise ConfigError(
+                f"cannot resume {plan.run_dir}: --{key.replace('_', '-')} {getattr(plan.config, key)} differs from "
+                f"{saved_settings[key]} in its checkpoint {checkpoint.name}, whose optimizer state fixes it; resume "
+                f"without changing it, or start a new run in another --out")
 
 
 def step_range(config: TrainConfig, resume: ResumePoint, stop_at: int | None, log: TextIO) -> StepRange:
@@ -337,11 +413,10 @@ def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | N
 
 def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
     """run.json: the settings this drafter trains with and its drafter config."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    (plan.run_dir / "run.json").write_text(json.dumps({
+    write_json_atomic(plan.run_dir / "run.json", {
         "train_config": dataclasses.asdict(plan.config), "drafter_config": plan.drafter_config.to_dict(),
         "target": str(config.target), "mode": config.mode, "name": plan.name,
-    }, indent=2))
+    }, indent=2)
 
 
 def build_replicas(
@@ -352,9 +427,7 @@ def build_replicas(
     optimizer and LR schedule each (restored on resume)."""
     checkpoint = resume.checkpoints.get(plan.name)
     if checkpoint is not None:
-        base = load_drafter(checkpoint)
-        if base.config.to_dict() != plan.drafter_config.to_dict():
-            raise ConfigError(f"cannot resume {plan.run_dir}: its checkpoint was trained with a different drafter config")
+        base = load_drafter(checkpoint)  # its config was checked against the plan by `check_resumable`
     else:
         base = init_drafter(plan.drafter_config, plan.config.seed)
     replicas = []
@@ -381,14 +454,17 @@ def build_replicas(
     return replicas
 
 
-def build_evaluation(config: TrainConfig, target: Target, steps: StepRange, log: TextIO) -> EvaluationSchedule | None:
-    """The in-training evaluator (real tau by speculative decoding every --eval-every steps)."""
+def build_evaluation(config: TrainConfig, supply: FeatureSupply, steps: StepRange, log: TextIO) -> EvaluationSchedule | None:
+    """The in-training evaluator (real tau by speculative decoding every --eval-every steps),
+    its prompts rendered in the thinking mode the training rows were."""
     if not config.eval_every:
         return None
     from ..eval.in_training import InTrainingEvaluator
 
+    target = supply.first
     evaluator = InTrainingEvaluator.from_benchmark(
-        target, config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens)
+        target, config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens,
+        enable_thinking=evaluation_thinking(config, supply))
     print(f"in-training eval: real tau every {config.eval_every} steps on {len(evaluator.prompts)} "
           f"{config.eval_bench} prompts, {config.eval_max_new_tokens} new tokens, on {target.device}", file=log)
     return EvaluationSchedule(evaluator, config.eval_every, steps.end)

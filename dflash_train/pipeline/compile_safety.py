@@ -17,8 +17,6 @@ Public API
     Call first thing inside every worker thread (applies config there).
 ``build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE=128)``
     ``create_block_mask`` that cannot race another thread's compile.
-``mask_build_lock()``
-    The lock ``build_block_mask`` holds, for other eager BlockMask surgery.
 ``cudagraphs_allowed_in_threads() -> (bool, reason)``
 ``mark_warmup_done(fail_on_recompile=None)`` / ``recompile_snapshot()``
     Per-thread compile counter; ``RecompileAfterWarmupError`` on fail-fast.
@@ -149,7 +147,6 @@ __all__ = [
     "cudagraphs_allowed_in_threads",
     "install_compile_safety",
     "mark_warmup_done",
-    "mask_build_lock",
     "recompile_limit_for",
     "recompile_snapshot",
 ]

@@ -3,9 +3,10 @@
     run      start the workers (signals handled), then the report loop until every drafter
              thread has exited and every report it queued has been read
     report   complete steps become records: sinks (metrics.jsonl, pipeline.jsonl, ...), the
-             progress bar, a step line every --log-every steps
+             progress bar, a step line every --log-every steps, and the health watch, which
+             stops a run whose steps stopped teaching the drafter anything
     finish   stop and join the workers, write summary.json, export finished drafters, print the
-             summary
+             summary; raise what stopped the run (a worker's error, or RunFailed)
 
 If the coordinator itself fails (a sink cannot write, a bug), it stops the workers and waits for
 them before the error leaves `run`: nothing trains or writes after `train()` has failed.
@@ -13,20 +14,23 @@ them before the error leaves `run`: nothing trains or writes after `train()` has
 
 from __future__ import annotations
 
-import json
 import queue
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from ..config import TrainConfig
+from ..errors import RunFailed
 from ..export import export_model
+from ..files import write_json_atomic
 from ..progress import Progress
+from ..target import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
 from .reporting import (
     RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
@@ -68,6 +72,58 @@ class InterruptHandler:
             signal.signal(sig, old)
 
 
+@dataclass
+class _Health:
+    steps: int = 0
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+    zero_in_a_row: int = 0
+
+
+class HealthWatch:
+    """Stops a run whose steps stopped teaching its drafter anything. With limit K
+    (--stop-after-bad-steps, 0 = never), a drafter fails when
+      - K steps in a row were skipped for non-finite gradients (the run diverged), or
+      - K steps in a row had a gradient norm of exactly 0 (the gradients collapsed), or
+      - more than half of its steps were skipped, once it ran 2K steps (or at its end).
+    """
+
+    def __init__(self, limit: int, names: list[str]):
+        self.limit = limit
+        self.state = {name: _Health() for name in names}
+        self.prefix = {name: f"{name}: " if len(names) > 1 else "" for name in names}
+
+    def after_step(self, name: str, record: dict) -> str | None:
+        state = self.state[name]
+        state.steps += 1
+        skipped = bool(record["skipped"])
+        state.skipped += skipped
+        state.skipped_in_a_row = state.skipped_in_a_row + 1 if skipped else 0
+        state.zero_in_a_row = state.zero_in_a_row + 1 if not skipped and record["grad_norm"] == 0.0 else 0
+        if not self.limit:
+            return None
+        step, limit, prefix = record["step"], self.limit, self.prefix[name]
+        if state.skipped_in_a_row >= limit:
+            return (f"{prefix}{limit} steps in a row (up to step {step}) had non-finite gradients and were skipped: "
+                    "the run diverged (lower --lr, check the data, or resume from an earlier checkpoint)")
+        if state.zero_in_a_row >= limit:
+            return (f"{prefix}the gradient norm was 0 for {limit} steps in a row (up to step {step}): nothing reaches "
+                    "the drafter (check the target's LM head and the loss mask of the data)")
+        if state.steps >= 2 * limit:
+            return self._mostly_skipped(name)
+        return None
+
+    def at_end(self, name: str) -> str | None:
+        return self._mostly_skipped(name) if self.limit else None
+
+    def _mostly_skipped(self, name: str) -> str | None:
+        state = self.state[name]
+        if state.skipped * 2 > state.steps:
+            return (f"{self.prefix[name]}{state.skipped} of {state.steps} steps had non-finite gradients and were "
+                    "skipped: the run diverged (lower --lr, check the data)")
+        return None
+
+
 class Coordinator:
     def __init__(self, config: TrainConfig, plans: list[DrafterPlan], pipeline: Pipeline, steps: StepRange,
                  sinks: list[Sink], log: TextIO):
@@ -85,6 +141,8 @@ class Coordinator:
         self.queue_samples = 0
         self.started = time.monotonic()
         self.interrupts = InterruptHandler(self.stop)
+        self.health = HealthWatch(config.stop_after_bad_steps, [plan.name for plan in plans])
+        self.failure: str | None = None  # why the health watch stopped the run
 
     # --- run -------------------------------------------------------------------------------------
 
@@ -99,12 +157,18 @@ class Coordinator:
                 for worker in self.pipeline.workers:
                     worker.start()
                 self._report_loop()
-                self.stop.stop("finished")
-                hung = wait_for_workers(self.pipeline.workers, self.stop, timeout=JOIN_SECONDS)
+        except BaseException as error:
+            # The workers must not outlive a failed train(): stop them (they save their last
+            # completed step) and wait, then let the error go.
+            self.stop.stop(f"the coordinator failed: {type(error).__name__}: {error}")
+            wait_for_workers(self.pipeline.workers, self.stop, timeout=JOIN_SECONDS)
+            raise
         finally:
             torch.set_num_threads(threads_before)
             for sink in self.sinks:
                 sink.close()
+        self.stop.stop("finished")
+        hung = wait_for_workers(self.pipeline.workers, self.stop, timeout=JOIN_SECONDS)
         self.progress.close()
         if hung:
             raise RuntimeError(f"workers did not stop within {JOIN_SECONDS:.0f} s after the pipeline stopped: "
@@ -112,11 +176,16 @@ class Coordinator:
         return self.finish()
 
     def _report_loop(self) -> None:
+        """Until every drafter thread has exited and its last report was read (a report is
+        queued before its thread can exit, so none is left behind)."""
         drafters = self.pipeline.drafter_workers
-        while any(w.is_alive() for w in drafters):
+        while True:
+            alive = any(w.is_alive() for w in drafters)
             try:
-                report = self.pipeline.reports.get(timeout=0.2)
+                report = self.pipeline.reports.get(timeout=0.2) if alive else self.pipeline.reports.get_nowait()
             except queue.Empty:
+                if not alive:
+                    return
                 report = None
             self.queue_depth_sum += self.pipeline.router.mean_depth()
             self.queue_samples += 1
@@ -138,6 +207,7 @@ class Coordinator:
             self.progress.print(eval_line(record, measured, name if many else None))
         for sink in self.sinks:
             sink.write_step(name, record)
+        self._watch_health(self.health.after_step(name, record))
         first = name == self.plans[0].name
         if first:
             self.progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
@@ -155,6 +225,12 @@ class Coordinator:
                 for sink in self.sinks:
                     sink.write_pipeline(pipeline_record)
 
+    def _watch_health(self, verdict: str | None) -> None:
+        if verdict and self.failure is None:
+            self.failure = verdict
+            self.progress.print(f"stopping: {verdict}")
+            self.stop.stop(f"failed: {verdict}")
+
     def mean_queue_depth(self) -> float:
         return self.queue_depth_sum / max(1, self.queue_samples)
 
@@ -162,11 +238,14 @@ class Coordinator:
 
     def finish(self) -> dict:
         error = self.stop.error()
+        for plan in self.plans:
+            self._watch_health(self.health.at_end(plan.name))
         elapsed = time.monotonic() - self.started
         pipeline = self.pipeline
         summary = {
             "steps_done": {p.name: pipeline.rank0(p).completed_step for p in self.plans},
             "stop_reason": self.stop.reason,
+            "interrupted_by": self.interrupts.signal_name,
             "elapsed_s": round(elapsed, 2),
             "drafters": {},
             "workers": worker_stats(pipeline.workers),
@@ -191,15 +270,31 @@ class Coordinator:
             if measured:
                 entry["tau_real"] = {"step": measured[-1]["step"], "tau": measured[-1]["tau_real"],
                                      "tau_pooled": measured[-1]["tau_real_pooled"]}
-            if error is None and rank0.completed_step >= self.config.steps and self.config.export_dtype:
-                entry["export"] = str(self.export(plan, rank0.replica.drafter))
+            finished = error is None and self.failure is None and rank0.completed_step >= self.config.steps
+            if finished and self.config.export_dtype:
+                bad = non_finite_parameters(rank0.replica.drafter)
+                if bad:
+                    self._watch_health(f"{plan.name}: weights are not finite after step {rank0.completed_step} "
+                                       f"({', '.join(bad[:3])}): not exported")
+                else:
+                    entry["export"] = str(self.export(plan, rank0.replica.drafter))
             summary["drafters"][plan.name] = entry
-        (Path(self.config.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.failure is not None:
+            summary["stop_reason"] = f"failed: {self.failure}"
+        write_json_atomic(Path(self.config.out) / "summary.json", summary, indent=2)
         print(summary_text(summary, self.config.steps), file=self.log)
         if error is not None:
             raise error
+        if self.failure is not None:
+            kept = ", ".join(str(self.pipeline.rank0(p).last_checkpoint) for p in self.plans
+                             if self.pipeline.rank0(p).last_checkpoint)
+            raise RunFailed(f"{self.failure}; kept: {kept or 'no checkpoint'}")
         return summary
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
-        return export_model(drafter, plan.run_dir / "export", dtype=getattr(torch, self.config.export_dtype),
+        return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.export_dtype, "cpu"),
                             run_dir=plan.run_dir, force=True)  # OUT/export belongs to the run
+
+
+def non_finite_parameters(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]

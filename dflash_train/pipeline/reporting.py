@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
+from ..files import write_text_atomic
 from ..objective import summarize_metrics
 from ..progress import format_seconds
 from .tensorboard import TensorBoardSink, tensorboard_enabled
@@ -32,9 +33,15 @@ class Sink(Protocol):
 
 class JsonlSink:
     """`metrics.jsonl` in each drafter's run folder (one line per step) and `pipeline.jsonl` in
-    the run folder (one line per logged step of the first drafter)."""
+    the run folder (one line per logged step of the first drafter).
 
-    def __init__(self, metrics_paths: dict[str, Path], pipeline_path: Path):
+    A resumed run continues from its checkpoint's step: lines of later steps (written after that
+    checkpoint by a run that was then killed) are dropped first, so every step has one line."""
+
+    def __init__(self, metrics_paths: dict[str, Path], pipeline_path: Path, resumed_at: int | None = None):
+        if resumed_at is not None:
+            for path in [*metrics_paths.values(), pipeline_path]:
+                keep_lines_through_step(path, resumed_at)
         self._metrics = {name: _open_append(path) for name, path in metrics_paths.items()}
         self._pipeline = _open_append(pipeline_path)
 
@@ -59,11 +66,31 @@ def _write_line(handle: TextIO, record: dict) -> None:
     handle.flush()
 
 
-def open_sinks(out: Path, run_dirs: dict[str, Path], tensorboard: str = "off") -> list[Sink]:
+def keep_lines_through_step(path: Path, step: int) -> None:
+    """Rewrite a JSONL log (atomically) without the records of steps after `step` and without a
+    torn last line."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def open_sinks(out: Path, run_dirs: dict[str, Path], resumed_at: int | None = None, tensorboard: str = "off") -> list[Sink]:
     """The sinks a run writes to: metrics.jsonl / pipeline.jsonl always, TensorBoard event
     files next to them unless `tensorboard` ("auto" | "on" | "off") turns them off."""
     sinks: list[Sink] = [JsonlSink({name: folder / "metrics.jsonl" for name, folder in run_dirs.items()},
-                                   out / "pipeline.jsonl")]
+                                   out / "pipeline.jsonl", resumed_at)]
     if tensorboard_enabled(tensorboard):
         sinks.append(TensorBoardSink(out, run_dirs))
     return sinks

@@ -101,6 +101,43 @@ def get(q: queue.Queue, stop: StopSignal) -> tuple[Any, float]:
             continue
 
 
+class StopBarrier:
+    """A barrier for `parties` threads that the pipeline's stop can break.
+
+    Unlike `threading.Barrier`, breaking it never reaches a thread whose generation was already
+    released: `threading.Barrier.abort()` raises in every thread that has not yet woken up, so
+    a replica that had passed the gradient sum could skip its update while its peers applied
+    theirs. Here a released generation is final; only threads still waiting see the stop."""
+
+    def __init__(self, parties: int):
+        self.parties = parties
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+        self._broken = False
+
+    def wait(self) -> None:
+        with self._cond:
+            if self._broken:
+                raise PipelineStopped("the pipeline stopped")
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.parties:
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            while self._generation == generation and not self._broken:
+                self._cond.wait()
+            if self._generation == generation:
+                raise PipelineStopped("the pipeline stopped")
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+
 @dataclass
 class WorkerTimes:
     """Where a worker's wall time goes: waiting for input/output vs computing."""

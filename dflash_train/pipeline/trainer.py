@@ -15,14 +15,14 @@ Modes:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
 from ..target import Target
 from .build import (
-    build_evaluation, build_pipeline, describe_drafters, find_resume_point, layer_union, load_feature_supply,
-    load_samples, plan_drafters, prepare_compile_safety, resolve_layout, step_range,
+    build_evaluation, build_pipeline, check_batch_size, describe_drafters, find_resume_point, layer_union,
+    load_feature_supply, load_samples, plan_drafters, prepare_compile_safety, prepare_run_folder, resolve_layout,
+    step_range,
 )
 from .coordinator import Coordinator
 from .reporting import Sink, open_sinks
@@ -54,26 +54,28 @@ def train(
     config.validate()
     if not config.out:
         raise ConfigError("no run folder: pass --out RUN_DIR")
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     layout = resolve_layout(config)
     plans = plan_drafters(config, layout)
     tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
+    out = prepare_run_folder(config, plans)
     supply = load_feature_supply(config, layout, target, log)
     if samples is None:
         samples = load_samples(config, supply, log)
-    describe_drafters(plans, config, supply.first)
+    check_batch_size(config, samples)
+    describe_drafters(plans, config, supply.first, log)
     sources = supply.sources(layout, layer_union(plans), log)
     resume = find_resume_point(config, plans, log)
     steps = step_range(config, resume, stop_at, log)
     compiles = prepare_compile_safety(config, layout, plans, log)
-    evaluation = build_evaluation(config, supply.first, steps, log)
+    evaluation = build_evaluation(config, supply, steps, log)
     pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
                               evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints)
     print(layout_line(config, plans, pipeline, steps.start), file=log)
 
-    all_sinks = [*open_sinks(out, {plan.name: plan.run_dir for plan in plans}, config.tensorboard), *sinks]
+    run_dirs = {plan.name: plan.run_dir for plan in plans}
+    all_sinks = [*open_sinks(out, run_dirs, resumed_at=steps.start if config.resume else None,
+                             tensorboard=config.tensorboard), *sinks]
     if len(all_sinks) > 1 + len(sinks):
         print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}", file=log)
     return Coordinator(config, plans, pipeline, steps, all_sinks, log).run()

@@ -31,7 +31,7 @@ from ..objective import ObjectiveConfig
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, training_step
 from .batches import BatchPlanner, HostBatch
 from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
-from .runtime import POLL_SECONDS, PipelineStopped, StopSignal, Worker, get, put
+from .runtime import POLL_SECONDS, PipelineStopped, StopBarrier, StopSignal, Worker, get, put
 
 
 class FeatureSource(Protocol):
@@ -211,7 +211,7 @@ class GradientReducer:
 
     def __init__(self, replicas: list[torch.nn.Module], stop: StopSignal):
         self.params = [[p for p in model.parameters() if p.requires_grad] for model in replicas]
-        self.barrier = threading.Barrier(len(replicas))
+        self.barrier = StopBarrier(len(replicas))
         devices = [ps[0].device for ps in self.params]
         self.use_nccl = (
             all(d.type == "cuda" for d in devices)
@@ -223,19 +223,13 @@ class GradientReducer:
         self.stop = stop
         self.seconds = 0.0
 
-    def _wait(self) -> None:
-        try:
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
-            raise PipelineStopped(self.stop.reason or "a replica stopped") from None
-
     def sync(self, rank: int) -> None:
-        self._wait()
+        self.barrier.wait()
         if rank == 0:
             started = time.perf_counter()
             self._reduce()
             self.seconds += time.perf_counter() - started
-        self._wait()
+        self.barrier.wait()
 
     @torch.no_grad()
     def _reduce(self) -> None:
