@@ -45,7 +45,7 @@ def _run_lines(config) -> list[str]:
         f"versions: python {platform.python_version()}, {libraries}",
         f"assets: {assets or 'none installed (their tests skip)'}",
         f"cpu: {_cpu()}; cuda: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
-        f"time limit: {limit} s per test (pytest-timeout)" if limit else "time limit: none (pytest-timeout is not installed)",
+        f"time limit: {limit} s per test, slow {CLASS_TIME_LIMITS['slow']} s, gpu {CLASS_TIME_LIMITS['gpu']} s (pytest-timeout)" if limit else "time limit: none (pytest-timeout is not installed)",
     ]
     return lines
 
@@ -63,10 +63,19 @@ def pytest_sessionstart(session):
             reporter.write_line(line)
 
 
+# Longer time limits than pyproject's default for whole classes of tests (a test's own
+# @pytest.mark.timeout wins): slow ones take minutes by definition, GPU ones compile.
+CLASS_TIME_LIMITS = {"slow": 1800, "gpu": 900}
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow: set DFLASH_SLOW=1 to run")
     for item in items:
+        if item.get_closest_marker("timeout") is None:
+            limits = [seconds for mark, seconds in CLASS_TIME_LIMITS.items() if mark in item.keywords]
+            if limits:
+                item.add_marker(pytest.mark.timeout(max(limits)))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and os.environ.get("DFLASH_SLOW") != "1":
