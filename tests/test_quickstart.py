@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from dflash_train.cli import main
 
 
+# Every stage twice on a 135M-parameter target: ~1-2 min alone on 2 cores, 5 min on a busy one.
+@pytest.mark.timeout(1200)
 def test_quickstart_runs_every_stage_and_resumes(tmp_path, smollm2_dir, capsys):
     args = ["quickstart", "--out", str(tmp_path), "--prompts", "12", "--max-new-tokens", "12", "--steps", "4",
             "--num-layers", "1", "--block-size", "4", "--eval-prompts", "1", "--eval-max-new-tokens", "8",

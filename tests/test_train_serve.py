@@ -16,6 +16,9 @@ from dflash_train.pipeline.trainer import train
 from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
 from tiny import Sample, tiny_target
 
+# The module fixture trains a drafter first: ~1 min alone on 2 cores, over 2 on a busy one.
+pytestmark = pytest.mark.timeout(900)
+
 BLOCK = 6
 
 
