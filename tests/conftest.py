@@ -34,7 +34,9 @@ def _cpu() -> str:
         flags = []
     extras = sorted(f for f in flags if f.startswith("amx") or f == "avx512_fp16")
     capability = torch.backends.cpu.get_cpu_capability()
-    return f"{model}, {os.cpu_count()} cores, torch kernels {capability}" + (f", {' '.join(extras)}" if extras else "")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = f"{os.cpu_count()} cores" if usable == os.cpu_count() else f"{usable} of {os.cpu_count()} cores"
+    return f"{model}, {cores}, torch kernels {capability}" + (f", {' '.join(extras)}" if extras else "")
 
 
 def _run_lines(config) -> list[str]:
