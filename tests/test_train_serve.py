@@ -16,6 +16,10 @@ from dflash_train.pipeline.trainer import train
 from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
 from tiny import Sample, tiny_target
 
+# The module fixture trains a drafter first: 14 s on one core of a busy machine, 140 s on both
+# cores of it (measured; threads contend).
+pytestmark = pytest.mark.timeout(900)
+
 BLOCK = 6
 
 
