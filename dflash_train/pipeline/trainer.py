@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence, TextIO
 import torch
 
 from ..attention import resolve_backend
-from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_trainer
+from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint
 from ..config import ConfigError, TrainConfig, unknown_key_error
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..export import export_model
@@ -281,7 +281,7 @@ def train(
     # --- resume ----------------------------------------------------------------------------
     start_step, resumed = 0, {}
     if config.resume:
-        found = {plan.name: latest_checkpoint(plan.run_dir) for plan in plans}
+        found = {plan.name: resumable_checkpoint(plan.run_dir, log)[0] for plan in plans}
         steps = {name: read_state(path)["step"] for name, path in found.items() if path is not None}
         if steps:
             if len(set(steps.values())) != 1 or len(steps) != len(plans):
