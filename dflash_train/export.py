@@ -161,23 +161,67 @@ def export_model(
                           source=source, force=force)
 
 
+def _read_export_config(folder: Path) -> dict[str, Any]:
+    """config.json of a DFlash drafter export; ExportError for anything else (a target model's
+    folder, a damaged file)."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{folder}: no config.json; expected an exported DFlash drafter folder")
+    try:
+        raw = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ExportError(f"{config_path}: expected a JSON object")
+    if not isinstance(raw.get("dflash_config"), dict):
+        architectures = raw.get("architectures") or []
+        what = f"architectures {architectures}" if architectures else f"model_type {raw.get('model_type')!r}"
+        raise ExportError(
+            f"{folder}: not a DFlash drafter (its config.json has {what} and no dflash_config; a target model's "
+            "folder?); pass the folder `dflash-train export` wrote"
+        )
+    return raw
+
+
 def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
     """Read back an exported HF folder (ours, or any DFlash drafter with the same layout)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ExportError(f"{folder}: no config.json; expected an exported DFlash drafter folder")
-    raw = json.loads(config_path.read_text())
-    dflash = raw.get("dflash_config", {})
+    raw = _read_export_config(folder)
+    try:
+        config = _drafter_config_from_hf(raw)
+    except KeyError as error:
+        raise ExportError(f"{folder / 'config.json'}: no {error.args[0]!r}, which a DFlash drafter config needs") from None
+    except (TypeError, ValueError) as error:
+        raise ExportError(f"{folder / 'config.json'}: {error}") from None
+    drafter = DFlashDrafter(config)
+    weights = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            weights.update(load_file(str(path)))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+            raise ExportError(f"{path}: cannot be read as safetensors ({error})") from None
+    expected = expected_weight_names(config.num_hidden_layers)
+    unknown, missing = set(weights) - expected, expected - set(weights)
+    if unknown:
+        raise ExportError(f"{folder}: weights this drafter layout does not have: {sorted(unknown)[:5]}")
+    if missing:
+        raise ExportError(f"{folder}: weights missing from the export: {sorted(missing)[:5]}"
+                          f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
+    drafter.load_state_dict({k: v.float() for k, v in weights.items()})
+    return drafter.to(device)
+
+
+def _drafter_config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
+    dflash = raw["dflash_config"]
     rope = dict(raw.get("rope_parameters") or {})
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope.setdefault("rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default"))
     if raw.get("rope_scaling"):
         rope.update({k: v for k, v in raw["rope_scaling"].items() if k != "type"})
     heads = raw["num_attention_heads"]
-    config = DrafterConfig(
+    return DrafterConfig(
         hidden_size=raw["hidden_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
@@ -195,12 +239,3 @@ def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu"
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
         final_logit_softcapping=dflash.get("final_logit_softcapping"),
     )
-    drafter = DFlashDrafter(config)
-    weights = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        weights.update(load_file(str(path)))
-    unknown = set(weights) - expected_weight_names(config.num_hidden_layers)
-    if unknown:
-        raise ExportError(f"{folder}: weights this drafter layout does not have: {sorted(unknown)[:5]}")
-    drafter.load_state_dict({k: v.float() for k, v in weights.items()})
-    return drafter.to(device)

@@ -269,6 +269,28 @@ class Target:
         return torch.cat(states, dim=-1)
 
 
+def _check_all_weights_loaded(loaded: Any, path: Path) -> nn.Module:
+    """The model of `from_pretrained(..., output_loading_info=True)`, refused when a weight was
+    missing from the files: transformers then initialises it at random and says so only in a
+    log line. A frozen target with a random part (most often an LM head saved without
+    `lm_head.weight` while `tie_word_embeddings` is false) would train a drafter against noise."""
+    if not (isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[1], dict) and "missing_keys" in loaded[1]):
+        raise TargetError(f"{path}: this transformers does not report which weights it loaded "
+                          "(from_pretrained(output_loading_info=True)); cannot tell whether the target is complete")
+    model, info = loaded
+    missing = sorted(info["missing_keys"])
+    if not missing:
+        return model
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    head = model.get_output_embeddings()
+    head_missing = head is not None and any(name.endswith("lm_head.weight") for name in missing)
+    why = (" The LM head is not stored and tie_word_embeddings is false, so it is not the input embedding either; "
+           "save the model with its head (or, if the head really is the embedding, set tie_word_embeddings: true "
+           "in config.json)." if head_missing else " Save the model with all its weights.")
+    raise TargetError(f"{path}: weights missing from the model files: {shown}; transformers would fill them with "
+                      f"random values.{why}")
+
+
 def load_target(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -288,7 +310,8 @@ def load_target(
         raise TargetError(f"{path}: not a Hugging Face model folder (no config.json) and not a .gguf file")
     config = AutoConfig.from_pretrained(path)
     TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device)).to(device)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device), output_loading_info=True)
+    model = _check_all_weights_loaded(loaded, path).to(device)
     tokenizer = None
     if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)

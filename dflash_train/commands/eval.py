@@ -59,7 +59,7 @@ def run_eval(config: EvalConfig) -> int:
 
     from ..data.render import render_prompt, stop_token_ids
     from ..decode.loop import describe_decoder, generate, make_decoder
-    from ..eval.run import load_pair, run_benchmark
+    from ..eval.run import load_pair, pair_identity, run_benchmark
     from ..eval.stats import format_benchmark, format_summary, summarize
     from ..target import dtype_from_name, resolve_device
 
@@ -74,6 +74,8 @@ def run_eval(config: EvalConfig) -> int:
     if not any(benches.values()):
         raise UserError(f"no prompts left after --offset {config.offset} in {', '.join(config.bench)}")
     target, drafter = load_pair(config.target, config.drafter, device, dtype)
+    # What was loaded, for eval-merge to compare shards (hashing the drafter costs a read of it).
+    pair = pair_identity(config.target, config.drafter) if config.json else None
     stops = list(config.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
     block_size = drafter.config.block_size
     print(
@@ -118,6 +120,7 @@ def run_eval(config: EvalConfig) -> int:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "stop_token_ids": stops,
+            "pair": pair,
             "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
         }
         out = Path(config.json)

@@ -199,7 +199,7 @@ def evals_registry_dir() -> Path:
 def _is_chat_row(line: bytes) -> bool:
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or not UTF-8
         return False
     messages = row.get("input") if isinstance(row, dict) else None
     return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict) and "role" in messages[0]
@@ -267,6 +267,9 @@ def default_training_prompts(
                 messages = parse_messages(row, where, openai_key="input")
             except json.JSONDecodeError as error:
                 stats.skip("invalid JSON", f"{where}: {error.msg}")
+                continue
+            except UnicodeDecodeError as error:
+                stats.skip("invalid UTF-8", f"{where}: {error.reason} at byte {error.start}")
                 continue
             except DataError as error:
                 stats.skip(error.reason, str(error))

@@ -17,7 +17,11 @@ A bad row is skipped, never silently: it is counted in a `RowStats` under a reas
 example of each reason keeps the full message, e.g.
     data.jsonl:17: messages[2].content: expected a string, got null
 Locations are `file:line` for JSON lines and text files, `file:row` (1-based) for Parquet and
-JSON arrays.
+JSON arrays. Text that is not valid UTF-8 (a damaged byte, or a lone surrogate escape such as
+`\\ud800` in JSON) is a bad row like any other: files are decoded with `surrogateescape`, so a bad
+byte becomes a lone surrogate in the field that holds it, and every text field is checked for one.
+A file that cannot be read at all (a `.gz` that is not gzip, a `.parquet` that is not Parquet)
+is one DataError naming the file.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ class DataError(UserError, ValueError):
     """A row (or file) that cannot be used. `reason` groups rows that failed the same way."""
 
     def __init__(self, where: str, what: str, problem: str, reason: str | None = None):
-        super().__init__(f"{where}: {what}: {problem}" if what else f"{where}: {problem}")
+        message = f"{where}: {what}: {problem}" if what else f"{where}: {problem}"
+        # The message may quote a damaged field (a key, a value): keep it printable as UTF-8.
+        super().__init__(message.encode("utf-8", "backslashreplace").decode("utf-8"))
         # The grouping key drops indices and the value found, so that `messages[2] ... got null`
         # and `messages[5] ... got a number` count together.
         general = re.sub(r", got .*$", "", problem)
@@ -135,9 +141,33 @@ def _format_suffix(path: Path) -> str:
 
 
 def _open_text(path: Path) -> io.TextIOBase:
+    # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate in the row that holds
+    # it (rejected there by `_text`), instead of a UnicodeDecodeError that ends the whole file.
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
+
+
+def _unreadable(path: Path, kind: str, error: BaseException) -> DataError:
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DataError(str(path), "", f"not a readable {kind} file ({detail})")
+
+
+def _text_error(value: str) -> str | None:
+    """Why `value` is not valid text (a lone surrogate: a JSON escape like \\ud800, or a byte
+    that was not UTF-8, kept by surrogateescape), or None."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(value[error.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            what = f"byte 0x{code - 0xDC00:02x} is not UTF-8 (or a lone surrogate escape \\u{code:04x})"
+        else:
+            what = f"lone surrogate escape \\u{code:04x}"
+        return f"invalid text at character {error.start}: {what}"
+    return None
 
 
 def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> Iterator[tuple[str, Any]]:
@@ -152,14 +182,52 @@ def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> It
     if not path.is_file():
         raise DataError(str(path), "", "no such file")
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
+        yield from _parquet_rows(path)
+        return
+    if suffix.endswith(".gz"):
+        import zlib
 
-        row_number = 0
+        try:
+            yield from _text_rows(path, suffix)
+        except (OSError, EOFError, zlib.error) as error:  # not gzip, or truncated
+            raise _unreadable(path, "gzip", error) from None
+        return
+    yield from _text_rows(path, suffix)
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row_number = 0
+    try:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
+            try:
+                rows = batch.to_pylist()
+            except UnicodeDecodeError:  # a string cell that is not UTF-8: find it row by row
+                rows = [_parquet_row(batch, index, f"{path}:{row_number + index + 1}") for index in range(batch.num_rows)]
+            for row in rows:
                 row_number += 1
                 yield f"{path}:{row_number}", row
-        return
+    except (pa.ArrowException, OSError) as error:
+        raise _unreadable(path, "Parquet", error) from None
+
+
+def _parquet_row(batch: Any, index: int, where: str) -> Any:
+    """One row of a record batch, or a DataError naming the first column that is not UTF-8."""
+    try:
+        return batch.slice(index, 1).to_pylist()[0]
+    except UnicodeDecodeError as error:
+        for name in batch.schema.names:
+            try:
+                batch.column(name)[index].as_py()
+            except UnicodeDecodeError:
+                return DataError(where, name, f"invalid text: {error.reason} (byte 0x{error.object[error.start]:02x})",
+                                 reason=f"{name}: invalid UTF-8 or lone surrogate")
+        return DataError(where, "row", f"invalid text: {error.reason}", reason="invalid UTF-8 or lone surrogate")
+
+
+def _text_rows(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
     with _open_text(path) as handle:
         if suffix in (".json", ".json.gz"):
             try:
@@ -187,6 +255,9 @@ def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> It
 def _text(value: Any, where: str, what: str) -> str:
     if not isinstance(value, str):
         raise DataError(where, what, f"expected a string, got {_json_type(value)}")
+    problem = _text_error(value)
+    if problem is not None:
+        raise DataError(where, what, problem, reason=re.sub(r"\[\d+\]", "[*]", f"{what}: invalid UTF-8 or lone surrogate"))
     return value
 
 
@@ -225,7 +296,7 @@ def parse_messages(row: dict, where: str, openai_key: str = "messages") -> list[
 def _row_id(row: dict, path: Path, where: str) -> str:
     value = row.get("id")
     if isinstance(value, str) and value:
-        return value
+        return _text(value, where, "id")
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return f"{path.name}:{where.rsplit(':', 1)[1]}"

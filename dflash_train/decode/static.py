@@ -68,9 +68,34 @@ def grouped_attention(
     return out.reshape(1, heads, length, d).transpose(1, 2).reshape(1, length, heads * d)
 
 
-# One capture at a time in the process: the empty-graph check below reads warnings, and
-# `warnings.catch_warnings` is process-global state that two threads must not swap at once.
+# One capture at a time in the process: captures from two threads at once are untested (the
+# device's random generator is in capture mode meanwhile, see `_capture`).
 _CAPTURE_LOCK = threading.Lock()
+
+
+def _output_tensors(outputs: object) -> list[torch.Tensor]:
+    items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _unlike(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of `tensor`'s shape that differs from it at every element."""
+    if tensor.dtype == torch.bool:
+        return ~tensor
+    if tensor.is_floating_point():
+        return torch.where(torch.isnan(tensor), torch.zeros_like(tensor), torch.full_like(tensor, float("nan")))
+    return tensor + 1
+
+
+def _replay_mismatch(outputs: object, expected: object) -> str | None:
+    """Where the replayed outputs differ from the eager result (None when they agree: floats to
+    rounding, integers exactly)."""
+    for index, (got, want) in enumerate(zip(_output_tensors(outputs), _output_tensors(expected))):
+        want = want.to(got.device)
+        same = torch.allclose(got, want, rtol=1e-3, atol=1e-5, equal_nan=True) if got.is_floating_point() else torch.equal(got, want)
+        if not same:
+            return f"output {index} {tuple(got.shape)}"
+    return None
 
 
 class CapturedStep(Generic[Outputs]):
@@ -110,6 +135,7 @@ class CapturedStep(Generic[Outputs]):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             result = self.fn()
+            expected = [t.clone() for t in _output_tensors(result)]  # a copy: an output may be a buffer the step reuses
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -118,24 +144,29 @@ class CapturedStep(Generic[Outputs]):
             # Our own stream, on our device: without one, torch.cuda.graph captures on a single
             # process-wide stream made on whichever device was current at the first capture, so
             # a second GPU's graphs came out empty.
-            with _CAPTURE_LOCK, warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                    outputs = self.fn()
-            empty = [w for w in caught if "graph is empty" in str(w.message).lower()]
-            for w in caught:
-                if w not in empty:
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            if empty:  # our kernels ran outside the capture: replays would return stale outputs
-                raise RuntimeError(str(empty[0].message))
+            with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                outputs = self.fn()
+            for tensor, value in zip(self.restore, saved):
+                tensor.copy_(value)
+            # Judge the graph by what it does, not by warnings: replayed from the warm-up's
+            # inputs it must overwrite every output with the warm-up's result. Kernels that ran
+            # outside the capture (an empty or partial graph) leave the poison in place.
+            for tensor in _output_tensors(outputs):
+                tensor.copy_(_unlike(tensor))
+            graph.replay()
+            mismatch = _replay_mismatch(outputs, expected)
+            if mismatch is not None:
+                raise RuntimeError(f"its first replay did not reproduce the eager result ({mismatch} differs): "
+                                   "the graph holds none or only part of the step's kernels")
         except Exception as error:  # noqa: BLE001 - any capture failure means: stay eager
             warnings.warn(f"CUDA graph capture of the {self.name} step failed, running it eagerly: {error}", stacklevel=2)
             self.eager = True
-            return result
-        for tensor, value in zip(self.restore, saved):
-            tensor.copy_(value)
+            # Whatever the capture or replay wrote is overwritten by one more eager run from the
+            # warm-up's inputs (its cache writes are the warm-up's own).
+            for tensor, value in zip(self.restore, saved):
+                tensor.copy_(value)
+            return self.fn()
         self.graph, self.outputs = graph, outputs
-        graph.replay()
         return outputs
 
 
@@ -427,25 +458,76 @@ def agreement(block: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([accepted.view(1), choice])
 
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+class _StateShelf:
+    """The states cached for one module (a drafter; the target model for target-only decoding),
+    kept in that module's __dict__: freed with it (module and states form a cycle the garbage
+    collector reclaims; a global table would keep both alive), and never copied with it."""
+
+    def __init__(self) -> None:
+        self.states: dict[tuple, tuple[tuple[int, ...], StaticState]] = {}
+
+    def __deepcopy__(self, memo: dict) -> "_StateShelf":
+        return _StateShelf()
+
+    def __reduce__(self):
+        return (_StateShelf, ())
+
+
+class _ThreadToken:
+    """Held only by a threading.local, so it lives exactly as long as its thread; a weak
+    reference to it names the thread (thread ids are reused) and fires when the thread ends."""
+
+    def __init__(self) -> None:
+        self.ref = weakref.ref(self, _drop_thread_states)
+
+
+_SHELF = "_dflash_static_states"
+_SHELVES: "weakref.WeakSet[_StateShelf]" = weakref.WeakSet()
+_THREADS = threading.local()
+_STATES_LOCK = threading.RLock()
+_MAX_STATES = 8  # per module: each holds caches and graphs
+
+
+def _drop_thread_states(thread: weakref.ref) -> None:
+    """A thread ended: release its states everywhere."""
+    with _STATES_LOCK:
+        for shelf in list(_SHELVES):
+            for key in [k for k in shelf.states if k[0] is thread]:
+                del shelf.states[key]
+
+
+def _thread_ref() -> weakref.ref:
+    token = getattr(_THREADS, "token", None)
+    if token is None:
+        token = _THREADS.token = _ThreadToken()
+    return token.ref
 
 
 def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int) -> StaticState:
     """The cached state for this target, drafter, capacity and thread: graphs are captured once
-    per capacity and reused by every later prompt (two threads never share caches). A state
-    holds its drafter, so the id in the key cannot be reused by another drafter while cached."""
+    per capacity and reused by every later prompt (two threads never share caches).
+
+    Lifetime: a state lives on its drafter (target-only states on the target model), so it goes
+    when that module goes; it is released when its thread ends; at most `_MAX_STATES` per module
+    (the oldest is dropped). A state holds its target model, so a target dropped while a drafter
+    that decoded with it lives stays until that drafter goes."""
+    owner = drafter if drafter is not None else target.model
     storage = _weight_storage(target.model, drafter)
-    with _VERDICT_LOCK:
-        per_model = _STATES.setdefault(target.model, {})
-        key = (threading.get_ident(), id(drafter), capacity)
+    with _STATES_LOCK:
+        shelf = vars(owner).get(_SHELF)
+        if shelf is None:
+            shelf = vars(owner)[_SHELF] = _StateShelf()
+        _SHELVES.add(shelf)
+        states = shelf.states
+        key = (_thread_ref(), weakref.ref(target.model), capacity)
         # Captured graphs read weights at fixed addresses: in-place updates (an optimizer step,
         # load_state_dict) are seen, a replaced tensor (`param.data = ...`) is not, so rebuild then.
-        if key not in per_model or per_model[key][0] != storage:
-            per_model.pop(key, None)
-            if len(per_model) >= 8:  # bounded: drop the oldest
-                per_model.pop(next(iter(per_model)))
-            per_model[key] = (storage, StaticState(target, drafter, capacity))
-        return per_model[key][1]
+        if key not in states or states[key][0] != storage:
+            states.pop(key, None)
+            if len(states) >= _MAX_STATES:  # bounded: drop the oldest
+                states.pop(next(iter(states)))
+            states[key] = (storage, StaticState(target, drafter, capacity))
+        return states[key][1]
 
 
 def _weight_storage(*modules: nn.Module | None) -> tuple[int, ...]:

@@ -3,8 +3,10 @@ prompts speculatively and target-only, one at a time, recording each prompt's re
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import traceback
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -24,6 +26,10 @@ def check_pair(target: Target, drafter: DFlashDrafter) -> None:
     problems = []
     if cfg.hidden_size != spec.hidden_size:
         problems.append(f"hidden size {cfg.hidden_size} vs the target's {spec.hidden_size}")
+    if cfg.vocab_size != spec.vocab_size:
+        # The drafter's logits are the target's head over the drafter's states: a drafter trained
+        # for another vocabulary proposes ids that mean other tokens here.
+        problems.append(f"vocabulary of {cfg.vocab_size} tokens vs the target's {spec.vocab_size}")
     if cfg.num_target_layers != spec.num_hidden_layers:
         problems.append(f"trained on a {cfg.num_target_layers}-layer target, this one has {spec.num_hidden_layers}")
     if max(cfg.target_layer_ids) >= spec.num_hidden_layers:
@@ -34,6 +40,58 @@ def check_pair(target: Target, drafter: DFlashDrafter) -> None:
     if problems:
         raise UserError("the drafter does not fit this target: " + "; ".join(problems))
 
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE_BYTES = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sampled_fingerprint(paths: Sequence[Path]) -> str:
+    """sha256 over each file's name, size, first and last MiB: tells apart two fine-tunes of one
+    model (every tensor differs) without reading a target's many GB."""
+    digest = hashlib.sha256()
+    for path in paths:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(_SAMPLE_BYTES))
+            handle.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def pair_identity(target_path: str | Path, drafter_path: str | Path) -> dict[str, dict[str, str]]:
+    """What says which target and drafter an eval measured, for `eval-merge` to compare: the
+    drafter's config.json and weights (sha256 of each, whole), the target's config.json (sha256)
+    and a sampled fingerprint of its weight files. Paths are recorded but not compared: shards
+    may run on machines that mount the same model elsewhere."""
+    drafter = Path(drafter_path).resolve()
+    target = Path(target_path).resolve()
+    weights = sorted(drafter.glob("*.safetensors"))
+    identity = {
+        "drafter": {
+            "path": str(drafter),
+            "config_sha256": _sha256(drafter / "config.json"),
+            "weights_sha256": hashlib.sha256("".join(_sha256(w) for w in weights).encode()).hexdigest(),
+        },
+        "target": {"path": str(target)},
+    }
+    if target.is_file():  # a .gguf
+        identity["target"]["weights_fingerprint"] = _sampled_fingerprint([target])
+    else:
+        identity["target"]["config_sha256"] = _sha256(target / "config.json")
+        identity["target"]["weights_fingerprint"] = _sampled_fingerprint(
+            sorted(p for p in target.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+        )
+    return identity
 
 
 def load_pair(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype) -> tuple[Target, DFlashDrafter]:

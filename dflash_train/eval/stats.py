@@ -129,6 +129,28 @@ class MergeError(UserError, ValueError):
 _SHARD_SETTINGS = ("max_new_tokens", "temperature", "baseline")
 
 
+def _check_same_pair(path: Path, payload: dict[str, Any], first_path: Path, first: dict[str, Any]) -> None:
+    """Refuse shards that measured different drafters or targets (compared by content, recorded
+    by `eval.run.pair_identity`; paths may differ between machines). Shards from an eval without
+    that record are compared by the --target / --drafter they were given."""
+    mine, theirs = payload.get("pair"), first.get("pair")
+    if (mine is None) != (theirs is None):
+        older = path if mine is None else first_path
+        raise MergeError(f"{older} does not record which drafter and target it measured (an older `dflash-train eval`); "
+                         "re-run that shard to merge it")
+    for role in ("drafter", "target"):
+        if mine is None:
+            a, b = payload.get("config", {}).get(role), first.get("config", {}).get(role)
+            if a != b:
+                raise MergeError(f"--{role} is {a!r} in {path} but {b!r} in {first_path}: not one run")
+            continue
+        ours, other = mine.get(role, {}), theirs.get(role, {})
+        differing = sorted(k for k in set(ours) | set(other) if k != "path" and ours.get(k) != other.get(k))
+        if differing:
+            raise MergeError(f"{path} measured {role} {ours.get('path')} but {first_path} measured {other.get('path')}, "
+                             f"and they differ ({', '.join(differing)}): not one {role}")
+
+
 def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     """One payload, shaped like `run_eval`'s --json, from the --json files of shards of one run
     (`eval --offset O --limit N` over disjoint prompt ranges of the same benchmarks).
@@ -136,8 +158,9 @@ def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     Per benchmark the per-prompt records are concatenated in offset order (shards with equal
     offsets keep the order given) and the summary is recomputed from them, so τ statistics are
     those of one unsharded run. A benchmark missing from a shard contributes nothing there.
-    Raises MergeError when block sizes or the settings in `_SHARD_SETTINGS` differ, or when a
-    prompt id appears twice in a benchmark (overlapping shards)."""
+    Raises MergeError when the drafters or targets differ (see `_check_same_pair`), when block
+    sizes or the settings in `_SHARD_SETTINGS` differ, or when a prompt id appears twice in a
+    benchmark (overlapping shards)."""
     if not paths:
         raise MergeError("eval-merge needs at least one --json file of `dflash-train eval`")
     shards = []
@@ -155,6 +178,7 @@ def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
 
     first_path, first = shards[0][2], shards[0][3]
     for _, _, path, payload in shards[1:]:
+        _check_same_pair(path, payload, first_path, first)
         if payload["block_size"] != first["block_size"]:
             raise MergeError(f"block size {payload['block_size']} in {path} but {first['block_size']} in {first_path}: not one drafter")
         for key in _SHARD_SETTINGS:
@@ -179,7 +203,7 @@ def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     return {
         "block_size": block_size,
         "shards": [str(path) for _, _, path, _ in shards],
-        **{key: first[key] for key in ("device", "dtype", "stop_token_ids") if key in first},
+        **{key: first[key] for key in ("device", "dtype", "stop_token_ids", "pair") if key in first},
         "benchmarks": {
             name: {"summary": summarize(results, block_size), "prompts": [dataclasses.asdict(r) for r in results]}
             for name, results in merged.items()

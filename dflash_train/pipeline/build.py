@@ -24,7 +24,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from ..attention import resolve_backend
-from ..checkpoint import latest_checkpoint, load_drafter, read_state, restore_trainer
+from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint
 from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..files import remove_leftover_staging, write_json_atomic
@@ -306,7 +306,8 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
     settings: a resume that changes either is refused (never silently ignored)."""
     if not config.resume:
         return ResumePoint()
-    found = {plan.name: latest_checkpoint(plan.run_dir) for plan in plans}
+    # The newest checkpoint that loads and verifies; a damaged newer one is skipped with one line.
+    found = {plan.name: resumable_checkpoint(plan.run_dir, log)[0] for plan in plans}
     states = {name: read_state(path) for name, path in found.items() if path is not None}
     if not states:
         print(f"--resume: no complete checkpoint in {config.out}, starting from step 0", file=log)
@@ -361,13 +362,14 @@ def prepare_compile_safety(config: TrainConfig, layout: Layout, plans: list[Draf
     backends = attention_backends(config, layout)
     compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices)
     if compiles:
-        from .compile_safety import install_compile_safety, recompile_limit_for
+        from .compile_safety import check_threaded_compile_supported, install_compile_safety, recompile_limit_for
 
         threads = sum(len(plan.devices) for plan in plans)
         report = install_compile_safety(
             recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads), fail_on_recompile_limit_hit=True,
         )
         print(f"compile safety: {report}", file=log)
+        check_threaded_compile_supported(threads, report)  # fail closed on a torch the fixes do not know
     return compiles
 
 

@@ -5,7 +5,11 @@ The trainer runs one target worker thread and one drafter worker thread per GPU
 flex-attention forward+backward and builds flex block masks.  ``torch.compile``
 is not thread-safe.  This module installs the fixes the *running* torch needs
 (2.11 to current) and explains what it did.  Every fix is gated on what the
-installed torch actually contains or does, never on its version string.
+installed torch actually contains or does, never on its version string.  A fix
+that finds internals it does not know (an unexpected reader of a flag, a hook
+that moved) says so (``FixResult.recognised`` False) instead of passing as "not
+needed", and ``check_threaded_compile_supported`` then refuses to let several
+threads compile: fail closed, not open.
 
 Public API
 ----------
@@ -21,6 +25,9 @@ Public API
 ``mark_warmup_done(fail_on_recompile=None)`` / ``recompile_snapshot()``
     Per-thread compile counter; ``RecompileAfterWarmupError`` on fail-fast.
 ``recompile_limit_for(num_shape_buckets, num_threads) -> int``
+``check_threaded_compile_supported(threads, report=None)``
+    Fail closed: ConfigError when more than one thread would compile on a torch
+    whose internals a fix does not recognise (``SafetyReport.unrecognised``).
 
 The fixes
 ---------
@@ -142,7 +149,9 @@ __all__ = [
     "FixResult",
     "RecompileAfterWarmupError",
     "SafetyReport",
+    "TESTED_TORCH",
     "build_block_mask",
+    "check_threaded_compile_supported",
     "configure_worker_thread",
     "cudagraphs_allowed_in_threads",
     "install_compile_safety",
@@ -153,6 +162,9 @@ __all__ = [
 
 # 8 buckets x 4 threads sharing one compiled flex, x2 for grad-mode/guard variants.
 DEFAULT_RECOMPILE_LIMIT = 64
+# The torch releases whose internals the fixes were written against and tested on (the GPU
+# machine runs 2.11, the CPU suite 2.13); pyproject.toml bounds torch to them.
+TESTED_TORCH = "2.11 to 2.13"
 
 
 def recompile_limit_for(num_shape_buckets: int, num_threads: int, *, slack: int = 8) -> int:
@@ -171,6 +183,13 @@ class FixResult:
     name: str
     applied: bool
     reason: str
+    # False when this torch's internals are not what the fix knows (a reader of a flag it did not
+    # expect, a hook that moved): the race may be there, unfixed. See check_threaded_compile_supported.
+    recognised: bool = True
+
+
+def _unrecognised(name: str, reason: str) -> FixResult:
+    return FixResult(name, False, reason, recognised=False)
 
 
 @dataclass(frozen=True)
@@ -186,18 +205,24 @@ class SafetyReport:
     def skipped(self) -> list[str]:
         return [f.name for f in self.fixes if not f.applied]
 
+    @property
+    def unrecognised(self) -> list[FixResult]:
+        """Fixes that could not tell whether this torch needs them (see FixResult.recognised)."""
+        return [f for f in self.fixes if not f.recognised]
+
     def fix(self, name: str) -> FixResult:
         return next(f for f in self.fixes if f.name == name)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "torch": self.torch_version,
-            "fixes": {f.name: {"applied": f.applied, "reason": f.reason} for f in self.fixes},
+            "fixes": {f.name: {"applied": f.applied, "reason": f.reason, "recognised": f.recognised} for f in self.fixes},
         }
 
     def __str__(self) -> str:
         lines = [f"torch {self.torch_version}: applied {self.applied or 'nothing'}, skipped {self.skipped or 'nothing'}"]
-        lines += [f"  [{'applied' if f.applied else 'skipped'}] {f.name}: {f.reason}" for f in self.fixes]
+        lines += [f"  [{'applied' if f.applied else 'skipped'}{'' if f.recognised else ', UNRECOGNISED'}] {f.name}: {f.reason}"
+                  for f in self.fixes]
         return "\n".join(lines)
 
 
@@ -393,7 +418,7 @@ def _install_fx_flag_fix() -> FixResult:
     }
     tls, outcome = _make_flag_thread_local(st, _FX_FLAG, _FX_TLS, replacements, known_users)
     if tls is None:
-        return FixResult(name, False, f"unsupported: {outcome}")
+        return _unrecognised(name, f"unsupported: {outcome}")
     if outcome == "already installed":
         return FixResult(name, True, "already installed: the FX tracing flag is per-thread")
 
@@ -437,12 +462,12 @@ def _install_is_compiling_fix() -> FixResult:
         return FixResult(name, False, "not needed: dynamo compiles do not set torch.compiler._is_compiling_flag (only export)")
     if not _fx_flag_is_per_thread():
         # The global is_compiling() is what hides the global FX flag during other threads' compiles.
-        return FixResult(name, False, "skipped: the FX tracing flag is process-global, and a global is_compiling() hides it")
+        return _unrecognised(name, "skipped: the FX tracing flag is process-global, and a global is_compiling() hides it")
     replacements = {"is_compiling": _tls_is_compiling, "_compile_session_context": _tls_compile_session_context}
     known_users = {"is_compiling": {"LOAD_GLOBAL"}, "_compile_session_context": {"LOAD_GLOBAL", "STORE_GLOBAL"}}
     tls, outcome = _make_flag_thread_local(compiler, _COMPILING_FLAG, _COMPILING_TLS, replacements, known_users)
     if tls is None:
-        return FixResult(name, False, f"unsupported: {outcome}")
+        return _unrecognised(name, f"unsupported: {outcome}")
     _check_flag_is_per_thread(compiler.is_compiling, lambda value: setattr(compiler, _COMPILING_FLAG, value))
     return FixResult(
         name,
@@ -464,7 +489,7 @@ def _prime_cuda_device_guard() -> FixResult:
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as error:
-        return FixResult(name, False, f"not needed: no FakeTensorMode ({error})")
+        return _unrecognised(name, f"not recognised: no FakeTensorMode ({error})")
     if "_ensureCUDADeviceGuardSet" not in _source_or_empty(FakeTensorMode.__enter__):
         return FixResult(name, False, "not needed: FakeTensorMode.__enter__ does not call _ensureCUDADeviceGuardSet")
     ensure()
@@ -482,10 +507,10 @@ def _prime_inductor_fx_trace() -> FixResult:
     try:
         from torch._inductor.loop_body import InterpreterShim
     except Exception as error:  # noqa: BLE001
-        return FixResult(name, False, f"not needed: no inductor loop_body.InterpreterShim ({error!r})")
+        return _unrecognised(name, f"not recognised: no inductor loop_body.InterpreterShim ({error!r})")
     dummy_gm = getattr(InterpreterShim, "_dummy_gm", None)
     if not (callable(dummy_gm) and hasattr(dummy_gm, "cache_info")):
-        return FixResult(name, False, "not needed: inductor has no cached _dummy_gm symbolic trace")
+        return _unrecognised(name, "not recognised: inductor has no cached _dummy_gm symbolic trace")
     already = dummy_gm.cache_info().currsize > 0
     dummy_gm()
     return FixResult(
@@ -544,7 +569,7 @@ def _check_mask_race() -> FixResult:
         import torch.fx.traceback as fx_traceback
         from torch.nn.attention import flex_attention as flex
     except ImportError as error:
-        return FixResult(name, False, f"flex_attention unavailable: {error}")
+        return _unrecognised(name, f"flex_attention unavailable: {error}")
     annotating = [
         helper
         for helper in ("_dense_to_ordered", "_transpose_ordered", "create_block_mask")
@@ -557,7 +582,7 @@ def _check_mask_race() -> FixResult:
         lock_name = "a private lock (no dynamo compile lock found: masks are only serialised among themselves)"
     if annotating and writes_global_meta:
         why = f"flex {', '.join(annotating)} call fx.traceback.annotate, which writes the global fx.traceback.current_meta"
-        return FixResult(name, lock is not None, f"{why}; build_block_mask holds {lock_name}")
+        return FixResult(name, lock is not None, f"{why}; build_block_mask holds {lock_name}", recognised=lock is not None)
     return FixResult(name, False, f"not needed (mask building writes no global FX metadata); build_block_mask holds {lock_name}")
 
 
@@ -786,14 +811,14 @@ def _install_cudagraph_tls_fix() -> FixResult:
     try:
         import torch._inductor.cudagraph_trees as cgt
     except Exception as error:  # noqa: BLE001
-        return FixResult(name, False, f"cudagraph_trees not importable: {error!r}")
+        return _unrecognised(name, f"cudagraph_trees not importable: {error!r}")
     if getattr(cgt.get_obj, "_dflash_backport", False):
         return FixResult(name, True, "already installed: get_obj initialises cudagraph-tree TLS lazily per thread")
     works, why = _cudagraph_get_obj_works_in_new_thread(cgt)
     if works:
         return FixResult(name, False, "not needed: cudagraph_trees.get_obj already works in new threads")
     if not (hasattr(cgt, "local") and hasattr(torch._C, "_stash_obj_in_tls") and hasattr(torch._C, "_is_key_in_tls")):
-        return FixResult(name, False, f"unsupported: get_obj fails in new threads ({why}) and the TLS hooks are missing")
+        return _unrecognised(name, f"unsupported: get_obj fails in new threads ({why}) and the TLS hooks are missing")
     cgt.get_obj = _lazy_tls_get_obj(cgt)  # type: ignore[assignment]
     works, after = _cudagraph_get_obj_works_in_new_thread(cgt)
     if not works:
@@ -910,7 +935,7 @@ def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
     try:
         from torch._dynamo import callback as dynamo_callback
     except ImportError as error:
-        return FixResult(name, False, f"unsupported: no torch._dynamo.callback ({error})")
+        return _unrecognised(name, f"unsupported: no torch._dynamo.callback ({error})")
     handler = getattr(dynamo_callback, "callback_handler", None)
     original = getattr(handler, "install_callbacks", None)
     if getattr(original, "_dflash_compile_accounting", False):
@@ -931,9 +956,10 @@ def _install_compile_counter(fail_on_recompile_after_warmup: bool) -> FixResult:
         return FixResult(name, True, "counting per thread via callback_handler.install_callbacks (DYNAMO + LAZY_BACKWARD)")
     register = getattr(dynamo_callback, "on_compile_start", None)
     if register is None:
-        return FixResult(name, False, "unsupported: neither callback_handler.install_callbacks nor on_compile_start exists")
+        return _unrecognised(name, "unsupported: neither callback_handler.install_callbacks nor on_compile_start exists")
     register(lambda args: _ACCOUNTING.on_compile(args.callback_trigger, str(args.compile_id)))
-    return FixResult(name, True, "degraded: on_compile_start fires only for the outermost of overlapping compiles across threads")
+    return FixResult(name, True, "degraded: on_compile_start fires only for the outermost of overlapping compiles across threads",
+                     recognised=False)
 
 
 def mark_warmup_done(fail_on_recompile: bool | None = None) -> None:
@@ -954,6 +980,7 @@ def recompile_snapshot() -> dict[str, dict[str, int]]:
 # --------------------------------------------------------------------------- install
 
 _INSTALL_LOCK = threading.Lock()
+_LAST_REPORT: SafetyReport | None = None
 
 
 def _run_in_thread(fn: Callable[[], None]) -> None:
@@ -997,6 +1024,33 @@ def install_compile_safety(
         else:
             results = (FixResult("fixes", False, "fixes=False: only the compile counter is installed"), counter)
         report = SafetyReport(torch.__version__, results)
+        if fixes:
+            global _LAST_REPORT
+            _LAST_REPORT = report
     if verbose:
         print(report, flush=True)
     return report
+
+
+def check_threaded_compile_supported(threads: int, report: SafetyReport | None = None) -> None:
+    """Fail closed: refuse `threads` > 1 threads compiling at once on a torch whose internals a
+    fix does not recognise (``SafetyReport.unrecognised``), since its race may then be there,
+    unfixed. ``report``: that of ``install_compile_safety()`` (default: its latest call with
+    fixes, installing them with the defaults if none was made yet). Raises ConfigError naming
+    the torch version, what was not recognised and the ways out."""
+    if threads <= 1:
+        return
+    if report is None:
+        report = _LAST_REPORT or install_compile_safety()
+    unknown = report.unrecognised
+    if not unknown:
+        return
+    from ..errors import ConfigError
+
+    what = "; ".join(f"{fix.name}: {fix.reason}" for fix in unknown)
+    raise ConfigError(
+        f"torch {report.torch_version}: the thread-safety fixes for torch.compile do not recognise this torch's "
+        f"internals ({what}), so {threads} threads compiling at once are not known to be safe. Ways out: one drafter "
+        f"thread (a single --drafter-devices entry), --compile off --attention sdpa (nothing compiled), or a tested "
+        f"torch ({TESTED_TORCH}: pip install 'torch>=2.11,<2.14')"
+    )
