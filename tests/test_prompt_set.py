@@ -181,3 +181,20 @@ def test_the_built_set_is_cached_atomically_and_keyed_by_settings(tmp_path, benc
 def test_select_split_refuses_unknown_names():
     with pytest.raises(ValueError, match="split 'test'"):
         select_split([], "test")
+
+
+def test_prompts_command_writes_a_reusable_file_and_never_overwrites(tmp_path, default_set, capsys):
+    from dflash_train.cli import main
+    from dflash_train.data.readers import read_prompts
+
+    out = tmp_path / "dev.jsonl"
+    assert main(["prompts", "--split", "dev", "--limit", "25", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "taken (dev)" in printed and "dropped for benchmark overlap" in printed and "wrote 25 dev prompts" in printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == [p.id for p in default_set.split("dev")[:25]]
+    assert {row["source"] for row in rows} <= set(SOURCES)
+    assert [p.messages for p in read_prompts(out, strict=True)] == [row["messages"] for row in rows]
+    before = out.read_bytes()
+    assert main(["prompts", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == before

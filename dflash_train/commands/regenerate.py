@@ -11,8 +11,13 @@ import dataclasses
 import itertools
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from ..config import THINKING, ConfigError, option
 from ._common import check_target_flags, load_target_for
+
+if TYPE_CHECKING:
+    from ..data.readers import Prompt, RowStats
 
 SPLIT_CHOICES = ("auto", "train", "dev", "all")
 
@@ -86,7 +91,7 @@ class RegenerateConfig:
             raise ConfigError(f"split {self.split!r}: use {', '.join(SPLIT_CHOICES)}")
 
 
-def read_input_prompts(config: RegenerateConfig) -> tuple[list, object]:
+def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats]:
     """The prompts to answer (split, then limit) and the RowStats that counts them as read."""
     from ..data.prompt_set import PromptSetSettings
     from ..data.readers import RowStats, read_prompts
@@ -180,7 +185,12 @@ def load_tokenizer(target: str):
     from transformers import AutoTokenizer
 
     path = Path(target).resolve()
+    if not path.exists():
+        raise ConfigError(f"--target {target}: no such file or folder")
     print(f"loading the tokenizer of {path}")
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--target {path}: cannot read its tokenizer ({error})") from None

@@ -27,7 +27,7 @@ Dev split. A prompt belongs to the dev split when a hash of its normalised text 
 seed, cap and package version, and two copies of one text cannot straddle the split. Train on
 "train", choose recipes on "dev".
 
-Cache. Building takes ~30 s (the registry filter is regex-heavy); the result is cached under the
+Cache. Building takes ~40 s of CPU (the registry filter is regex-heavy); the result is cached under the
 dflash-train cache folder, keyed by the settings, the package versions, the Python version (the
 stdlib prompts) and the benchmark texts, written atomically (files.py).
 """
@@ -48,6 +48,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 from ..errors import ConfigError
 from ..files import write_bytes_atomic
+from ..progress import Progress
 from .code_prompts import codeio_prompts, stdlib_prompts
 from .decontaminate import Decontaminator, normalized_key
 from .prompts import capped_registry_prompts
@@ -192,6 +193,11 @@ def _from_json(raw: bytes, cache_file: Path) -> PromptSet:
     )
 
 
+def _advance(progress: Progress, done: int, total: int) -> None:
+    progress.total = total
+    progress.update(done - progress.done)
+
+
 CODE_SOURCES: tuple[tuple[str, Callable[[], list[Prompt]]], ...] = (
     ("python-stdlib", stdlib_prompts),
     ("reasoning-gym", codeio_prompts),
@@ -241,14 +247,17 @@ def build_prompt_set(
             else:
                 prompt_set.seconds = time.monotonic() - started
                 return prompt_set
-    print("building the default prompt set (evals registry, standard library, reasoning-gym; ~30 s, then cached)",
-          file=log, flush=True)
+    print("building the default prompt set from the evals registry, the standard library and reasoning-gym "
+          "(about 40 s of CPU, once: it is cached)", file=log, flush=True)
     stats = RowStats()
     seen: set[str] = set()
+    progress = Progress(0, "evals registry tasks", stream=log)
     registry = capped_registry_prompts(
         seen, stats, seed=settings.seed, max_per_file=settings.max_per_file,
         max_short_per_file=settings.max_short_per_file, max_per_task=settings.max_per_task, registry_dir=registry_dir,
+        on_task=lambda done, total: _advance(progress, done, total),
     )
+    progress.close()
     source_of = {p.id: "evals" for p in registry.open} | {p.id: "evals-short-answer" for p in registry.short_answer}
     code = []
     for source, read in code_sources:

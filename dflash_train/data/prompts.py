@@ -324,7 +324,7 @@ def capped_registry_prompts(
     max_short_per_file: int,
     max_per_task: int,
     registry_dir: str | Path | None = None,
-    on_task: Callable[[str], None] | None = None,
+    on_task: Callable[[int, int], None] | None = None,
 ) -> RegistrySelection:
     """Many registry prompts, at most `max_per_file` from one file and `max_per_task` from one task.
 
@@ -334,14 +334,15 @@ def capped_registry_prompts(
     `_SCAN_FACTOR / 2 × max_per_file` rows, or once it has its short-answer prompts and `_GIVE_UP_AFTER`
     rows without an open one. A task over `max_per_task` keeps a seeded sample, open prompts first.
     `seen` holds the normalised texts taken so far (by any source) and gets the new ones; every row
-    read is counted in `stats` (used: taken, or skipped with its reason). `on_task` is called with
-    each task's name when it is done (progress).
+    read is counted in `stats` (used: taken, or skipped with its reason). `on_task(done, total)` is called
+    after each task (progress).
     """
     registry = Path(registry_dir) if registry_dir is not None else evals_registry_dir()
     signals_of = functools.lru_cache(maxsize=1 << 14)(TextSignals.of)
     scan_limit = _SCAN_FACTOR * max_per_file // 2
     selection = RegistrySelection()
-    for task_dir in sorted(p for p in registry.iterdir() if p.is_dir()):
+    task_dirs = sorted(p for p in registry.iterdir() if p.is_dir())
+    for done, task_dir in enumerate(task_dirs, start=1):
         task_open: list[Prompt] = []
         task_short: list[Prompt] = []
         for name, lines in _task_files(task_dir, registry):
@@ -386,7 +387,7 @@ def capped_registry_prompts(
         selection.open += sorted(kept_open, key=_registry_order)
         selection.short_answer += sorted(kept_short, key=_registry_order)
         if on_task is not None:
-            on_task(task_dir.name)
+            on_task(done, len(task_dirs))
     return selection
 
 
