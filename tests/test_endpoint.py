@@ -209,6 +209,10 @@ def test_resume_sends_only_missing_rows_and_refuses_another_server_or_model(prox
     assert regenerate(proxy.url, prompt_file(tmp_path), out, "--model", "another-model") == 2
     assert "another-model" in capsys.readouterr().err
     assert proxy.forwarded_chats == 3 and out.read_bytes() == before
+    # A model the server does not serve: it refuses every request, which is a setup error, not bad rows.
+    assert regenerate(proxy.url, prompt_file(tmp_path, PROMPTS[:2]), tmp_path / "new.jsonl", "--model", "nope") == 2
+    error = error_lines(capsys)
+    assert len(error) == 1 and "answered none of the requests (last: HTTP 400" in error[0] and "nope" in error[0]
 
 
 def test_503_and_429_are_retried(proxy, tmp_path, capsys):

@@ -12,8 +12,9 @@ it from the row, so such a response fails the row: serve thinking models without
 Requests run concurrently, at most `concurrency` at once. A connection error, a timeout, HTTP 429
 or a 5xx is retried with exponential backoff (honouring Retry-After); other HTTP errors fail that
 row only (a prompt the server refuses). The engine gives up with one EndpointError when the server
-cannot be reached after the retries (connection refused, reset or timed out), or when
-`failure_streak` rows in a row failed: the server is down or refuses everything. Rows answered
+cannot be reached after the retries (connection refused or reset), when `failure_streak` rows in a
+row failed, or when it answered none of the requests (a wrong --model): the server is down or
+refuses everything. Rows answered
 before that are already written by the caller, so a rerun resumes.
 """
 
@@ -242,7 +243,8 @@ class EndpointEngine:
         """(job, answer or the row's error) as requests finish, in any order; EndpointError ends it."""
         pending: dict[Future, Job] = {}
         queue = iter(jobs)
-        streak = 0
+        streak = answered = 0
+        last_error: BaseException | None = None
         stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="endpoint")
         try:
@@ -250,6 +252,8 @@ class EndpointEngine:
                 while len(pending) < self.concurrency and (job := next(queue, None)) is not None:
                     pending[pool.submit(self.answer, job, stop)] = job
                 if not pending:
+                    if answered == 0 and last_error is not None:
+                        raise EndpointError(f"endpoint {self.client.base} answered none of the requests (last: {last_error})")
                     return
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -259,9 +263,11 @@ class EndpointEngine:
                         raise error
                     if error is None:
                         streak = 0
+                        answered += 1
                         yield job, future.result()
                         continue
                     streak += 1
+                    last_error = error
                     if streak >= self.failure_streak:
                         raise EndpointError(f"endpoint {self.client.base} failed {streak} requests in a row "
                                             f"(last: {error}); rows answered before are kept")
