@@ -73,9 +73,18 @@ def test_default_set_has_100k_unique_capped_clean_prompts(default_set, benchmark
     assert max(files_of(evals).values()) <= 2000 and max(files_of(short).values()) <= 1000
     assert max(collections.Counter(p.id.split("/")[1] for p in evals).values()) <= 5000
     assert len({p.id.split("/")[1] for p in evals}) >= 300  # tasks
-    # Open-ended and code prompts first, the short-answer ones after them.
+    # Open-ended and code prompts first, the short-answer ones after them; any prefix is varied:
+    # the first registry prompts are one of each task, and the first 10k hold the code prompts'
+    # share of the open part.
     kinds = [prompt_set.source_of[p.id] == "evals-short-answer" for p in prompt_set.prompts]
     assert kinds == sorted(kinds)
+    open_evals = [p.id.split("/")[1] for p in prompt_set.prompts if prompt_set.source_of[p.id] == "evals"]
+    tasks = set(open_evals)
+    assert len(tasks) >= 100 and len(set(open_evals[:len(tasks)])) == len(tasks)
+    open_part = prompt_set.prompts[:kinds.index(True)]
+    for source in ("python-stdlib", "reasoning-gym"):
+        share = sum(prompt_set.source_of[p.id] == source for p in open_part) / len(open_part)
+        assert abs(sum(prompt_set.source_of[p.id] == source for p in open_part[:10_000]) / 10_000 - share) < 0.002
     # Nothing left overlaps a benchmark (every 20th prompt: the filter is checked in full elsewhere).
     decontaminator = Decontaminator(benchmarks)
     assert not [p.id for p in prompt_set.prompts[::20] if decontaminator.match(prompt_text(p))]

@@ -16,8 +16,12 @@ which may hold a dozen variants of one template) at most 5,000: with evals 3.0.1
 only ~95k open-ended prompts, so the short-answer ones are needed to pass 100k. Lower caps fall
 short of 100k; higher ones let a handful of templated tasks take over.
 
-Order. Open-ended and code prompts come first (shuffled by seed), then the short-answer ones
-(shuffled): `--limit N` takes the most useful N.
+Order. Open-ended and code prompts come first, then the short-answer ones. Inside each part the
+registry prompts go round-robin over their tasks (one prompt of every task per round, each round
+in seeded random order) and the coding prompts are spread evenly through the open part, so the
+first N prompts come from as many tasks as possible instead of in proportion to the big templated
+tasks; `--limit N` takes the most useful and most varied N, and a smaller limit is a subset of a
+larger one (nested data-size curves).
 
 Decontamination (data/decontaminate.py): a prompt whose text matches a benchmark prompt exactly
 or shares a 13-gram with one is dropped, counted per source and benchmark.
@@ -54,7 +58,7 @@ from .decontaminate import Decontaminator, normalized_key
 from .prompts import capped_registry_prompts
 from .readers import Prompt, RowStats
 
-PROMPT_SET_VERSION = 2  # bump when a rule changes what the set holds: old caches are then ignored
+PROMPT_SET_VERSION = 3  # bump when a rule changes what the set holds: old caches are then ignored
 DEV_PER_MILLE = 10
 SPLITS = ("train", "dev", "all")
 SOURCES = ("evals", "evals-short-answer", "python-stdlib", "reasoning-gym")
@@ -193,6 +197,31 @@ def _from_json(raw: bytes, cache_file: Path) -> PromptSet:
     )
 
 
+def _task(prompt: Prompt) -> str:
+    return prompt.id.split("/")[1]  # evals/<task>/...
+
+
+def _round_robin(prompts: list[Prompt], rng: random.Random) -> list[Prompt]:
+    """One prompt of each task per round (each task's prompts and each round in random order)."""
+    by_task: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_task.setdefault(_task(prompt), []).append(prompt)
+    for task in sorted(by_task):
+        rng.shuffle(by_task[task])
+    ordered: list[Prompt] = []
+    for round_index in range(max(map(len, by_task.values()), default=0)):
+        this_round = [by_task[t][round_index] for t in sorted(by_task) if round_index < len(by_task[t])]
+        rng.shuffle(this_round)
+        ordered += this_round
+    return ordered
+
+
+def _spread(streams: list[list[Prompt]]) -> list[Prompt]:
+    """The streams merged so that any prefix holds the same fraction of each."""
+    keyed = [((k + 0.5) / len(stream), i, k) for i, stream in enumerate(streams) for k in range(len(stream))]
+    return [streams[i][k] for _, i, k in sorted(keyed)]
+
+
 def _advance(progress: Progress, done: int, total: int) -> None:
     progress.total = total
     progress.update(done - progress.done)
@@ -273,11 +302,14 @@ def build_prompt_set(
             code.append(prompt)
     decontaminator = Decontaminator(benchmarks)
     overlaps: Counter = Counter()
-    first = _decontaminated(registry.open + code, decontaminator, source_of, stats, overlaps)
-    second = _decontaminated(registry.short_answer, decontaminator, source_of, stats, overlaps)
-    random.Random(f"{settings.seed}:open").shuffle(first)
-    random.Random(f"{settings.seed}:short-answer").shuffle(second)
-    prompts = first + second
+    open_part = _decontaminated(registry.open + code, decontaminator, source_of, stats, overlaps)
+    short_part = _decontaminated(registry.short_answer, decontaminator, source_of, stats, overlaps)
+    rng = random.Random(f"{settings.seed}:order")
+    streams = [_round_robin([p for p in open_part if source_of[p.id] == "evals"], rng)]
+    for source, _ in code_sources:
+        streams.append([p for p in open_part if source_of[p.id] == source])
+        rng.shuffle(streams[-1])
+    prompts = _spread(streams) + _round_robin(short_part, rng)
     dev_ids = {p.id for p in prompts if in_dev_split(p)}
     prompt_set = PromptSet(prompts, source_of, dev_ids, stats, overlaps, settings, cache_file=cache_file)
     prompt_set.seconds = time.monotonic() - started
