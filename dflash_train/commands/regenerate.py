@@ -1,5 +1,8 @@
 """`dflash-train regenerate`: the target answers prompts (resumable) to make training data.
 
+The answers come from the target loaded here or, with --endpoint, from an OpenAI-compatible
+server (vLLM, SGLang, llama.cpp, `transformers serve`) running the target; no model is loaded
+then, and --target only supplies the tokenizer for the prompt-length cap.
 Ends with the `rows: read=N used=M skipped=K` accounting of its input."""
 
 from __future__ import annotations
@@ -8,31 +11,70 @@ import dataclasses
 import itertools
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from ..config import THINKING, ConfigError, option
 from ._common import check_target_flags, load_target_for
+
+if TYPE_CHECKING:
+    from ..data.readers import Prompt, RowStats
+
+SPLIT_CHOICES = ("auto", "train", "dev", "all")
 
 
 @dataclasses.dataclass
 class RegenerateConfig:
     """Let the target write the answers to a set of prompts (training data in its own words)."""
 
-    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file (with --endpoint: only its tokenizer, "
+                             "for --max-prompt-tokens; optional)")
     prompts: str = option("", "prompt file (.jsonl/.json/.parquet/.txt, optionally .gz; chats ending with an answer "
-                              "have it replaced) or 'default' (built-in prompts from the OpenAI evals registry)")
+                              "have it replaced) or 'default' (~114k built-in prompts: OpenAI evals registry, coding "
+                              "prompts; decontaminated against the benchmarks; see `dflash-train prompts`)")
     out: str = option("", "output .jsonl of training rows; an existing one is resumed (rows already there are kept)")
     limit: int = option(0, "use only the first N prompts (0 = all)")
+    split: str = option("auto", "which prompts: train, dev (1 in 100, held out), all; auto = train for --prompts default, "
+                                "all for a file")
     max_new_tokens: int = option(1024, "answer length cap; a capped answer gets finish_reason 'length'")
     temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
     seed: int = option(0, "sampling seed (also picks and orders the default prompts)")
     batch_size: int = option(0, "prompts per batch; 0 = 64 on CUDA, 8 on CPU")
-    max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens")
+    max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens "
+                                       "(with --endpoint: no cap unless set, and it needs --target)")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    endpoint: str = option("", "answer with an OpenAI-compatible server at this URL (e.g. http://localhost:8000/v1) "
+                               "instead of loading the target")
+    model: str = option("", "with --endpoint: the served model's name (default: the server's first /v1/models entry)")
+    concurrency: int = option(16, "with --endpoint: requests in flight at once")
+    request_timeout: float = option(600.0, "with --endpoint: seconds one request may take before it is retried")
+    retries: int = option(5, "with --endpoint: retries of a request after a connection error, timeout, 429 or 5xx "
+                             "(exponential backoff from 1 s)")
 
     def validate(self) -> None:
-        check_target_flags(self.target, self.out, self.thinking, self.dtype, self.batch_size)
+        if self.endpoint:
+            from ..data.endpoint import api_base
+
+            api_base(self.endpoint)
+            if not self.out:
+                raise ConfigError("no output: pass --out")
+            if self.thinking not in THINKING:
+                raise ConfigError(f"thinking {self.thinking!r}: use auto (the template's default), on or off")
+            if self.batch_size:
+                raise ConfigError("--batch-size is for a target loaded here; with --endpoint the server batches "
+                                  "(set --concurrency)")
+            if self.max_prompt_tokens and not self.target:
+                raise ConfigError("--max-prompt-tokens with --endpoint needs --target (its tokenizer counts the prompt)")
+            if self.concurrency < 1:
+                raise ConfigError(f"concurrency must be at least 1, got {self.concurrency}")
+            if self.request_timeout <= 0 or self.retries < 0:
+                raise ConfigError("request_timeout must be > 0 and retries >= 0")
+        else:
+            check_target_flags(self.target, self.out, self.thinking, self.dtype, self.batch_size)
+            if self.model:
+                raise ConfigError("--model names a served model: use it with --endpoint")
         if not self.prompts:
             raise ConfigError("no prompts: pass --prompts FILE or --prompts default")
         if not self.out.endswith(".jsonl"):
@@ -45,31 +87,54 @@ class RegenerateConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.limit < 0 or self.max_prompt_tokens < 0:
             raise ConfigError("limit and max_prompt_tokens must be >= 0 (0 = no limit / automatic)")
+        if self.split not in SPLIT_CHOICES:
+            raise ConfigError(f"split {self.split!r}: use {', '.join(SPLIT_CHOICES)}")
+
+
+def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats]:
+    """The prompts to answer (split, then limit) and the RowStats that counts them as read."""
+    from ..data.prompt_set import PromptSetSettings
+    from ..data.readers import RowStats, read_prompts
+    from ._common import default_prompt_set
+
+    stats = RowStats()
+    if config.prompts == "default":
+        split = "train" if config.split == "auto" else config.split
+        prompt_set = default_prompt_set(PromptSetSettings(seed=config.seed))
+        prompts = prompt_set.split(split)[: config.limit or None]
+        print(prompt_set.summary(prompts, split))
+        stats.count_read(len(prompts))
+        return prompts, stats
+    rows = read_prompts(config.prompts, stats)
+    if config.split not in ("auto", "all"):
+        rows = _in_split(rows, config.split, stats)
+    return list(itertools.islice(rows, config.limit) if config.limit else rows), stats
+
+
+def _in_split(rows, split: str, stats):
+    from ..data.prompt_set import select_split
+
+    for prompt in rows:
+        if select_split([prompt], split):
+            yield prompt
+        else:
+            stats.skip(f"not in the {split} split", prompt.source)
 
 
 def run_regenerate(config: RegenerateConfig) -> int:
-    from ..data.prompts import default_training_prompts
-    from ..data.readers import RowStats, read_prompts
     from ..data.regenerate import GenerationSettings, check_output, output_record, regenerate
     from ..target import resolve_device
 
-    device = resolve_device(config.device)
     settings = GenerationSettings(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
         seed=config.seed, enable_thinking=THINKING[config.thinking],
     )
+    if config.endpoint:
+        return run_regenerate_endpoint(config, settings)
+    device = resolve_device(config.device)
     target_name = str(Path(config.target).resolve())
     check_output(Path(config.out), output_record(target_name, settings))  # refuse early, before loading anything
-    stats = RowStats()
-    if config.prompts == "default":
-        scanned = RowStats()
-        prompts = default_training_prompts(config.limit or None, config.seed, stats=scanned)
-        print(f"default prompts: {len(prompts)} taken from the OpenAI evals registry "
-              f"({scanned.read} registry rows scanned, {scanned.used} usable)")
-        stats.count_read(len(prompts))
-    else:
-        rows = read_prompts(config.prompts, stats)
-        prompts = list(itertools.islice(rows, config.limit) if config.limit else rows)
+    prompts, stats = read_input_prompts(config)
     target = load_target_for(config.target, device, config.dtype)
     batch_size = config.batch_size or (64 if target.device.type == "cuda" else 8)
     report = regenerate(
@@ -78,3 +143,54 @@ def run_regenerate(config: RegenerateConfig) -> int:
     )
     print(report.summary())
     return 0
+
+
+def endpoint_record(base: str, model: str, settings) -> dict:
+    """The settings sidecar of an endpoint run: the server and model take the target's place, so
+    resuming against another server or model is refused like resuming with another target."""
+    from ..data.regenerate import output_record
+
+    record = output_record(f"{model} @ {base}", settings)
+    record["endpoint"] = {"url": base, "model": model}
+    return record
+
+
+def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
+    from ..data.endpoint import EndpointClient, EndpointEngine, RetryPolicy, resolve_model
+    from ..data.regenerate import check_output
+    from ..data.regenerate_engine import regenerate_with_engine
+
+    client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
+    model = resolve_model(client, config.model)
+    record = endpoint_record(client.base, model, settings)
+    check_output(Path(config.out), record)  # refuse early, before building the prompts
+    tokenizer = None
+    if config.target:
+        tokenizer = load_tokenizer(config.target)
+    prompts, stats = read_input_prompts(config)
+    engine = EndpointEngine(
+        client, model, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+        enable_thinking=settings.enable_thinking, concurrency=config.concurrency,
+    )
+    report = regenerate_with_engine(
+        engine, prompts, config.out, stats=stats, record=record, settings=settings, tokenizer=tokenizer,
+        max_prompt_tokens=config.max_prompt_tokens or None,
+    )
+    print(report.summary())
+    return 0
+
+
+def load_tokenizer(target: str):
+    """The target's tokenizer alone: from a Hugging Face folder, or read from a .gguf file's metadata."""
+    from transformers import AutoTokenizer
+
+    path = Path(target).resolve()
+    if not path.exists():
+        raise ConfigError(f"--target {target}: no such file or folder")
+    print(f"loading the tokenizer of {path}")
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--target {path}: cannot read its tokenizer ({error})") from None

@@ -36,11 +36,12 @@ import json
 import operator
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..assets import package_path
+from .decontaminate import normalized_key
 from .readers import DataError, Prompt, RowStats, parse_messages
 
 EVALS_INSTALL = "pip install --no-deps evals==3.0.1.post1"
@@ -111,6 +112,9 @@ _REASONING = _any_of(
 # "Do not explain your answer" must not count as a request for reasoning.
 _NEGATED = re.compile(r"(?:\bnot|n't|n’t|\bno|\bwithout|\bnever)\W+(?:\w+\W+){0,2}$")
 _LONG_RUN = re.compile(r"\S{81,}")
+# What str.isalpha / str.isspace accept among ASCII characters (isspace includes \x1c-\x1f).
+_ASCII_LETTERS = bytes(c for c in range(128) if chr(c).isalpha())
+_ASCII_SPACES = bytes(c for c in range(128) if chr(c).isspace())
 
 
 @dataclass(frozen=True)
@@ -129,13 +133,20 @@ class TextSignals:
     def of(cls, text: str) -> "TextSignals":
         lower = text.lower()
         reasoning = any(not _NEGATED.search(lower[max(0, m.start() - 30) : m.start()]) for m in _REASONING.finditer(lower))
+        ascii_text = text.isascii()  # 85 % of the registry: the CJK patterns cannot match, counting is bytes work
+        option_letters = frozenset(m.group(1) for m in _OPTION.finditer(lower))
+        if ascii_text:
+            raw = text.encode("ascii")
+            letters, spaces = len(raw) - len(raw.translate(None, _ASCII_LETTERS)), len(raw) - len(raw.translate(None, _ASCII_SPACES))
+        else:
+            letters, spaces = sum(map(str.isalpha, text)), sum(map(str.isspace, text))
+            option_letters |= frozenset(_KANA_TO_LETTER[m.group(1)] for m in _KANA_OPTION.finditer(text))
         return cls(
-            short_answer=_SHORT_ANSWER.search(lower) is not None or _SHORT_ANSWER_CJK.search(text) is not None,
+            short_answer=_SHORT_ANSWER.search(lower) is not None or (not ascii_text and _SHORT_ANSWER_CJK.search(text) is not None),
             reasoning=reasoning,
-            option_letters=frozenset(m.group(1) for m in _OPTION.finditer(lower))
-            | frozenset(_KANA_TO_LETTER[m.group(1)] for m in _KANA_OPTION.finditer(text)),
-            letters=sum(map(str.isalpha, text)),
-            visible=len(text) - sum(map(str.isspace, text)),
+            option_letters=option_letters,
+            letters=letters,
+            visible=len(text) - spaces,
             long_run=_LONG_RUN.search(text) is not None,
         )
 
@@ -230,6 +241,22 @@ def _sampled_rows(files: list[tuple[str, list[bytes]]], rng: random.Random, coun
             yield f"{name}:{index - starts[file_index] + 1}", line
 
 
+def _parse_registry_row(where: str, line: bytes, stats: RowStats) -> tuple[dict, list[dict[str, str]]] | None:
+    """The row and its validated messages, or None after counting why the row is unusable."""
+    try:
+        row = json.loads(line)
+        if not isinstance(row, dict):
+            raise DataError(where, "row", "expected an object")
+        return row, parse_messages(row, where, openai_key="input")
+    except json.JSONDecodeError as error:
+        stats.skip("invalid JSON", f"{where}: {error.msg}")
+    except UnicodeDecodeError as error:
+        stats.skip("invalid UTF-8", f"{where}: {error.reason} at byte {error.start}")
+    except DataError as error:
+        stats.skip(error.reason, str(error))
+    return None
+
+
 def default_training_prompts(
     limit: int | None = None,
     seed: int = 0,
@@ -260,20 +287,10 @@ def default_training_prompts(
             if taken == 0 and scanned >= _GIVE_UP_AFTER:
                 break  # a short-answer task throughout: don't parse its thousands of rows
             stats.count_read()
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise DataError(where, "row", "expected an object")
-                messages = parse_messages(row, where, openai_key="input")
-            except json.JSONDecodeError as error:
-                stats.skip("invalid JSON", f"{where}: {error.msg}")
+            parsed = _parse_registry_row(where, line, stats)
+            if parsed is None:
                 continue
-            except UnicodeDecodeError as error:
-                stats.skip("invalid UTF-8", f"{where}: {error.reason} at byte {error.start}")
-                continue
-            except DataError as error:
-                stats.skip(error.reason, str(error))
-                continue
+            row, messages = parsed
             reason = prompt_rejection(row["input"], signals_of)
             if reason is None:
                 key = " ".join("\n".join(m["content"] for m in messages).lower().split())
@@ -286,3 +303,96 @@ def default_training_prompts(
             taken += 1
     random.Random(seed).shuffle(prompts)
     return prompts if limit is None else prompts[:limit]
+
+
+@dataclass
+class RegistrySelection:
+    """Registry prompts taken by `capped_registry_prompts`, by kind, in registry order."""
+
+    open: list[Prompt] = field(default_factory=list)  # pass every filter
+    short_answer: list[Prompt] = field(default_factory=list)  # pass all but "asks for a short answer"
+
+
+OVER_FILE_CAP = "short-answer prompt over the per-file cap"
+OVER_TASK_CAP = "over the per-task cap"
+
+
+def capped_registry_prompts(
+    seen: set[str],
+    stats: RowStats,
+    *,
+    seed: int,
+    max_per_file: int,
+    max_short_per_file: int,
+    max_per_task: int,
+    registry_dir: str | Path | None = None,
+    on_task: Callable[[int, int], None] | None = None,
+) -> RegistrySelection:
+    """Many registry prompts, at most `max_per_file` from one file and `max_per_task` from one task.
+
+    A file's quota goes to its open prompts first; prompts that pass every filter but ask for a
+    short answer fill what is left of it, up to `max_short_per_file`. Rows are visited in a
+    seeded random order and scanning a file stops once its quota of open prompts is full, after
+    `_SCAN_FACTOR / 2 × max_per_file` rows, or once it has its short-answer prompts and `_GIVE_UP_AFTER`
+    rows without an open one. A task over `max_per_task` keeps a seeded sample, open prompts first.
+    `seen` holds the normalised texts taken so far (by any source) and gets the new ones; every row
+    read is counted in `stats` (used: taken, or skipped with its reason). `on_task(done, total)` is called
+    after each task (progress).
+    """
+    registry = Path(registry_dir) if registry_dir is not None else evals_registry_dir()
+    signals_of = functools.lru_cache(maxsize=1 << 14)(TextSignals.of)
+    scan_limit = _SCAN_FACTOR * max_per_file // 2
+    selection = RegistrySelection()
+    task_dirs = sorted(p for p in registry.iterdir() if p.is_dir())
+    for done, task_dir in enumerate(task_dirs, start=1):
+        task_open: list[Prompt] = []
+        task_short: list[Prompt] = []
+        for name, lines in _task_files(task_dir, registry):
+            rng = random.Random(f"{seed}:{name}")
+            file_open: list[Prompt] = []
+            file_short: list[Prompt] = []
+            for scanned, (where, line) in enumerate(_sampled_rows([(name, lines)], rng, None)):
+                if len(file_open) >= max_per_file or scanned >= scan_limit:
+                    break
+                if not file_open and scanned >= _GIVE_UP_AFTER and len(file_short) >= max_short_per_file:
+                    break  # a short-answer file throughout
+                stats.count_read()
+                parsed = _parse_registry_row(where, line, stats)
+                if parsed is None:
+                    continue
+                row, messages = parsed
+                reason = prompt_rejection(row["input"], signals_of)
+                short = reason == "asks for a short answer"
+                if short and len(file_short) >= max_short_per_file:
+                    reason = OVER_FILE_CAP
+                elif reason is None or short:
+                    key = normalized_key("\n".join(m["content"] for m in messages))
+                    reason = "duplicate prompt" if key in seen else None
+                    seen.add(key)
+                if reason is not None:
+                    stats.skip(reason, where)
+                    continue
+                (file_short if short else file_open).append(Prompt(id=where, messages=messages, source=where))
+            room = max_per_file - len(file_open)
+            for prompt in file_short[room:]:
+                stats.skip(OVER_FILE_CAP, prompt.id)
+            task_open += file_open
+            task_short += file_short[:room]
+        rng = random.Random(f"{seed}:{task_dir.name}")
+        rng.shuffle(task_open)
+        rng.shuffle(task_short)
+        kept_open = task_open[:max_per_task]
+        kept_short = task_short[:max_per_task - len(kept_open)]
+        for prompt in task_open[len(kept_open):] + task_short[len(kept_short):]:
+            stats.skip(OVER_TASK_CAP, prompt.id)
+        # Registry order inside a task: the same rows whatever the shuffle above picked first.
+        selection.open += sorted(kept_open, key=_registry_order)
+        selection.short_answer += sorted(kept_short, key=_registry_order)
+        if on_task is not None:
+            on_task(done, len(task_dirs))
+    return selection
+
+
+def _registry_order(prompt: Prompt) -> tuple[str, int]:
+    name, line = prompt.id.rsplit(":", 1)
+    return name, int(line)

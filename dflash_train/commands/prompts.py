@@ -1,0 +1,61 @@
+"""`dflash-train prompts`: build (or read from the cache) the default prompt set, print what it
+holds per source and what decontamination dropped, and optionally write one split as a prompt
+file that `regenerate --prompts FILE` (or anything else) can use."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import ConfigError, option
+
+SPLITS = ("train", "dev", "all")
+
+
+@dataclasses.dataclass
+class PromptsConfig:
+    """Build the default training prompts (decontaminated against the benchmarks) and inspect or export them."""
+
+    out: str = option("", "write the prompts as a .jsonl file ({id, source, messages} rows); never overwrites a file")
+    split: str = option("train", "train, dev (1 in 100 prompts, held out for choosing recipes) or all")
+    limit: int = option(0, "write only the first N prompts of the split (0 = all)")
+    seed: int = option(0, "picks the registry rows and orders the set (regenerate --seed uses the same)")
+    max_per_file: int = option(2000, "at most this many prompts from one registry file")
+    max_short_per_file: int = option(1000, "of which at most this many asking for a short answer")
+    max_per_task: int = option(5000, "at most this many prompts from one registry task (folder)")
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ConfigError(f"split {self.split!r}: use {', '.join(SPLITS)}")
+        if self.limit < 0:
+            raise ConfigError(f"limit must be >= 0 (0 = all), got {self.limit}")
+        if self.out and not self.out.endswith(".jsonl"):
+            raise ConfigError(f"--out {self.out}: use a .jsonl file")
+        if self.out and Path(self.out).exists():
+            raise ConfigError(f"--out {self.out} already exists; choose another file (it is never overwritten)")
+        for name in ("max_per_file", "max_short_per_file", "max_per_task"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def run_prompts(config: PromptsConfig) -> int:
+    from ..data.prompt_set import PromptSetSettings
+    from ..files import write_text_atomic
+    from ._common import default_prompt_set
+
+    prompt_set = default_prompt_set(PromptSetSettings(
+        seed=config.seed, max_per_file=config.max_per_file, max_short_per_file=config.max_short_per_file,
+        max_per_task=config.max_per_task,
+    ))
+    taken = prompt_set.split(config.split)[: config.limit or None]
+    print(prompt_set.summary(taken, config.split))
+    print(prompt_set.stats.summary())
+    if config.out:
+        if Path(config.out).exists():  # appeared while the set was built
+            raise ConfigError(f"--out {config.out} already exists; choose another file (it is never overwritten)")
+        lines = (json.dumps({"id": p.id, "source": prompt_set.source_of[p.id], "messages": p.messages}, ensure_ascii=False)
+                 for p in taken)
+        write_text_atomic(config.out, "".join(line + "\n" for line in lines))
+        print(f"wrote {len(taken)} {config.split} prompts to {config.out}")
+    return 0

@@ -1,0 +1,277 @@
+"""An OpenAI-compatible chat server as the answer engine (`regenerate --endpoint URL`).
+
+vLLM, SGLang, llama.cpp's server and `transformers serve` all answer `POST /v1/chat/completions`
+with the chat's `messages` and `temperature`, `top_p`, `max_tokens`, `seed` (and, for thinking
+templates, `chat_template_kwargs.enable_thinking`); the server applies the model's own chat
+template, so the prompts are the ones a local run renders. Each row's answer is the response's
+`message.content`, its `finish_reason` ("stop" or "length"; a server's "eos" counts as "stop")
+and `usage.completion_tokens`. The row seed is sent reduced to 31 bits, which every server takes.
+A server that splits the reasoning out of the content (a vLLM/SGLang reasoning parser) would lose
+it from the row, so such a response fails the row: serve thinking models without one.
+
+Requests run concurrently, at most `concurrency` at once. A connection error, a timeout, HTTP 429
+or a 5xx is retried with exponential backoff (honouring Retry-After); other HTTP errors fail that
+row only (a prompt the server refuses). The engine gives up with one EndpointError when the server
+cannot be reached after the retries (connection refused or reset), when `failure_streak` rows in a
+row failed, or when it answered none of the requests (a wrong --model): the server is down or
+refuses everything. Rows answered
+before that are already written by the caller, so a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Protocol
+
+from ..errors import ConfigError, UserError
+from .readers import Prompt
+
+SEED_MASK = 0x7FFFFFFF
+_FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
+
+
+# --- The engine interface. Temporary copy: data/regenerate.py (the generator's branch) defines
+# --- Job, Answer and AnswerEngine; these match it field for field and go when the two merge.
+@dataclass
+class Job:
+    prompt: Prompt
+    ids: list[int] | None  # the rendered prompt, when a tokenizer is at hand
+    seed: int
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    completion_tokens: int
+
+
+class AnswerEngine(Protocol):
+    description: str
+
+    def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]: ...
+
+
+class EndpointError(UserError):
+    """The server cannot be used: unreachable, or failing every request."""
+
+
+class RowError(Exception):
+    """The server answered this row with an error or with a response that cannot become a row."""
+
+
+class _Transient(Exception):
+    """A failure worth retrying (connection, timeout, 429, 5xx); `connection` when no HTTP answer came."""
+
+    def __init__(self, message: str, *, connection: bool, retry_after: float | None = None):
+        super().__init__(message)
+        self.connection = connection
+        self.retry_after = retry_after
+
+
+def api_base(url: str) -> str:
+    """`http://host:port/v1` from what a user may type: with or without /v1 or /v1/chat/completions."""
+    parsed = urllib.parse.urlsplit(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"--endpoint {url!r}: expected an http(s) URL such as http://localhost:8000/v1")
+    path = parsed.path.rstrip("/")
+    for suffix in ("/chat/completions", "/models"):
+        path = path.removesuffix(suffix)
+    if not path.endswith("/v1"):
+        path += "/v1"
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    retries: int = 5  # attempts after the first
+    backoff_seconds: float = 1.0  # doubled after each failed attempt, with jitter
+    max_backoff_seconds: float = 30.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        base = min(self.max_backoff_seconds, self.backoff_seconds * 2 ** attempt)
+        if retry_after is not None:
+            return min(self.max_backoff_seconds, max(base, retry_after))
+        return base * (0.5 + random.random() / 2)
+
+
+def _retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time()) if when else None
+
+
+class EndpointClient:
+    """JSON over HTTP to one server, with the retry policy; thread-safe (one connection per request)."""
+
+    def __init__(self, url: str, *, timeout: float = 600.0, retry: RetryPolicy = RetryPolicy(), api_key: str = ""):
+        self.base = api_base(url)
+        self.timeout = timeout
+        self.retry = retry
+        self.api_key = api_key
+
+    def _once(self, path: str, body: dict | None) -> Any:
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        request = urllib.request.Request(self.base + path, data=data, method="GET" if body is None else "POST")
+        request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read()[:300].decode("utf-8", "replace").strip()
+            message = f"HTTP {error.code} from {self.base}{path}" + (f": {detail}" if detail else "")
+            if error.code == 429 or error.code >= 500:
+                raise _Transient(message, connection=False, retry_after=_retry_after(error.headers)) from None
+            raise RowError(message) from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as error:
+            reason = getattr(error, "reason", None) or error
+            # A timeout may be one slow answer, not a dead server: it fails only its row (the
+            # failure streak still ends a run against a server that never answers).
+            slow = isinstance(reason, TimeoutError)
+            what = f"no answer within {self.timeout:g} s" if slow else reason
+            raise _Transient(f"{self.base}{path}: {what}", connection=not slow) from None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise RowError(f"{self.base}{path} answered with something that is not JSON: {raw[:120]!r}") from None
+
+    def request(self, path: str, body: dict | None = None, stop: threading.Event | None = None) -> Any:
+        """The decoded JSON answer; retries transient failures, then raises the last one as
+        EndpointError (no connection) or RowError (the server kept answering 429 / 5xx).
+        Setting `stop` ends the retrying early."""
+        stop = stop or threading.Event()
+        for attempt in range(self.retry.retries + 1):
+            try:
+                return self._once(path, body)
+            except _Transient as error:
+                if attempt == self.retry.retries or stop.is_set():
+                    tries = f"{attempt + 1} attempt" + ("s" if attempt else "")
+                    if error.connection:
+                        raise EndpointError(f"endpoint {self.base} is unreachable ({error}; {tries})") from None
+                    raise RowError(f"{error} ({tries})") from None
+                if stop.wait(self.retry.delay(attempt, error.retry_after)):
+                    raise RowError(f"stopped while retrying: {error}") from None
+        raise AssertionError("unreachable")
+
+    def model_ids(self) -> list[str]:
+        listing = self.request("/models")
+        try:
+            return [str(entry["id"]) for entry in listing["data"]]
+        except (KeyError, TypeError):
+            raise EndpointError(f"{self.base}/models: not an OpenAI model list: {str(listing)[:200]}") from None
+
+
+def resolve_model(client: EndpointClient, requested: str) -> str:
+    """`requested`, or the server's first listed model. Checks the server is reachable either way."""
+    models = client.model_ids()
+    if requested:
+        return requested
+    if not models:
+        raise EndpointError(f"{client.base}/models lists no model; pass --model NAME")
+    return models[0]
+
+
+def answer_from_response(response: Any) -> Answer:
+    """The row's answer from a chat.completions response (RowError if it is not a usable one)."""
+    try:
+        choice = response["choices"][0]
+        message = choice["message"]
+        text, finish, tokens = message.get("content"), choice.get("finish_reason"), response["usage"]["completion_tokens"]
+    except (KeyError, IndexError, TypeError):
+        raise RowError(f"not a chat.completions response: {str(response)[:200]}") from None
+    if message.get("reasoning_content") or message.get("reasoning"):
+        raise RowError("the server split the reasoning out of the answer (a reasoning parser); serve the model without one")
+    if not isinstance(text, str):
+        raise RowError(f"no text in the response (content {text!r})")
+    if finish not in _FINISH_REASONS:
+        raise RowError(f"finish_reason {finish!r} is neither 'stop' nor 'length'")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise RowError(f"usage.completion_tokens {tokens!r} is not a token count")
+    return Answer(text, _FINISH_REASONS[finish], tokens)
+
+
+class EndpointEngine:
+    """Answers jobs through an OpenAI-compatible server, `concurrency` requests at a time."""
+
+    def __init__(self, client: EndpointClient, model: str, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, enable_thinking: bool | None = None, concurrency: int = 16,
+                 failure_streak: int | None = None):
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be at least 1, got {concurrency}")
+        self.client = client
+        self.model = model
+        self.sampling = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        self.chat_template_kwargs = None if enable_thinking is None else {"enable_thinking": enable_thinking}
+        self.concurrency = concurrency
+        # Enough consecutive failures that a few bad prompts in flight together are not mistaken for a dead server.
+        self.failure_streak = failure_streak or max(8, 2 * concurrency)
+        self.description = f"endpoint {client.base}, model {model}, {concurrency} concurrent requests"
+
+    def request_body(self, job: Job) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in job.prompt.messages],
+            **self.sampling,
+            "seed": job.seed & SEED_MASK,
+            "stream": False,
+        }
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return body
+
+    def answer(self, job: Job, stop: threading.Event | None = None) -> Answer:
+        return answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
+
+    def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]:
+        """(job, answer or the row's error) as requests finish, in any order; EndpointError ends it."""
+        pending: dict[Future, Job] = {}
+        queue = iter(jobs)
+        streak = answered = 0
+        last_error: BaseException | None = None
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="endpoint")
+        try:
+            while True:
+                while len(pending) < self.concurrency and (job := next(queue, None)) is not None:
+                    pending[pool.submit(self.answer, job, stop)] = job
+                if not pending:
+                    if answered == 0 and last_error is not None:
+                        raise EndpointError(f"endpoint {self.client.base} answered none of the requests (last: {last_error})")
+                    return
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    job = pending.pop(future)
+                    error = future.exception()
+                    if isinstance(error, EndpointError):
+                        raise error
+                    if error is None:
+                        streak = 0
+                        answered += 1
+                        yield job, future.result()
+                        continue
+                    streak += 1
+                    last_error = error
+                    if streak >= self.failure_streak:
+                        raise EndpointError(f"endpoint {self.client.base} failed {streak} requests in a row "
+                                            f"(last: {error}); rows answered before are kept")
+                    yield job, error
+        finally:
+            stop.set()  # requests still retrying give up at their next wait
+            pool.shutdown(wait=False, cancel_futures=True)
