@@ -24,6 +24,7 @@ FP8_CHOICES = ("off", "head", "all")  # train --fp8 (fp8.py)
 DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (pipeline/distributed.py)
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
@@ -229,6 +230,9 @@ class TrainConfig:
     eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
     eval_limit: int = option(8, "prompts used by --eval-every")
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
+    # several nodes: one process per node under torchrun (pipeline/distributed.py)
+    dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo")
+    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit")
 
     def validate(self) -> None:
         if self.mode not in ("replicas", "variants"):
@@ -257,3 +261,7 @@ class TrainConfig:
             raise ConfigError("eval_every must be >= 0, eval_limit and eval_max_new_tokens >= 1")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError("warmup_ratio must be in [0, 1)")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise ConfigError(f"dist_backend {self.dist_backend!r}: use {', '.join(DIST_BACKENDS)}")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"dist_timeout must be a positive number of seconds (got {self.dist_timeout})")

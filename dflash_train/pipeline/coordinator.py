@@ -9,6 +9,10 @@
 
 If the coordinator itself fails (a sink cannot write, a bug), it stops the workers and waits for
 them before the error leaves `run`: nothing trains or writes after `train()` has failed.
+
+On several nodes every node runs a coordinator; a step is complete once the node totals of the
+step (`NodeTotals`, from the vote) have arrived too, and only rank 0 prints steps, writes the
+summary and exports; every rank waits for the others before it leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..config import TrainConfig
 from ..export import export_model
 from ..progress import Progress
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
+from .distributed import NodeGroup
 from .reporting import (
     RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
     summary_text, worker_stats,
@@ -70,7 +75,7 @@ class InterruptHandler:
 
 class Coordinator:
     def __init__(self, config: TrainConfig, plans: list[DrafterPlan], pipeline: Pipeline, steps: StepRange,
-                 sinks: list[Sink], log: TextIO):
+                 sinks: list[Sink], log: TextIO, nodes: NodeGroup | None = None):
         self.config = config
         self.plans = plans
         self.pipeline = pipeline
@@ -78,13 +83,15 @@ class Coordinator:
         self.sinks = sinks
         self.log = log
         self.stop = pipeline.stop
+        self.nodes = nodes or NodeGroup()
         self.stats = {plan.name: RunningStats() for plan in plans}
-        self.assembler = StepAssembler({plan.name: len(plan.devices) for plan in plans})
+        node_totals = 1 if self.nodes.distributed else 0  # one NodeTotals per step besides the replicas' reports
+        self.assembler = StepAssembler({plan.name: len(plan.devices) + node_totals for plan in plans})
         self.progress = Progress(len(steps), "train", stream=log if log is not sys.stdout else sys.stderr)
         self.queue_depth_sum = 0.0
         self.queue_samples = 0
         self.started = time.monotonic()
-        self.interrupts = InterruptHandler(self.stop)
+        self.interrupts = InterruptHandler(self.nodes.interrupts(self.stop))
 
     # --- run -------------------------------------------------------------------------------------
 
@@ -105,7 +112,8 @@ class Coordinator:
             torch.set_num_threads(threads_before)
             for sink in self.sinks:
                 sink.close()
-        self.progress.close()
+        if self.nodes.writes:
+            self.progress.close()
         if hung:
             raise RuntimeError(f"workers did not stop within {JOIN_SECONDS:.0f} s after the pipeline stopped: "
                                f"{', '.join(hung)}")
@@ -133,6 +141,8 @@ class Coordinator:
         many = len(self.plans) > 1
         record = step_record(reports, time.monotonic() - self.started)
         self.stats[name].add(record)
+        if not self.nodes.writes:
+            return
         measured = next((r.evaluation for r in reports if r.evaluation), None)
         if measured:
             self.progress.print(eval_line(record, measured, name if many else None))
@@ -172,6 +182,7 @@ class Coordinator:
             "workers": worker_stats(pipeline.workers),
             "mean_queue_depth": round(self.mean_queue_depth(), 2),
             "gradient_sync_s": round(sum(r.seconds for r in pipeline.reducers), 2),
+            **self.nodes_summary(),
             "recompiles": recompile_snapshot(),
         }
         for plan in self.plans:
@@ -191,14 +202,26 @@ class Coordinator:
             if measured:
                 entry["tau_real"] = {"step": measured[-1]["step"], "tau": measured[-1]["tau_real"],
                                      "tau_pooled": measured[-1]["tau_real_pooled"]}
-            if error is None and rank0.completed_step >= self.config.steps and self.config.export_dtype:
+            if (error is None and rank0.completed_step >= self.config.steps and self.config.export_dtype
+                    and self.nodes.writes):
                 entry["export"] = str(self.export(plan, rank0.replica.drafter))
             summary["drafters"][plan.name] = entry
-        (Path(self.config.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.nodes.writes:
+            (Path(self.config.out) / "summary.json").write_text(json.dumps(summary, indent=2))
         print(summary_text(summary, self.config.steps), file=self.log)
+        self.nodes.finish()
         if error is not None:
             raise error
         return summary
+
+    def nodes_summary(self) -> dict:
+        if not self.nodes.distributed:
+            return {}
+        across = [r.across for r in self.pipeline.reducers if r.across is not None]
+        seconds = sum(a.seconds for a in across)
+        count = sum(a.timer.count for a in across)
+        return {"nodes": self.nodes.world_size, "rank": self.nodes.rank, "cross_node_all_reduce_s": round(seconds, 3),
+                "cross_node_all_reduce_ms_per_step": round(1000 * seconds / count, 3) if count else None}
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
         return export_model(drafter, plan.run_dir / "export", dtype=getattr(torch, self.config.export_dtype),
