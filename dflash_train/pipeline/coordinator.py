@@ -38,7 +38,7 @@ from .reporting import (
     summary_text, worker_stats,
 )
 from .runtime import StopSignal
-from .workers import StepRange, wait_for_workers
+from .workers import StepRange, StepReport, wait_for_workers
 
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
 
@@ -143,7 +143,7 @@ class Coordinator:
         self.stats[name].add(record)
         if not self.nodes.writes:
             return
-        measured = next((r.evaluation for r in reports if r.evaluation), None)
+        measured = next((r.evaluation for r in reports if isinstance(r, StepReport) and r.evaluation), None)
         if measured:
             self.progress.print(eval_line(record, measured, name if many else None))
         for sink in self.sinks:

@@ -103,11 +103,13 @@ def check_launch(mode: str, launch: Launch | None) -> None:
                           f"{launch.world_size} use mode replicas (one drafter, data-parallel over every node)")
 
 
-def place_devices(device_lists: Sequence[list[torch.device]], launch: Launch | None) -> list[list[torch.device]]:
+def place_devices(device_lists: Sequence[list[torch.device]], launch: Launch | None,
+                  visible: int | None = None) -> list[list[torch.device]]:
     """Device indices are per process. Several processes on one host (--nproc-per-node > 1) that
     all see the host's GPUs use disjoint ones: process LOCAL_RANK r takes GPUs r·G ... r·G + G − 1,
     G being the GPUs one process's layout names. Where each process sees only G GPUs (a launcher
-    set CUDA_VISIBLE_DEVICES per process) the indices are used as given."""
+    set CUDA_VISIBLE_DEVICES per process) the indices are used as given. `visible`: the GPUs this
+    process sees (default: torch.cuda.device_count())."""
     lists = [list(devices) for devices in device_lists]
     if launch is None or launch.local_world_size == 1:
         return lists
@@ -115,7 +117,7 @@ def place_devices(device_lists: Sequence[list[torch.device]], launch: Launch | N
     if not used:
         return lists
     span = max(used) + 1
-    visible = torch.cuda.device_count()
+    visible = torch.cuda.device_count() if visible is None else visible
     if visible == span:
         return lists
     if visible < span * launch.local_world_size:
@@ -290,7 +292,9 @@ class NodeGroup:
         self._closing.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS)
-        if dist.is_initialized() and not self.broken:
+        # After an error, worker threads may still be inside a collective; destroying the
+        # groups under them aborts the process, so leaving them to process exit is safer.
+        if dist.is_initialized() and not self.broken and error is None:
             dist.destroy_process_group()
 
     # --- waiting and collectives -------------------------------------------------------------------
@@ -587,14 +591,14 @@ class NodeStep:
         except NodeLost:
             self._lost()
 
-    def leave(self, completed: int, failed: bool) -> None:
-        """The first replica is exiting: cast the vote the other nodes wait for next (finished,
-        stopping, or failed), unless a vote already ended the run."""
+    def leave(self, completed: int, failure: str | None = None) -> None:
+        """The first replica is exiting (`failure`: why, if its own thread failed): cast the vote
+        the other nodes wait for next (finished, stopping, or failed), unless a vote already
+        ended the run."""
         if self.done or self.nodes.broken or self.next_vote > self.end:
             return
-        failed = failed or bool(self.stop.failures)
-        if failed:
-            code, reason = FAILED, self.stop.reason or "a worker failed"
+        if failure is not None or self.stop.failures:
+            code, reason = FAILED, failure or self.stop.reason or "a worker failed"
         elif completed >= self.end:
             code, reason = FINISHED, ""
         else:

@@ -256,10 +256,11 @@ class GradientReducer:
         if self.across is not None:
             self.across.record(step, result.loss, result.metric_sums, samples, tokens)
 
-    def leave(self, rank: int, completed_step: int, failed: bool) -> None:
-        """Replica 0 is exiting: the other nodes learn it in the vote they wait for next."""
+    def leave(self, rank: int, completed_step: int, failure: str | None = None) -> None:
+        """Replica 0 is exiting (`failure`: why, if its own thread failed): the other nodes learn
+        it in the vote they wait for next."""
         if rank == 0 and self.across is not None:
-            self.across.leave(completed_step, failed)
+            self.across.leave(completed_step, failure)
 
     @torch.no_grad()
     def _reduce(self) -> None:
@@ -499,12 +500,12 @@ class DrafterWorker(Worker):
                     setup.checkpointer.save(self.completed_step, replica)
         except PipelineStopped:
             pass
-        except BaseException:
+        except BaseException as error:
             if setup.reducer is not None:
-                setup.reducer.leave(replica.rank, self.completed_step, failed=True)
+                setup.reducer.leave(replica.rank, self.completed_step, f"{self.name} failed: {type(error).__name__}: {error}")
             raise
         if setup.reducer is not None:
-            setup.reducer.leave(replica.rank, self.completed_step, failed=False)
+            setup.reducer.leave(replica.rank, self.completed_step)
         # Whether finished, interrupted or stopped by another worker's failure, this
         # drafter's weights are those of its last completed step: save them.
         if setup.checkpointer is not None:
