@@ -274,9 +274,18 @@ def test_one_process_stopped_then_resumed_on_two_nodes_is_bit_identical(tmp_path
     _assert_same_weights(tmp_path / "run", uninterrupted)
 
 
-def test_cli_under_torchrun_trains_on_two_nodes_with_rank_0_evaluating(tmp_path):
-    """`torchrun ... -m dflash_train.cli train ...`: the real command, a tiny target folder with a
-    tokenizer, conversations rendered by its template, in-training eval on rank 0 only."""
+ENTRY_POINT = Path(sys.executable).with_name("dflash-train")
+
+
+@pytest.mark.parametrize("program", [
+    pytest.param(["-m", "dflash_train.cli"], id="module"),
+    pytest.param(["--no-python", str(ENTRY_POINT)], id="entry-point",
+                 marks=pytest.mark.skipif(not ENTRY_POINT.is_file(), reason="dflash-train is not installed next to python")),
+])
+def test_cli_under_torchrun_trains_on_two_nodes_with_rank_0_evaluating(tmp_path, program):
+    """`torchrun ... -m dflash_train.cli train ...` and `torchrun --no-python dflash-train train ...`:
+    the real command, a tiny target folder with a tokenizer, conversations rendered by its
+    template, in-training eval on rank 0 only."""
     from test_evaluate import char_tokenizer
     from tiny import tiny_hf_model
 
@@ -288,7 +297,7 @@ def test_cli_under_torchrun_trains_on_two_nodes_with_rank_0_evaluating(tmp_path)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    args = ["-m", "dflash_train.cli", "train", "--target", str(target), "--data", str(data), "--out", str(out),
+    args = [*program, "train", "--target", str(target), "--data", str(data), "--out", str(out),
             "--steps", "4", "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
             "--block-size", "4", "--device", "cpu", "--log-every", "2", "--eval-every", "2",
             "--eval-bench", str(TESTS / "data" / "eval_prompts.jsonl"), "--eval-limit", "2",
@@ -307,8 +316,8 @@ def test_cli_under_torchrun_trains_on_two_nodes_with_rank_0_evaluating(tmp_path)
 def test_torchrun_one_node_with_nccl_on_one_gpu(tmp_path):
     """The multi-node code path on CUDA: torchrun with one node and one process, the gradient
     all-reduce over NCCL on the GPU (votes over gloo), target and drafter on cuda:0."""
-    spec = {"out": str(tmp_path / "out"),
-            "config": {**BASE, "steps": 6, "save_every": 3, "device": "cuda", "compile": "off"}}
+    spec = {"out": str(tmp_path / "out"), "target_device": "cuda",
+            "config": {**BASE, "steps": 6, "save_every": 3, "device": "cuda"}}
     (outcome,) = launch_nodes(tmp_path, spec, nodes=1, timeout=300)
     assert outcome["code"] == 0, _tails(tmp_path, 1)
     assert "gradients over nccl" in outcome["output"]

@@ -4,7 +4,7 @@
 
 SPEC (JSON): out (may contain {rank}), results (a folder: RANK.json is written there), config
 (TrainConfig overrides of tiny_train_config), samples, stop_at, targets (target workers per
-process), and at most one fault, acted on by the hook of the node's first replica after a step:
+process), target_device, and at most one fault, acted on by the hook of the node's first replica after a step:
     fail   {"rank": R, "step": S}                  raise in the hook
     die    {"rank": R, "step": S}                  os._exit: the process dies without a word
     signal {"rank": R, "step": S, "name": "SIGTERM", "repeat": 1}  a real signal to this process
@@ -31,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny import pattern_samples, tiny_target, tiny_train_config  # noqa: E402
 
 
-def build_targets(count: int = 1):
+def build_targets(count: int = 1, device: str = "cpu"):
     """Identical tiny targets (tiny_hf_model seeds its own init), one per target worker."""
-    return [tiny_target("llama", layers=6, head_scale=20) for _ in range(count)]
+    from dflash_train.target import Target
+
+    return [Target(tiny_target("llama", layers=6, head_scale=20).model.to(device)) for _ in range(count)]
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -69,7 +71,7 @@ def train_node(spec: dict, rank: int) -> dict:
                         time.sleep(0.5)  # after the main thread handled the previous one (same-kind signals coalesce)
                     os.kill(os.getpid(), getattr(signal, fault["name"]))
 
-    targets = build_targets(spec.get("targets", 1))
+    targets = build_targets(spec.get("targets", 1), spec.get("target_device", "cpu"))
     result: dict = {"rank": rank}
     try:
         summary = train(config, samples=pattern_samples(spec.get("samples", 32)),

@@ -189,9 +189,10 @@ def stream_identity(samples: Sequence[Sample], *, seed: int, batch_size: int, ba
     every micro-batch of a step (nodes × replicas × grad_accum)."""
     digest = hashlib.sha256()
     for sample in samples:
-        ids = sample.input_ids.to(torch.int64).contiguous().numpy().tobytes()
-        mask = sample.loss_mask.to(torch.bool).contiguous().numpy().tobytes()
-        digest.update(f"{sample.sample_id}:{len(sample.input_ids)}:{zlib.crc32(ids)}:{zlib.crc32(mask)};".encode())
+        ids, mask = sample.input_ids, sample.loss_mask
+        ids = (ids if ids.dtype == torch.int64 else ids.to(torch.int64)).contiguous().numpy()
+        mask = (mask if mask.dtype == torch.bool else mask.to(torch.bool)).contiguous().numpy()
+        digest.update(f"{sample.sample_id}:{len(ids)}:{zlib.crc32(ids)}:{zlib.crc32(mask)};".encode())
     return {
         "seed": seed, "batch_size": batch_size, "micro_batches_per_step": batches_per_step, "max_seq_len": max_seq_len,
         "samples": len(samples), "samples_sha256": digest.hexdigest()[:16],

@@ -121,10 +121,15 @@ class Coordinator:
 
     def _report_loop(self) -> None:
         drafters = self.pipeline.drafter_workers
-        while any(w.is_alive() for w in drafters):
+        while True:
+            alive = any(w.is_alive() for w in drafters)
             try:
-                report = self.pipeline.reports.get(timeout=0.2)
+                # Once every drafter has exited, what they queued last (the final NodeTotals of a
+                # multi-node run come from the last vote) is still read, without waiting.
+                report = self.pipeline.reports.get(timeout=0.2) if alive else self.pipeline.reports.get_nowait()
             except queue.Empty:
+                if not alive:
+                    break
                 report = None
             self.queue_depth_sum += self.pipeline.router.mean_depth()
             self.queue_samples += 1

@@ -363,6 +363,7 @@ class NodeGroup:
             return
         import torch.distributed as dist
 
+        self.wait_for(f"agree/{what}", range(self.world_size), f"waiting to compare {what} (models and data loading)")
         gathered: list[Any] = [None] * self.world_size
         with self.collective(f"comparing {what} across nodes"):
             dist.all_gather_object(gathered, dict(values), group=self.control)
@@ -382,6 +383,7 @@ class NodeGroup:
             return
         import torch.distributed as dist
 
+        self.wait_for("share weights", range(self.world_size), "waiting to share rank 0's initial weights")
         with self.collective("sharing rank 0's initial weights"):
             for tensor in module.state_dict().values():
                 dist.broadcast(tensor, src=0, group=self.control)
