@@ -217,6 +217,15 @@ def test_a_node_that_dies_is_named_and_the_others_exit(tmp_path):
     assert latest_checkpoint(tmp_path / "out").name == "step-00000004"
 
 
+def test_nodes_with_other_data_refuse_to_start(tmp_path):
+    spec = {"out": str(tmp_path / "out"), "samples_by_rank": {"1": 31}, "config": {**BASE, "steps": 4}}
+    outcomes = launch_nodes(tmp_path, spec)
+    for outcome in outcomes:
+        assert outcome["code"] != 0 and outcome["result"]["error"].startswith("ConfigError: the nodes disagree"), outcome
+        assert "rank 1 has the data stream" in outcome["result"]["error"]
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("announce", [True, False])
 def test_rank_0_busy_longer_than_the_timeout(tmp_path, announce):
     """Rank 0 spends 3 x the timeout after a step (as its checkpoint or in-training eval does).

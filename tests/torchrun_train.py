@@ -4,7 +4,7 @@
 
 SPEC (JSON): out (may contain {rank}), results (a folder: RANK.json is written there), config
 (TrainConfig overrides of tiny_train_config), samples, stop_at, targets (target workers per
-process), target_device, and at most one fault, acted on by the hook of the node's first replica after a step:
+process), samples_by_rank ({"1": 31}: that rank trains other data), target_device, and at most one fault, acted on by the hook of the node's first replica after a step:
     fail   {"rank": R, "step": S}                  raise in the hook
     die    {"rank": R, "step": S}                  os._exit: the process dies without a word
     signal {"rank": R, "step": S, "name": "SIGTERM", "repeat": 1}  a real signal to this process
@@ -74,7 +74,8 @@ def train_node(spec: dict, rank: int) -> dict:
     targets = build_targets(spec.get("targets", 1), spec.get("target_device", "cpu"))
     result: dict = {"rank": rank}
     try:
-        summary = train(config, samples=pattern_samples(spec.get("samples", 32)),
+        count = spec.get("samples_by_rank", {}).get(str(rank), spec.get("samples", 32))
+        summary = train(config, samples=pattern_samples(count),
                         target=targets if len(targets) > 1 else targets[0],
                         step_hook=hook, stop_at=spec.get("stop_at"), log=sys.stdout)
         result.update(ok=True, summary=summary)

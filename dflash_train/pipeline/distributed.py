@@ -234,7 +234,11 @@ class NodeGroup:
 
     def __enter__(self) -> "NodeGroup":
         if self.distributed:
-            self._join()
+            try:
+                self._join()
+            except BaseException as error:
+                self.close(error)
+                raise
         return self
 
     def __exit__(self, _type, error, _traceback) -> None:
@@ -464,7 +468,12 @@ class FlatGradients:
             for param, view in zip(params, views):
                 if param.grad is None:
                     param.grad = view.clone()
-            torch._foreach_copy_([p.grad for p in params], views)
+            grads = [p.grad for p in params]
+            if hasattr(torch, "_foreach_copy_"):  # one kernel launch per dtype and device, not one per tensor
+                torch._foreach_copy_(grads, views)
+            else:
+                for grad, view in zip(grads, views):
+                    grad.copy_(view)
 
 
 class ReduceTimer:
@@ -555,7 +564,9 @@ class NodeStep:
         self.busy_after = busy_after or (lambda step: False)
         self.next_vote = start
         self.done = False  # a vote ended the run here, or the group broke: no more votes
-        self.awaited: list[int] = []  # ranks that announced work of their own before the next vote
+        # Ranks that announced work of their own before the next vote; at the first vote, every
+        # rank (its first step compiles, which takes the longest and the least predictably).
+        self.awaited: list[int] = list(range(nodes.world_size))
         self.timer = ReduceTimer()
         self._totals: dict[int, list] = {}
         self._recorded = threading.Condition()
