@@ -95,9 +95,9 @@ def _tails(tmp_path: Path, nodes: int) -> str:
     return "\n".join(f"--- node {n}\n" + (tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(nodes))
 
 
-def _single(out: Path, *, hook_prints: dict | None = None, targets: int = 1, **values):
+def _single(out: Path, *, targets: int = 1, **values):
     """The same run in this process (one node); fingerprints of every replica after every step."""
-    prints = {} if hook_prints is None else hook_prints
+    prints: dict = {}
     lock = threading.Lock()
 
     def hook(worker, step):

@@ -71,8 +71,8 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch | None:
         return None
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
     if missing:
-        raise ConfigError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} is not: start multi-node runs "
-                          "with torchrun (README, 'Several nodes')")
+        raise ConfigError(f"RANK/WORLD_SIZE are set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          "not: start multi-node runs with torchrun (README, 'Several nodes (torchrun)')")
 
     def integer(name: str, default: int | None = None) -> int:
         text = env.get(name)
