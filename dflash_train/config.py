@@ -25,6 +25,7 @@ DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (pipeline/distributed.py)
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
@@ -320,6 +321,9 @@ class TrainConfig:
     eval_limit: int = option(8, "prompts used by --eval-every")
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
     tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
+    # several nodes: one process per node under torchrun (pipeline/distributed.py)
+    dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo")
+    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit")
 
     SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
         "data": ("data", "features", "thinking", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
@@ -328,7 +332,7 @@ class TrainConfig:
         "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
                       "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
         "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
-                     "compile", "fp8", "prefetch", "fail_on_recompile"),
+                     "compile", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
         "eval": ("eval_every", "eval_bench", "eval_limit", "eval_max_new_tokens"),
         "checkpoint": ("out", "resume", "save_every", "keep_checkpoints", "export_dtype"),
         "logging": ("log_every", "tensorboard"),
@@ -380,6 +384,8 @@ class TrainConfig:
             raise ConfigError(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        _choice("dist_backend", self.dist_backend, DIST_BACKENDS)
+        _positive("dist_timeout", self.dist_timeout, " (seconds)")
         if self.export_dtype:
             self.export_dtype = canonical_dtype(self.export_dtype, "--export-dtype")
         if self.out and Path(self.out).exists() and not Path(self.out).is_dir():

@@ -1,15 +1,18 @@
 """Host-side batch planning: deterministic, length-bucketed, static-shaped batches.
 
-Step s of a run always gets the same batches, whatever the number of GPUs or a resume in
-between: the order of epoch e is a function of (seed, e), a batch's position in the stream
-is s × batches_per_step + j, and anchors come from (seed, sample id, epoch). Each batch is
-padded to the smallest bucket that holds its longest row, so a compiled drafter sees one
-shape per bucket and compiles once per bucket.
+Step s of a run always gets the same batches, whatever the number of GPUs or nodes or a resume
+in between: the order of epoch e is a function of (seed, e), a batch's position in the stream
+is s × batches_per_step + j (batches_per_step counts every node's micro-batches), and anchors
+come from (seed, sample id, epoch). Each batch is padded to the smallest bucket that holds its
+longest row, so a compiled drafter sees one shape per bucket and compiles once per bucket.
+`stream_identity` is what a checkpoint records of this, so a resume can refuse another stream.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -42,7 +45,7 @@ class HostBatch:
     """One micro-batch on the host, before the target runs."""
 
     step: int
-    index: int  # position within the step (replica × grad_accum + micro)
+    index: int  # position within this node's share of the step (replica × grad_accum + micro)
     epoch: int
     sample_ids: list[int]
     input_ids: torch.Tensor  # [b, S] padded to the bucket
@@ -68,7 +71,8 @@ class BatchPlanner:
     its own anchors (its own N) and its own loss normaliser. The normaliser of a step sums
     over every micro-batch that trains the same drafter in that step, so planning one batch
     means planning the whole step: several target workers share each planned step (the last
-    few are kept) instead of each drawing every anchor again.
+    few are kept) instead of each drawing every anchor again. On several nodes each node plans
+    every batch of the step (the normaliser is global) and keeps only its `share` of them.
     """
 
     keep_steps = 8
@@ -86,6 +90,7 @@ class BatchPlanner:
         pad_id: int = 0,
         group_factor: int = 32,
         pin_memory: bool = False,
+        share: range | None = None,
     ):
         if len(samples) < batch_size:
             raise ConfigError(f"{len(samples)} usable samples is fewer than batch_size {batch_size}")
@@ -99,6 +104,7 @@ class BatchPlanner:
         self.pad_id = pad_id
         self.group_factor = group_factor
         self.pin_memory = pin_memory  # batches go to a GPU: pin them so their copies are asynchronous
+        self.share = share if share is not None else range(batches_per_step)  # this node's batches of a step
         self.batches_per_epoch = len(samples) // batch_size  # the last partial batch is dropped
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self._planned: OrderedDict[int, list[HostBatch]] = OrderedDict()
@@ -128,8 +134,8 @@ class BatchPlanner:
         return next(b for b in self.buckets if b >= length)
 
     def step_batches(self, step: int) -> list[HostBatch]:
-        """The step's micro-batches; callers from several threads get the same objects (each
-        target worker then uses only its own indices)."""
+        """This node's micro-batches of the step; callers from several threads get the same
+        objects (each target worker then uses only its own indices)."""
         with self._lock:
             if step not in self._planned:
                 self._planned[step] = self._plan_step(step)
@@ -144,7 +150,10 @@ class BatchPlanner:
                 total = sum(b.normalizers[key] for b in batches)
                 for b in batches:
                     b.normalizers[key] = total
-        return [b.pin() for b in batches] if self.pin_memory else batches
+        mine = batches[self.share.start : self.share.stop]
+        for b in mine:
+            b.index -= self.share.start
+        return [b.pin() for b in mine] if self.pin_memory else mine
 
     def _make_batch(self, step: int, index: int) -> HostBatch:
         stream_position = step * self.batches_per_step + index
@@ -173,3 +182,33 @@ class BatchPlanner:
             batch.normalizers[key] = objective.normalizer(label_valid)
             batch.scored_rows[key] = int(label_valid.sum())
         return batch
+
+
+def stream_identity(samples: Sequence[Sample], *, seed: int, batch_size: int, batches_per_step: int,
+                    max_seq_len: int) -> dict:
+    """What decides the batches of every step: checkpoints record it, and a resume on any number
+    of nodes or GPUs continues the same run only if it is unchanged. `batches_per_step` counts
+    every micro-batch of a step (nodes × replicas × grad_accum)."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        ids, mask = sample.input_ids, sample.loss_mask
+        ids = (ids if ids.dtype == torch.int64 else ids.to(torch.int64)).contiguous().numpy()
+        mask = (mask if mask.dtype == torch.bool else mask.to(torch.bool)).contiguous().numpy()
+        digest.update(f"{sample.sample_id}:{len(ids)}:{zlib.crc32(ids)}:{zlib.crc32(mask)};".encode())
+    return {
+        "seed": seed, "batch_size": batch_size, "micro_batches_per_step": batches_per_step, "max_seq_len": max_seq_len,
+        "samples": len(samples), "samples_sha256": digest.hexdigest()[:16],
+    }
+
+
+STREAM_FIELDS = {
+    "seed": "--seed", "batch_size": "--batch-size",
+    "micro_batches_per_step": "micro-batches per step (nodes × drafter replicas × --grad-accum)",
+    "max_seq_len": "--max-seq-len", "samples": "training rows", "samples_sha256": "training data (digest of the rows)",
+}
+
+
+def stream_differences(saved: dict, current: dict) -> list[str]:
+    """Human-readable differences between a checkpoint's stream and this run's."""
+    return [f"{STREAM_FIELDS.get(key, key)}: {saved.get(key)} in the checkpoint, {current.get(key)} now"
+            for key in STREAM_FIELDS if saved.get(key) != current.get(key)]

@@ -1,6 +1,7 @@
 """The build steps of a training run, in the order `train()` calls them.
 
-    layout          which devices run target workers and drafter workers
+    layout          which devices run target workers and drafter workers (per process; see
+                    distributed.place_devices for several processes on one host)
     drafter plans   one plan per drafter to train (replicas: one; variants: one per entry)
     feature supply  the target(s) and where features come from (live target or feature cache)
     samples         the training rows
@@ -32,7 +33,8 @@ from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, load_target, resolve_device, resolve_mask_token_id
-from .batches import BatchPlanner, HostBatch, auto_buckets
+from .batches import BatchPlanner, HostBatch, auto_buckets, stream_differences
+from .distributed import Launch, NodeGroup, NodeStep, place_devices
 from .runtime import StopSignal
 from .workers import (
     BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
@@ -54,11 +56,12 @@ class Layout:
         return any(d.type == "cuda" for d in [*self.target_devices, *self.drafter_devices])
 
 
-def resolve_layout(config: TrainConfig) -> Layout:
-    layout = Layout(
+def resolve_layout(config: TrainConfig, launch: Launch | None = None) -> Layout:
+    targets, drafters = place_devices([
         [resolve_device(d) for d in (config.target_devices or [config.device])],
         [resolve_device(d) for d in (config.drafter_devices or [config.device])],
-    )
+    ], launch)
+    layout = Layout(targets, drafters)
     on_cpu = [str(d) for d in layout.drafter_devices if d.type != "cuda"]
     if config.attention == "flex" and on_cpu:
         raise ConfigError(f"--attention flex: flex attention has no backward pass on {', '.join(on_cpu)} (it trains "
@@ -301,9 +304,10 @@ class ResumePoint:
     checkpoints: dict[str, Path] = field(default_factory=dict)  # per plan name
 
 
-def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO) -> ResumePoint:
-    """The step to continue from. A checkpoint fixes its drafter's shape and its optimizer's
-    settings: a resume that changes either is refused (never silently ignored)."""
+def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO, stream: dict | None = None) -> ResumePoint:
+    """The step to continue from. A checkpoint fixes its drafter's shape, its optimizer's
+    settings and its data stream (`stream_identity`: step s must train the same batches): a
+    resume that changes any of them is refused (never silently ignored)."""
     if not config.resume:
         return ResumePoint()
     # The newest checkpoint that loads and verifies; a damaged newer one is skipped with one line.
@@ -317,6 +321,15 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
         raise ConfigError(f"cannot resume: drafters have checkpoints at different steps {steps}")
     for plan in plans:
         check_resumable(plan, found[plan.name], states[plan.name])
+    for name, state in states.items():
+        if stream is None:
+            continue
+        if state.get("stream") is None:
+            print(f"--resume: {found[name]} records no data stream (an older checkpoint): seed, batch and data "
+                  "are not checked", file=log)
+        elif differences := stream_differences(state["stream"], stream):
+            raise ConfigError(f"cannot resume {found[name]}: this run would train other batches at each step "
+                              f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
     start = next(iter(steps.values()))
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
     return ResumePoint(start, found)
@@ -423,7 +436,7 @@ def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
 
 def build_replicas(
     plan: DrafterPlan, config: TrainConfig, resume: ResumePoint, frozen: FrozenPartsByDevice,
-    backends: dict[torch.device, str],
+    backends: dict[torch.device, str], nodes: NodeGroup | None = None,
 ) -> list[Replica]:
     """The drafter's weights (fresh or from its checkpoint) on each of its devices, with an
     optimizer and LR schedule each (restored on resume)."""
@@ -432,6 +445,8 @@ def build_replicas(
         base = load_drafter(checkpoint)  # its config was checked against the plan by `check_resumable`
     else:
         base = init_drafter(plan.drafter_config, plan.config.seed)
+    if nodes is not None:
+        nodes.share_weights(base)
     replicas = []
     for rank, device in enumerate(plan.devices):
         model = copy.deepcopy(base).to(device)
@@ -493,16 +508,24 @@ class Pipeline:
         return next(w for w in self.drafter_workers if w.replica.name == plan.name and w.replica.rank == 0)
 
 
+def step_share(config: TrainConfig, plans: list[DrafterPlan], nodes: NodeGroup) -> tuple[int, range]:
+    """Micro-batches per step over every node (nodes × replicas × grad_accum), and the
+    contiguous range of them this node trains."""
+    local = (len(plans[0].devices) if config.mode == "replicas" else 1) * config.grad_accum
+    return local * nodes.world_size, range(nodes.rank * local, (nodes.rank + 1) * local)
+
+
 def build_pipeline(
     config: TrainConfig, layout: Layout, plans: list[DrafterPlan], supply: FeatureSupply,
     sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, compiles: bool, evaluation: EvaluationSchedule | None,
-    step_hook: StepHook | None, save_checkpoints: bool,
+    step_hook: StepHook | None, save_checkpoints: bool, nodes: NodeGroup | None = None, stream: dict | None = None,
 ) -> Pipeline:
+    nodes = nodes or NodeGroup()
     stop = StopSignal()
     reports: queue.Queue = queue.Queue()
     grad_accum = config.grad_accum
-    replicas_per_step = len(plans[0].devices) if config.mode == "replicas" else 1
-    batches_per_step = replicas_per_step * grad_accum
+    global_batches, share = step_share(config, plans, nodes)
+    batches_per_step = len(share)
     slots = [(plan, rank) for plan in plans for rank in range(len(plan.devices))]
     router = BatchRouter(len(supply.targets), len(slots), batches_per_step=batches_per_step, grad_accum=grad_accum,
                          every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
@@ -512,30 +535,37 @@ def build_pipeline(
 
     drafter_workers, reducers = [], []
     for plan in plans:
-        write_run_record(plan, config)
-        replicas = build_replicas(plan, config, resume, frozen, backends)
-        reducer = GradientReducer([r.drafter for r in replicas], stop) if len(replicas) > 1 else None
+        if nodes.writes:
+            write_run_record(plan, config)
+        replicas = build_replicas(plan, config, resume, frozen, backends, nodes)
+        checkpointer = Checkpointer(
+            plan.run_dir, config.save_every, config.keep_checkpoints,
+            {"train_config": dataclasses.asdict(plan.config), "layer_union": union, "stream": stream},
+            saved_step=steps.start,
+        ) if save_checkpoints and nodes.writes else None
+        across = NodeStep(
+            nodes, drafter=plan.name, start=steps.start, end=steps.end, local_replicas=len(replicas),
+            block_size=plan.drafter_config.block_size, stop=stop, reports=reports,
+            busy_after=rank0_busy_after(checkpointer, evaluation, steps.end),
+        ) if nodes.distributed else None
+        reducer = GradientReducer([r.drafter for r in replicas], stop, across) if len(replicas) > 1 or across else None
         if reducer is not None:
             reducers.append(reducer)
         for replica in replicas:
             slot = slots.index((plan, replica.rank))
             thread_name = f"drafter-{slot}" + (f"[{plan.name}]" if config.mode == "variants" else "")
             rank0 = replica.rank == 0
-            checkpointer = Checkpointer(
-                plan.run_dir, config.save_every, config.keep_checkpoints,
-                {"train_config": dataclasses.asdict(plan.config), "layer_union": union}, saved_step=steps.start,
-            ) if rank0 and save_checkpoints else None
             indices = list(range(replica.rank * grad_accum, (replica.rank + 1) * grad_accum))
             drafter_workers.append(DrafterWorker(DrafterSetup(
                 thread_name=thread_name, replica=replica, inbox=router.inbox(slot, indices, stop), steps=steps,
-                stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer,
-                evaluation=evaluation if rank0 else None,
+                stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer if rank0 else None,
+                evaluation=evaluation if rank0 and nodes.writes else None,
                 compile_watch=CompileWatch(thread_name, config.fail_on_recompile) if compiles else None,
                 hook=step_hook,
             )))
 
     planner = BatchPlanner(
-        samples, batch_size=config.batch_size, batches_per_step=batches_per_step, buckets=shape_buckets(config),
+        samples, batch_size=config.batch_size, batches_per_step=global_batches, share=share, buckets=shape_buckets(config),
         seed=config.seed, objectives={plan.name: plan.objective for plan in plans},
         pad_id=(supply.first.tokenizer.pad_token_id or 0) if supply.first.tokenizer is not None else 0,
         pin_memory=layout.uses_cuda,
@@ -545,6 +575,16 @@ def build_pipeline(
         for t, source in enumerate(sources)
     ]
     return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets)
+
+
+def rank0_busy_after(checkpointer: Checkpointer | None, evaluation: EvaluationSchedule | None, end: int):
+    """Whether rank 0 has work of its own after a step (a periodic checkpoint, an in-training
+    eval): it says so in that step's vote, and the other nodes wait for it without a time limit."""
+    def busy(step: int) -> bool:
+        return bool((checkpointer is not None and checkpointer.due(step + 1, end))
+                    or (evaluation is not None and evaluation.due(step)))
+
+    return busy
 
 
 def cpu_threads_per_worker(pipeline: Pipeline) -> int | None:

@@ -10,6 +10,10 @@
 
 If the coordinator itself fails (a sink cannot write, a bug), it stops the workers and waits for
 them before the error leaves `run`: nothing trains or writes after `train()` has failed.
+
+On several nodes every node runs a coordinator; a step is complete once the node totals of the
+step (`NodeTotals`, from the vote) have arrived too, and only rank 0 prints steps, writes the
+summary and exports; every rank waits for the others before it leaves.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from ..files import write_json_atomic
 from ..progress import Progress
 from ..target import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
+from .distributed import NodeGroup
 from .reporting import (
     RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
     summary_text, worker_stats,
 )
 from .runtime import StopSignal
-from .workers import StepRange, wait_for_workers
+from .workers import StepRange, StepReport, wait_for_workers
 
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
 
@@ -126,7 +131,7 @@ class HealthWatch:
 
 class Coordinator:
     def __init__(self, config: TrainConfig, plans: list[DrafterPlan], pipeline: Pipeline, steps: StepRange,
-                 sinks: list[Sink], log: TextIO):
+                 sinks: list[Sink], log: TextIO, nodes: NodeGroup | None = None):
         self.config = config
         self.plans = plans
         self.pipeline = pipeline
@@ -134,13 +139,15 @@ class Coordinator:
         self.sinks = sinks
         self.log = log
         self.stop = pipeline.stop
+        self.nodes = nodes or NodeGroup()
         self.stats = {plan.name: RunningStats() for plan in plans}
-        self.assembler = StepAssembler({plan.name: len(plan.devices) for plan in plans})
+        node_totals = 1 if self.nodes.distributed else 0  # one NodeTotals per step besides the replicas' reports
+        self.assembler = StepAssembler({plan.name: len(plan.devices) + node_totals for plan in plans})
         self.progress = Progress(len(steps), "train", stream=log if log is not sys.stdout else sys.stderr)
         self.queue_depth_sum = 0.0
         self.queue_samples = 0
         self.started = time.monotonic()
-        self.interrupts = InterruptHandler(self.stop)
+        self.interrupts = InterruptHandler(self.nodes.interrupts(self.stop))
         self.health = HealthWatch(config.stop_after_bad_steps, [plan.name for plan in plans])
         self.failure: str | None = None  # why the health watch stopped the run
 
@@ -169,7 +176,8 @@ class Coordinator:
                 sink.close()
         self.stop.stop("finished")
         hung = wait_for_workers(self.pipeline.workers, self.stop, timeout=JOIN_SECONDS)
-        self.progress.close()
+        if self.nodes.writes:
+            self.progress.close()
         if hung:
             raise RuntimeError(f"workers did not stop within {JOIN_SECONDS:.0f} s after the pipeline stopped: "
                                f"{', '.join(hung)}")
@@ -182,6 +190,8 @@ class Coordinator:
         while True:
             alive = any(w.is_alive() for w in drafters)
             try:
+                # Once every drafter has exited, what they queued last (the final NodeTotals of a
+                # multi-node run come from the last vote) is still read, without waiting.
                 report = self.pipeline.reports.get(timeout=0.2) if alive else self.pipeline.reports.get_nowait()
             except queue.Empty:
                 if not alive:
@@ -202,7 +212,9 @@ class Coordinator:
         many = len(self.plans) > 1
         record = step_record(reports, time.monotonic() - self.started)
         self.stats[name].add(record)
-        measured = next((r.evaluation for r in reports if r.evaluation), None)
+        if not self.nodes.writes:
+            return
+        measured = next((r.evaluation for r in reports if isinstance(r, StepReport) and r.evaluation), None)
         if measured:
             self.progress.print(eval_line(record, measured, name if many else None))
         for sink in self.sinks:
@@ -251,6 +263,7 @@ class Coordinator:
             "workers": worker_stats(pipeline.workers),
             "mean_queue_depth": round(self.mean_queue_depth(), 2),
             "gradient_sync_s": round(sum(r.seconds for r in pipeline.reducers), 2),
+            **self.nodes_summary(),
             "recompiles": recompile_snapshot(),
         }
         for plan in self.plans:
@@ -271,7 +284,7 @@ class Coordinator:
                 entry["tau_real"] = {"step": measured[-1]["step"], "tau": measured[-1]["tau_real"],
                                      "tau_pooled": measured[-1]["tau_real_pooled"]}
             finished = error is None and self.failure is None and rank0.completed_step >= self.config.steps
-            if finished and self.config.export_dtype:
+            if finished and self.config.export_dtype and self.nodes.writes:
                 bad = non_finite_parameters(rank0.replica.drafter)
                 if bad:
                     self._watch_health(f"{plan.name}: weights are not finite after step {rank0.completed_step} "
@@ -281,8 +294,10 @@ class Coordinator:
             summary["drafters"][plan.name] = entry
         if self.failure is not None:
             summary["stop_reason"] = f"failed: {self.failure}"
-        write_json_atomic(Path(self.config.out) / "summary.json", summary, indent=2)
+        if self.nodes.writes:
+            write_json_atomic(Path(self.config.out) / "summary.json", summary, indent=2)
         print(summary_text(summary, self.config.steps), file=self.log)
+        self.nodes.finish()
         if error is not None:
             raise error
         if self.failure is not None:
@@ -290,6 +305,15 @@ class Coordinator:
                              if self.pipeline.rank0(p).last_checkpoint)
             raise RunFailed(f"{self.failure}; kept: {kept or 'no checkpoint'}")
         return summary
+
+    def nodes_summary(self) -> dict:
+        if not self.nodes.distributed:
+            return {}
+        across = [r.across for r in self.pipeline.reducers if r.across is not None]
+        seconds = sum(a.seconds for a in across)
+        count = sum(a.timer.count for a in across)
+        return {"nodes": self.nodes.world_size, "rank": self.nodes.rank, "cross_node_all_reduce_s": round(seconds, 3),
+                "cross_node_all_reduce_ms_per_step": round(1000 * seconds / count, 3) if count else None}
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
         return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.export_dtype, "cpu"),

@@ -1,8 +1,9 @@
 """What a run reports: one record per completed step, the sinks records go to, the lines a
 person reads (step line, pipeline note) and the end-of-run summary.
 
-A step is complete when every replica of its drafter has reported it (`StepAssembler`); its
-record (`step_record`) is the one thing every sink receives. Sinks share a three-method
+A step is complete when every replica of its drafter has reported it (`StepAssembler`), and on
+several nodes the step's `NodeTotals` (every node's sums, from the vote) have arrived; its record
+(`step_record`) is the one thing every sink receives. Sinks share a three-method
 interface, so another sink (TensorBoard, a database) is one class and one line in
 `open_sinks`.
 """
@@ -17,6 +18,7 @@ from typing import Protocol, TextIO
 from ..files import write_text_atomic
 from ..objective import summarize_metrics
 from ..progress import format_seconds
+from .distributed import NodeTotals
 from .tensorboard import TensorBoardSink, tensorboard_enabled
 from .workers import DrafterWorker, StepReport
 
@@ -103,7 +105,7 @@ class StepAssembler:
         self.expected = replicas_per_drafter
         self._pending: dict[tuple[str, int], list[StepReport]] = {}
 
-    def add(self, report: StepReport) -> list[StepReport] | None:
+    def add(self, report: StepReport | NodeTotals) -> list | None:
         key = (report.drafter, report.step)
         reports = self._pending.setdefault(key, [])
         reports.append(report)
@@ -112,13 +114,20 @@ class StepAssembler:
         return self._pending.pop(key)
 
 
-def step_record(reports: list[StepReport], elapsed: float) -> dict:
-    """One completed step of one drafter, summed over its replicas: what every sink receives."""
-    sums = {k: sum(r.result.metric_sums[k] for r in reports) for k in reports[0].result.metric_sums}
+def step_record(reports: list, elapsed: float) -> dict:
+    """One completed step of one drafter, summed over its replicas (over every node's, when the
+    step's NodeTotals are among the reports): what every sink receives. Timings are this node's."""
+    totals = next((r for r in reports if isinstance(r, NodeTotals)), None)
+    reports = [r for r in reports if not isinstance(r, NodeTotals)]
+    if totals is not None:
+        sums, loss = totals.metric_sums, totals.loss
+    else:
+        sums = {k: sum(r.result.metric_sums[k] for r in reports) for k in reports[0].result.metric_sums}
+        loss = sum(r.result.loss for r in reports)
     metrics = summarize_metrics(sums)
     record = {
         "step": reports[0].step + 1,
-        "loss": sum(r.result.loss for r in reports),
+        "loss": loss,
         "accuracy": metrics["accuracy"],
         "tau_sim": metrics["tau_sim"],
         "position_accuracy": metrics["position_accuracy"],
@@ -128,8 +137,8 @@ def step_record(reports: list[StepReport], elapsed: float) -> dict:
         "step_s": round(max(r.seconds + r.waited for r in reports), 4),
         "compute_s": round(max(r.seconds for r in reports), 4),
         "wait_s": round(max(r.waited for r in reports), 4),
-        "samples": sum(r.samples for r in reports),
-        "tokens": sum(r.tokens for r in reports),
+        "samples": totals.samples if totals is not None else sum(r.samples for r in reports),
+        "tokens": totals.tokens if totals is not None else sum(r.tokens for r in reports),
         "elapsed_s": round(elapsed, 2),
     }
     measured = next((r.evaluation for r in reports if r.evaluation), None)

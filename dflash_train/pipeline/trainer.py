@@ -10,21 +10,28 @@ Modes:
             after every backward, so every replica holds identical weights after every step.
   variants  several independent drafters (each with its own block size, depth, loss, ...)
             trained from one target stream, each in its own run folder.
+
+Under torchrun (one process per node) the same pipeline runs in every node's process and the
+nodes are joined by a `NodeGroup` (pipeline/distributed.py): a step's batches are split over
+the nodes, gradients are all-reduced across them, every stop is agreed, and rank 0 writes.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
 from ..target import Target
+from .batches import stream_identity
 from .build import (
     build_evaluation, build_pipeline, check_batch_size, describe_drafters, find_resume_point, layer_union,
     load_feature_supply, load_samples, plan_drafters, prepare_compile_safety, prepare_run_folder, resolve_layout,
-    step_range,
+    step_range, step_share,
 )
 from .coordinator import Coordinator
+from .distributed import NodeGroup, check_launch, detect_launch, gradient_backend
 from .reporting import Sink, open_sinks
 from .tensorboard import tensorboard_enabled
 from .workers import StepHook
@@ -54,34 +61,51 @@ def train(
     config.validate()
     if not config.out:
         raise ConfigError("no run folder: pass --out RUN_DIR")
-
-    layout = resolve_layout(config)
-    plans = plan_drafters(config, layout)
+    out = Path(config.out)
+    launch = detect_launch()
+    check_launch(config.mode, launch)
+    layout = resolve_layout(config, launch)
     tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
-    out = prepare_run_folder(config, plans)
-    supply = load_feature_supply(config, layout, target, log)
-    if samples is None:
-        samples = load_samples(config, supply, log)
-    check_batch_size(config, samples)
-    describe_drafters(plans, config, supply.first, log)
-    sources = supply.sources(layout, layer_union(plans), log)
-    resume = find_resume_point(config, plans, log)
-    steps = step_range(config, resume, stop_at, log)
-    compiles = prepare_compile_safety(config, layout, plans, log)
-    evaluation = build_evaluation(config, supply, steps, log)
-    pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
-                              evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints)
-    print(layout_line(config, plans, pipeline, steps.start), file=log)
+    with NodeGroup(launch, backend=gradient_backend(config.dist_backend, layout.drafter_devices),
+                   timeout=config.dist_timeout) as nodes:
+        if nodes.distributed:
+            print(f"nodes: {nodes.describe()}", file=log)
+        plans = plan_drafters(config, layout)
+        if nodes.writes:  # rank 0 owns the run folder (the others write nothing)
+            prepare_run_folder(config, plans)
+        supply = load_feature_supply(config, layout, target, log)
+        if samples is None:
+            samples = load_samples(config, supply, log)
+        check_batch_size(config, samples)
+        describe_drafters(plans, config, supply.first, log)
+        sources = supply.sources(layout, layer_union(plans), log)
+        stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,
+                                 batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.max_seq_len)
+        resume = find_resume_point(config, plans, log, stream)
+        nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
+                     "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
+                    "what to train")
+        steps = step_range(config, resume, stop_at, log)
+        compiles = prepare_compile_safety(config, layout, plans, log)
+        evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
+        pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
+                                  evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
+                                  nodes=nodes, stream=stream)
+        print(layout_line(config, plans, pipeline, steps.start, nodes), file=log)
 
-    run_dirs = {plan.name: plan.run_dir for plan in plans}
-    all_sinks = [*open_sinks(out, run_dirs, resumed_at=steps.start if config.resume else None,
-                             tensorboard=config.tensorboard), *sinks]
-    if len(all_sinks) > 1 + len(sinks):
-        print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}", file=log)
-    return Coordinator(config, plans, pipeline, steps, all_sinks, log).run()
+        all_sinks: list[Sink] = []
+        if nodes.writes:
+            run_dirs = {plan.name: plan.run_dir for plan in plans}
+            all_sinks = [*open_sinks(out, run_dirs, resumed_at=steps.start if config.resume else None,
+                                     tensorboard=config.tensorboard), *sinks]
+            if len(all_sinks) > 1 + len(sinks):
+                print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}",
+                      file=log)
+        nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
+        return Coordinator(config, plans, pipeline, steps, all_sinks, log, nodes=nodes).run()
 
 
-def layout_line(config: TrainConfig, plans, pipeline, start: int) -> str:
+def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
     drafters = "; ".join(
         f"{p.name}: {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
         f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
@@ -89,8 +113,12 @@ def layout_line(config: TrainConfig, plans, pipeline, start: int) -> str:
         for p in plans
     )
     planner = pipeline.planner
+    across = ""
+    if nodes is not None and nodes.distributed:
+        across = (f"; {nodes.world_size} nodes x {len(planner.share)} micro-batches = {planner.batches_per_step} per "
+                  f"step, this node trains {planner.share.start}..{planner.share.stop - 1}")
     return (
         f"pipeline: {config.mode}; target on {', '.join(str(t.device) for t in pipeline.targets)}; {drafters}\n"
         f"data: {len(planner.samples)} samples, {planner.batches_per_epoch} batches/epoch of {config.batch_size}, "
-        f"buckets {planner.buckets}; steps {start}->{config.steps}"
+        f"buckets {planner.buckets}; steps {start}->{config.steps}{across}"
     )

@@ -31,6 +31,7 @@ from ..objective import ObjectiveConfig
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, training_step
 from .batches import BatchPlanner, HostBatch
 from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
+from .distributed import FlatGradients, NodeStep
 from .runtime import POLL_SECONDS, PipelineStopped, StopBarrier, StopSignal, Worker, get, put
 
 
@@ -202,52 +203,84 @@ def move_features(item: FeatureBatch, device: torch.device, streams: dict) -> to
 
 
 class GradientReducer:
-    """Sums gradients across replicas in-process after every backward.
+    """Sums gradients across this node's replicas after every backward, and across nodes.
 
-    All replicas meet at a barrier; replica 0 sums the flattened gradients (NCCL all-reduce
-    when every replica has its own GPU, else copy-add-broadcast) and all meet again. Aborted
-    when the pipeline stops, so no replica waits forever for a dead peer.
+    All replicas meet at a barrier; replica 0 copies every replica's gradients into its persistent
+    flat buffers and sums them into its own (NCCL when every replica has its own GPU, else
+    copy-add); on several nodes it then votes and all-reduces that sum across nodes (`NodeStep`);
+    it hands the total back to every replica, and all meet again. The first barrier is aborted
+    when the pipeline stops, so no replica waits forever for a dead peer; the second only when
+    replica 0 fails: once it is passed, every replica finishes the step.
     """
 
-    def __init__(self, replicas: list[torch.nn.Module], stop: StopSignal):
+    def __init__(self, replicas: list[torch.nn.Module], stop: StopSignal, across: NodeStep | None = None):
         self.params = [[p for p in model.parameters() if p.requires_grad] for model in replicas]
-        self.barrier = StopBarrier(len(replicas))
+        self.flats = [FlatGradients(params) for params in self.params]
+        # StopBarrier: a stop never reaches a replica its generation already released.
+        self.gather = StopBarrier(len(replicas))
+        self.release = StopBarrier(len(replicas))
         devices = [ps[0].device for ps in self.params]
         self.use_nccl = (
-            all(d.type == "cuda" for d in devices)
+            len(devices) > 1
+            and all(d.type == "cuda" for d in devices)
             and len(set(devices)) == len(devices)
             and hasattr(torch.cuda, "nccl")
             and torch.cuda.nccl.is_available([torch.empty(1, device=d) for d in devices])
         )
-        stop.on_stop(self.barrier.abort)
+        stop.on_stop(self.gather.abort)
         self.stop = stop
+        self.across = across
         self.seconds = 0.0
 
     def sync(self, rank: int) -> None:
-        self.barrier.wait()
+        self.gather.wait()
         if rank == 0:
-            started = time.perf_counter()
-            self._reduce()
-            self.seconds += time.perf_counter() - started
-        self.barrier.wait()
+            try:
+                if self.across is not None:
+                    self.across.continue_or_stop()
+                started = time.perf_counter()
+                self._reduce()
+                self.seconds += time.perf_counter() - started
+            except BaseException:
+                self.release.abort()
+                raise
+        self.release.wait()
+
+    def record(self, step: int, result: StepResult, samples: int, tokens: int) -> None:
+        """A replica's step result, for the node totals the next vote carries."""
+        if self.across is not None:
+            self.across.record(step, result.loss, result.metric_sums, samples, tokens)
+
+    def leave(self, rank: int, completed_step: int, failure: str | None = None) -> None:
+        """Replica 0 is exiting (`failure`: why, if its own thread failed): the other nodes learn
+        it in the vote they wait for next."""
+        if rank == 0 and self.across is not None:
+            self.across.leave(completed_step, failure)
 
     @torch.no_grad()
     def _reduce(self) -> None:
-        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
-        flats = [torch._utils._flatten_dense_tensors(g) for g in grads]
-        if self.use_nccl:
-            torch.cuda.nccl.all_reduce(flats)
-        else:
-            total = flats[0].clone()
-            for flat in flats[1:]:
-                total += flat.to(total.device)
-            for flat in flats:
-                flat.copy_(total)
-        for params, grad_list, flat in zip(self.params, grads, flats):
-            for param, grad, reduced in zip(params, grad_list, torch._utils._unflatten_dense_tensors(flat, grad_list)):
-                if param.grad is None:
-                    param.grad = grad
-                param.grad.copy_(reduced)
+        for flat in self.flats:
+            flat.load()
+        for group in range(len(self.flats[0].buffers)):
+            buffers = [flat.buffers[group] for flat in self.flats]
+            total = buffers[0]
+            if self.use_nccl and self.across is None:
+                torch.cuda.nccl.all_reduce(buffers)
+                continue
+            if self.use_nccl:
+                torch.cuda.nccl.reduce(buffers, root=0)
+            else:
+                for buffer in buffers[1:]:
+                    total += buffer.to(total.device)
+            if self.across is not None:
+                self.across.all_reduce(total)
+            if self.use_nccl:
+                torch.cuda.nccl.broadcast(buffers, root=0)
+            else:
+                for buffer in buffers[1:]:
+                    buffer.copy_(total)
+        for flat in self.flats:
+            flat.store()
 
 
 @dataclass
@@ -325,8 +358,11 @@ class EvaluationSchedule:
         self.end_step = end_step
         self._lock = threading.Lock()
 
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0 or step + 1 == self.end_step
+
     def after_step(self, step: int, drafter: torch.nn.Module) -> dict | None:
-        if (step + 1) % self.every and step + 1 != self.end_step:
+        if not self.due(step):
             return None
         with self._lock:
             return self.evaluator.measure(drafter)
@@ -448,6 +484,8 @@ class DrafterWorker(Worker):
                 self.times.waiting += waited
                 self.times.items += 1
                 self.completed_step = step + 1
+                if setup.reducer is not None:
+                    setup.reducer.record(step, result, samples, tokens)
                 evaluation = setup.evaluation.after_step(step, replica.drafter) if setup.evaluation is not None else None
                 setup.reports.put(StepReport(replica.name, replica.rank, step, result, samples, tokens, seconds, waited,
                                              evaluation))
@@ -457,6 +495,12 @@ class DrafterWorker(Worker):
                     setup.checkpointer.save(self.completed_step, replica)
         except PipelineStopped:
             pass
+        except BaseException as error:
+            if setup.reducer is not None:
+                setup.reducer.leave(replica.rank, self.completed_step, f"{self.name} failed: {type(error).__name__}: {error}")
+            raise
+        if setup.reducer is not None:
+            setup.reducer.leave(replica.rank, self.completed_step)
         # Whether finished, interrupted or stopped by another worker's failure, this
         # drafter's weights are those of its last completed step: save them.
         if setup.checkpointer is not None:
