@@ -37,14 +37,14 @@ def test_static_target_gives_the_hugging_face_logits_and_hidden_states(family):
         expected_states = torch.cat([reference.hidden_states[k + 1] for k in range(layers)], dim=-1)
         static = StaticTarget(target, 32, list(range(layers)))
         # A rejected block first: its keys land at positions 11..15 and must stay invisible.
-        static.forward(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor(11))
+        static.single(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor(11))
         position = 0
         for length in (7, 1, 1, 5, 1, 5):  # prefill, single steps, verify blocks
-            logits, states = static.forward(ids[:, position : position + length], torch.tensor(position))
+            logits, states = static.single(ids[:, position : position + length], torch.tensor(position))
             torch.testing.assert_close(logits, reference.logits[0, position : position + length], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(states, expected_states[:, position : position + length], atol=2e-5, rtol=1e-4)
             position += length
-        last, none = static.forward(ids[:, :3], torch.tensor(0), last_only=True, features=False)
+        last, none = static.single(ids[:, :3], torch.tensor(0), last_only=True, features=False)
         assert none is None and last.shape == (1, target.spec.vocab_size)
 
 

@@ -25,7 +25,10 @@ class RegenerateConfig:
     temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
     seed: int = option(0, "sampling seed (also picks and orders the default prompts)")
-    batch_size: int = option(0, "prompts per batch; 0 = 64 on CUDA, 8 on CPU")
+    batch_size: int = option(0, "prompts decoded at once (the static generator's slots); 0 = 1024 on CUDA (fewer "
+                                "where the caches do not fit; 64 for targets on the eager fallback), 8 on CPU")
+    flush_seconds: float = option(1.0, "write finished rows (fsync'ed) at most this often; a kill loses at most the "
+                                       "rows of the last interval, which a rerun answers again")
     max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
@@ -43,6 +46,8 @@ class RegenerateConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.flush_seconds < 0:
+            raise ConfigError(f"flush_seconds must be >= 0 (0 = after every row), got {self.flush_seconds}")
         if self.limit < 0 or self.max_prompt_tokens < 0:
             raise ConfigError("limit and max_prompt_tokens must be >= 0 (0 = no limit / automatic)")
 
@@ -70,11 +75,26 @@ def run_regenerate(config: RegenerateConfig) -> int:
     else:
         rows = read_prompts(config.prompts, stats)
         prompts = list(itertools.islice(rows, config.limit) if config.limit else rows)
-    target = load_target_for(config.target, device, config.dtype)
-    batch_size = config.batch_size or (64 if target.device.type == "cuda" else 8)
+    engine, tokenizer, max_prompt_tokens, record_extra = _local_engine(config, device, settings)
     report = regenerate(
-        target, prompts, config.out, stats=stats, settings=settings, batch_size=batch_size,
-        max_prompt_tokens=config.max_prompt_tokens or None, target_name=target_name,
+        prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
+        tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, record_extra=record_extra,
+        flush_seconds=config.flush_seconds,
     )
     print(report.summary())
     return 0
+
+
+def _local_engine(config: RegenerateConfig, device, settings):
+    """The target loaded here and its engine (decode/batched.py): (engine, tokenizer for
+    rendering, prompt token cap, what the settings sidecar records besides the settings)."""
+    from ..data.regenerate import prompt_token_limit
+    from ..data.render import stop_token_ids
+    from ..decode.batched import local_engine
+
+    target = load_target_for(config.target, device, config.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{target.path}: no tokenizer next to the model; it is needed to render the prompts")
+    max_prompt_tokens = config.max_prompt_tokens or prompt_token_limit(target.model.config, settings)
+    engine = local_engine(target, settings, batch_size=config.batch_size, max_prompt_tokens=max_prompt_tokens)
+    return engine, target.tokenizer, max_prompt_tokens, {"stop_token_ids": stop_token_ids(target.model, target.tokenizer)}
