@@ -9,6 +9,8 @@ tokens.
 from __future__ import annotations
 
 import io
+import json
+import re
 import threading
 
 import pytest
@@ -73,10 +75,10 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
     attended = []
     step = BatchState.step
 
-    def checked_step(state, span):  # every row still decoding must see its own position
-        live = ~state.finished
-        attended.append(bool((state.positions[live] < span).all()))
-        step(state, span)
+    def checked_step(state, span, rows):  # every row still decoding must see its own position
+        live = ~state.finished[:rows]
+        attended.append(bool((state.positions[:rows][live] < span).all()))
+        step(state, span, rows)
 
     monkeypatch.setattr(BatchState, "step", checked_step)
     target = tiny_target(family, head_scale=8)
@@ -95,8 +97,19 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
     reasons = [g.finish_reason for g in got.values()]
     assert "stop" in reasons and "length" in reasons
     assert engine.state.slots == 3 and engine.state.capacity == 512
-    assert sorted(engine.state.steps) == [ATTENTION_STEP, 2 * ATTENTION_STEP]  # the long row needed the second span
+    assert sorted(span for _, span in engine.state.steps) == [ATTENTION_STEP, 2 * ATTENTION_STEP]  # the long row needed the second
     assert attended and all(attended)
+
+
+def test_the_last_rows_move_together_into_fewer_slots():
+    target = tiny_target("qwen3", head_scale=8)
+    prompts = varied_prompts(18, seed=8)  # 16 at once; those admitted late run on alone
+    max_new = 16
+    stop = early_stop_token(target, prompts[:8], max_new)
+    engine = StaticBatchEngine(target, GenerationSettings(max_new_tokens=max_new), [stop], slots=16, overlap=True)
+    got = by_id(engine.generated(make_jobs(prompts)))
+    assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
+    assert {rows for rows, _ in engine.state.steps} == {16, 8}  # the tail ran on a smaller batch
 
 
 def test_a_stop_at_the_first_token_and_one_token_answers():
@@ -223,7 +236,7 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype):
         settings = GenerationSettings(max_new_tokens=max_new, temperature=temperature, top_p=0.9)
         graphed = StaticBatchEngine(target, settings, [stop], slots=16)
         got = by_id(graphed.generated(jobs))
-        assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= 2
+        assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= 3
         eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False).generated(jobs))
         assert got == eager
         if dtype == torch.float32 and temperature == 0:
@@ -257,3 +270,25 @@ def test_graphed_generators_in_worker_threads():
         thread.join(timeout=300)
     assert not problems, problems
     assert results == {0: expected, 1: expected}
+
+
+def test_regenerate_speed_bench_runs_on_cpu(smollm2_dir, tmp_path, capsys):
+    """bench/regenerate_speed.py end to end in its tiny mode: every engine timed on the same rows."""
+    from bench.regenerate_speed import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\nDescribe a cat.\nSay hi.\nName three primes.\nWhy is the sky blue?\n")
+    out = tmp_path / "bench.json"
+    assert main(["--target", str(smollm2_dir), "--dims", "tiny", "--device", "cpu", "--batches", "2,3", "--rows", "5",
+                 "--max-new-tokens", "4", "--prompts", str(prompts), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert results["prompts"]["prompts"] == 5
+    for batch in ("2", "3"):
+        case = results["cases"][batch]
+        assert case["ours"]["rows"] == 5 and case["ours"]["tokens"] == 20 and case["ours"]["slots"] == int(batch)
+        for engine in ("ours", "hf-static", "hf"):
+            assert case[engine]["tokens_per_s"] > 0, case
+        assert case["identical_to_hf_static"]["rows"] > 0
+        line = re.search(rf"^regenerate tiny batch {batch}: ([\d,]+) tok/s \(HF generate ([\d,]+) tok/s\)$", printed, re.M)
+        assert line and float(line.group(1).replace(",", "")) == pytest.approx(case["ours"]["tokens_per_s"], rel=0.01, abs=1)

@@ -47,6 +47,7 @@ ATTENTION_STEP = 256  # attention spans (one captured step each) are multiples o
 DEFAULT_SLOTS = {"cuda": 1024, "cpu": 8}
 EAGER_BATCH = {"cuda": 64, "cpu": 8}
 READ_EVERY = 4  # decode steps between two reads of the finished flags
+MIN_ROWS = 8  # once no prompt waits, the last rows are moved together into this many slots or more
 PREFILL_TOKENS = 16384  # prompt tokens (padding included) per prefill forward
 MEMORY_FRACTION = 0.75  # of the CUDA memory free at start that the caches may take
 
@@ -153,26 +154,37 @@ class BatchState:
         self.generated[:, 0].index_copy_(0, rows, first)
         self.finished.index_copy_(0, rows, done)
 
-    def step(self, span: int) -> None:
-        if span not in self.steps:
-            self.steps[span] = CapturedStep(
-                lambda: self._step(span), self.device, f"batched decode ({self.slots} rows, {span} positions)",
+    def step(self, span: int, rows: int) -> None:
+        """One decode step of slots 0..rows−1 (the others are left as they are)."""
+        key = (rows, span)
+        if key not in self.steps:
+            self.steps[key] = CapturedStep(
+                lambda: self._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
                 restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated),
                 graphs=self.graphs, pool=self.pool,
             )
-        self.steps[span]()
+        self.steps[key]()
 
-    def _step(self, span: int) -> None:
-        logits = self.model.forward(self.tokens[:, None], self.positions, last_only=True, features=False, attend=span,
+    def _step(self, span: int, rows: int) -> None:
+        tokens, positions, emitted = self.tokens[:rows], self.positions[:rows], self.emitted[:rows]
+        finished, generated = self.finished[:rows], self.generated[:rows]
+        logits = self.model.forward(tokens[:, None], positions, last_only=True, features=False, attend=span,
                                     float_logits=False)[0][:, 0]
-        live = ~self.finished
-        chosen = choose_tokens(logits, self.settings.temperature, self.settings.top_p, self.seeds, self.emitted)
-        column = self.emitted.clamp(max=self.max_new - 1)[:, None]
-        self.generated.scatter_(1, column, torch.where(live[:, None], chosen[:, None], self.generated.gather(1, column)))
-        self.emitted.add_(live.long())
-        self.finished.logical_or_(live & (self._is_stop(chosen) | (self.emitted >= self.max_new)))
-        self.tokens.copy_(torch.where(live, chosen, self.tokens))
-        self.positions.add_(live.long())
+        live = ~finished
+        chosen = choose_tokens(logits, self.settings.temperature, self.settings.top_p, self.seeds[:rows], emitted)
+        column = emitted.clamp(max=self.max_new - 1)[:, None]
+        generated.scatter_(1, column, torch.where(live[:, None], chosen[:, None], generated.gather(1, column)))
+        emitted.add_(live.long())
+        finished.logical_or_(live & (self._is_stop(chosen) | (emitted >= self.max_new)))
+        tokens.copy_(torch.where(live, chosen, tokens))
+        positions.add_(live.long())
+
+    def move(self, source: list[int], destination: list[int]) -> None:
+        """Move the rows in slots `source` to the free slots `destination` (caches and state)."""
+        self.model.move_rows(source, destination)
+        src, dst = torch.tensor(source, device=self.device), torch.tensor(destination, device=self.device)
+        for tensor in (self.tokens, self.positions, self.emitted, self.seeds, self.finished, self.generated):
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.stops[None]).any(-1)
@@ -196,8 +208,8 @@ class _Collected:
 class _Slot:
     job: Job
     length: int  # prompt tokens
-    admitted_round: int  # the round whose steps were the first it took part in
-    admitted_step: int  # decode steps run before it
+    since_round: int  # the first round whose steps it took part in from this slot (admitted or moved here)
+    admitted_step: int  # decode steps run before it was admitted
 
 
 class StaticBatchEngine:
@@ -312,6 +324,7 @@ class StaticBatchEngine:
         state = self._state_for(slots, capacity)
         lag = self.overlap
         occupant: list[_Slot | None] = [None] * slots
+        rows = slots  # slots 0..rows−1 take part in the steps
         todo = count
         steps = 0
         round_ = 0
@@ -325,16 +338,19 @@ class StaticBatchEngine:
                 for job in taken:
                     in_flight[id(job)] = job
                 for chunk in self._prefill_chunks(taken):
-                    rows, free = free[: len(chunk)], free[len(chunk):]
-                    state.admit(rows, [job.ids for job in chunk], [job.seed for job in chunk])
-                    for row, job in zip(rows, chunk):
-                        occupant[row] = _Slot(job, len(job.ids), round_, steps)
-            busy = [s for s in range(slots) if occupant[s] is not None]
+                    into, free = free[: len(chunk)], free[len(chunk):]
+                    state.admit(into, [job.ids for job in chunk], [job.seed for job in chunk])
+                    for slot, job in zip(into, chunk):
+                        occupant[slot] = _Slot(job, len(job.ids), round_, steps)
+            busy = [s for s in range(rows) if occupant[s] is not None]
+            if not todo and busy and rows > MIN_ROWS and 4 * len(busy) <= rows:
+                rows = self._compact(state, occupant, busy, round_)  # the tail: step fewer rows
+                busy = [s for s in range(rows) if occupant[s] is not None]
             fresh = None
             if busy:
                 span = self._span(occupant, busy, steps, capacity)
                 for _ in range(self.read_every):
-                    state.step(span)
+                    state.step(span, rows)
                 steps += self.read_every
                 fresh = (round_, state.flags())
             ready, flags = (flags, fresh) if lag else (fresh, None)
@@ -343,12 +359,12 @@ class StaticBatchEngine:
                 collected = []
             if ready is not None:
                 flag_round, copy = ready
-                finished, emitted = copy.result()
-                done = [s for s in range(slots) if occupant[s] is not None and occupant[s].admitted_round <= flag_round
-                        and bool(finished[s])]
+                finished, emitted = copy.result().tolist()  # host lists: no per-element tensor indexing
+                done = [s for s in range(rows) if finished[s] and occupant[s] is not None
+                        and occupant[s].since_round <= flag_round]
                 if done:
                     collected.append(_Collected([occupant[s].job for s in done], state.answers_of(done),
-                                                [int(emitted[s]) for s in done]))
+                                                [emitted[s] for s in done]))
                     for s in done:
                         occupant[s] = None
             if not lag:
@@ -358,12 +374,25 @@ class StaticBatchEngine:
             if not busy and not collected and flags is None and not todo:
                 return
 
+    def _compact(self, state: BatchState, occupant: list[_Slot | None], busy: list[int], round_: int) -> int:
+        """Move the busy rows into the lowest slots and return the new, smaller row count. A moved
+        row's earlier flags (read from its old slot) are ignored; its flags moved with it."""
+        rows = max(MIN_ROWS, 1 << (len(busy) - 1).bit_length())
+        movers = [s for s in busy if s >= rows]
+        targets = [s for s in range(rows) if occupant[s] is None][: len(movers)]
+        if movers:
+            state.move(movers, targets)
+        for source, target in zip(movers, targets):
+            occupant[target], occupant[source] = occupant[source], None
+            occupant[target].since_round = round_
+        return rows
+
     def _answers(self, collected: list[_Collected], in_flight: dict[int, Job]) -> Iterator[tuple[Job, Generated]]:
         for rows in collected:
-            tokens = rows.tokens.result()
+            tokens = rows.tokens.result().tolist()
             for row, (job, count) in enumerate(zip(rows.jobs, rows.counts)):
                 in_flight.pop(id(job), None)
-                yield job, self._generated(tokens[row, :count].tolist())
+                yield job, self._generated(tokens[row][:count])
 
     def _generated(self, tokens: list[int]) -> Generated:
         return Generated(tokens, "stop" if tokens and tokens[-1] in self.stops else "length")

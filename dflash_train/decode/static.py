@@ -160,8 +160,8 @@ class CapturedStep(Generic[Outputs]):
 class StaticTarget:
     """The target's forward over preallocated KV caches: `batch` rows of `capacity` positions.
 
-    `forward(ids [b, q], start)` (b = batch; `start` a scalar or one position per row) writes
-    row r's new keys/values at positions start[r]..start[r]+q−1 of cache row r, attends over
+    `forward(ids [b, q], start)` (the first b ≤ batch cache rows; `start` a scalar or one position
+    per row) writes row r's new keys/values at positions start[r]..start[r]+q−1 of cache row r, attends over
     the first `attend` cache positions (default: all of them) and returns float32 logits
     [b, q, vocab] (the last column only with `last_only`) and, when `layer_ids` were given,
     their hidden states concatenated [b, q, n·hidden] (layer id k = output of decoder layer k,
@@ -194,6 +194,15 @@ class StaticTarget:
         self.key_positions = torch.arange(capacity, device=self.device)
         self.last_layer = len(self.layers) - 1
 
+    def move_rows(self, source: list[int], destination: list[int], chunk: int = 16) -> None:
+        """Copy cache rows `source` to rows `destination` (disjoint sets), a few rows at a time so
+        the copy needs little memory of its own."""
+        for i in range(0, len(source), chunk):
+            src = torch.tensor(source[i:i + chunk], device=self.device)
+            dst = torch.tensor(destination[i:i + chunk], device=self.device)
+            for cache in (self.keys, self.values):
+                cache.index_copy_(1, dst, cache.index_select(1, src))
+
     @staticmethod
     def bytes_per_position(target: Target) -> int:
         """Cache bytes one row needs per position (keys and values of every layer)."""
@@ -211,10 +220,13 @@ class StaticTarget:
         bias = attention_bias(visible, self.groups, self.dtype)
         index = positions[:, None, :, None].expand(-1, self.keys.shape[2], -1, self.head_dim)
 
+        rows = ids.shape[0]  # the first `rows` cache rows
+
         def over_cache(layer: int, query, key, value, scale: float) -> torch.Tensor:
-            self.keys[layer].scatter_(2, index, key)
-            self.values[layer].scatter_(2, index, value)
-            return grouped_attention(query, self.keys[layer][:, :, :span], self.values[layer][:, :, :span], bias, scale)
+            keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+            keys.scatter_(2, index, key)
+            values.scatter_(2, index, value)
+            return grouped_attention(query, keys[:, :, :span], values[:, :, :span], bias, scale)
 
         hidden, states = self._run(ids, positions, over_cache, features)
         logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)
