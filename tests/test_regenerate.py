@@ -1,6 +1,7 @@
 """Regeneration with real models and the real SmolLM2 tokenizer: answers, stop tokens, sampling,
 accounting, and resume after a torn write or a kill -9 in a real subprocess."""
 
+import io
 import json
 import os
 import shutil
@@ -90,7 +91,13 @@ TEXTS = [f"Tell me fact number {i} about {topic}." for i, topic in enumerate(
 def test_smollm2_answers_match_hf_generate_and_stop_at_end_of_turn(smollm2, tmp_path):
     prompts = _prompts(["What is the capital of France?", "Explain recursion in simple words.", "Describe a cat."])
     out = tmp_path / "answers.jsonl"
-    report = run(smollm2, prompts, out, settings=GenerationSettings(max_new_tokens=12), batch_size=2)
+    settings = GenerationSettings(max_new_tokens=12)
+    engine = local_engine(smollm2, settings, batch_size=2, log=_quiet())
+    assert isinstance(engine, StaticBatchEngine)  # 3 prompts through 2 slots: one is admitted when a row finishes
+    log = io.StringIO()
+    report = run(smollm2, prompts, out, settings=settings, engine=engine, log=log)
+    assert log.getvalue().splitlines()[0] == "engine: static batched generator, 2 slots, continuous batching, no CUDA graphs, " \
+                                            "finished rows read every 4 steps"
     rows = {row["id"]: row for row in _rows(out)}
     assert sorted(rows) == ["p0", "p1", "p2"] and report.new == 3 and report.stats.skipped == 0
     paris = rows["p0"]
@@ -154,6 +161,27 @@ def test_sampling_is_seeded_per_row(tiny):
     other_seed = generate_batch(tiny.model, prompts, max_new_tokens=8, stop_ids=[2], pad_id=2, settings=settings,
                                 seeds=[s + 1 for s in seeds])
     assert together != greedy and together != other_seed
+
+
+def test_targets_the_static_generator_cannot_run_are_answered_by_hugging_face_eagerly(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tiny_hf_model("gemma3_text", vocab=49152, hidden=32, layers=2)  # a 16-token sliding window
+    target = Target(model, AutoTokenizer.from_pretrained(smollm2_dir), "tiny-gemma")
+    settings = GenerationSettings(max_new_tokens=5)
+    engine = local_engine(target, settings, batch_size=2, max_prompt_tokens=100, log=_quiet())
+    assert isinstance(engine, EagerBatchEngine)
+    assert engine.description == ("engine: Hugging Face eager batches of 2 (the static generator cannot run this target: "
+                                  "its 16-token sliding window is shorter than the 512-position cache)")
+    prompts = _prompts(TEXTS[:3])
+    log = io.StringIO()
+    report = run(target, prompts, tmp_path / "out.jsonl", settings=settings, engine=engine, log=log)
+    assert log.getvalue().splitlines()[0] == engine.description and report.new == 3
+    for row in _rows(tmp_path / "out.jsonl"):
+        ids = render_prompt(target.tokenizer, row["messages"][:-1])
+        expected = generate_batch(model, [ids], max_new_tokens=5, stop_ids=[2], pad_id=2)[0]
+        assert row["completion_tokens"] == len(expected.tokens)
+        assert row["messages"][-1]["content"] == target.tokenizer.decode(expected.answer_tokens(), skip_special_tokens=False)
 
 
 def test_accounting_of_bad_duplicate_long_and_failing_rows(smollm2_dir, tmp_path):

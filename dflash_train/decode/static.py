@@ -244,7 +244,10 @@ class StaticTarget:
         def own_prompt(layer: int, query, key, value, scale: float) -> torch.Tensor:
             self.keys[layer][:, :, :width].index_copy_(0, rows, key)
             self.values[layer][:, :, :width].index_copy_(0, rows, value)
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+            # Keys repeated per query head (Hugging Face's repeat_kv): a plain causal call, which
+            # every SDPA backend (flash included) takes.
+            key, value = key.repeat_interleave(self.groups, dim=1), value.repeat_interleave(self.groups, dim=1)
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
             return out.transpose(1, 2).reshape(count, width, -1)
 
         hidden, _ = self._run(ids, positions, own_prompt, False)
