@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=0, help="rows per case (0 = 3 x batch)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
-    parser.add_argument("--budget-s", type=float, default=45.0, help="timed seconds per case (after its warm-up)")
+    parser.add_argument("--budget-s", type=float, default=30.0, help="timed seconds per case (after its warm-up)")
     parser.add_argument("--read-every", type=int, default=4, help="ours: decode steps between reads of the finished flags")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
