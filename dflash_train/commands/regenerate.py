@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 from ..config import THINKING, ConfigError, option
 from ._common import check_target_flags, load_target_for
@@ -75,6 +76,7 @@ def run_regenerate(config: RegenerateConfig) -> int:
     else:
         rows = read_prompts(config.prompts, stats)
         prompts = list(itertools.islice(rows, config.limit) if config.limit else rows)
+    # The engine step: where an --endpoint engine (data/endpoint.py) gives the same four values.
     engine, tokenizer, max_prompt_tokens, record_extra = _local_engine(config, device, settings)
     report = regenerate(
         prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
@@ -85,7 +87,7 @@ def run_regenerate(config: RegenerateConfig) -> int:
     return 0
 
 
-def _local_engine(config: RegenerateConfig, device, settings):
+def _local_engine(config: RegenerateConfig, device: Any, settings: Any) -> tuple[Any, Any, int | None, dict[str, Any]]:
     """The target loaded here and its engine (decode/batched.py): (engine, tokenizer for
     rendering, prompt token cap, what the settings sidecar records besides the settings)."""
     from ..data.regenerate import prompt_token_limit

@@ -7,10 +7,12 @@ same class). Prompts are taken shortest first. When a row finishes, a waiting pr
 slot: admitted prompts are prefilled together, right-padded, straight into their cache rows
 (eagerly; at most `prefill_tokens` tokens per forward). Each row has its own position, stop
 flag, token count and seed in device tensors, so one decode step serves rows at any point of
-their answers, and has one shape per (slots, attention span): the span is the number of cache
+their answers, and has one shape per (rows, attention span): the span is the number of cache
 positions attended, a multiple of ATTENTION_STEP that covers the furthest row, so short rows do
-not pay for a long capacity. Each such step is captured in a CUDA graph on first use (never on
-CPU). Nothing inside a step waits for the host: a row that stops keeps its slot, frozen, until
+not pay for a long capacity; rows is the slot count, until no prompt waits and at most a quarter
+of the slots are busy: then the last rows are moved into the lowest slots and the steps run over
+fewer rows (a power of two, at least MIN_ROWS). Each shape's step is captured in a CUDA graph on
+first use (never on CPU); the graphs of one cache share a memory pool. Nothing inside a step waits for the host: a row that stops keeps its slot, frozen, until
 the host reads the finished flags, which it does every `read_every` steps with a small
 non-blocking copy and acts on one round later, so the GPU runs the next steps meanwhile.
 Greedy takes the argmax; sampling draws on the device from a counter-based hash of (row seed,
@@ -86,6 +88,19 @@ def _check_prompt(job: Job, vocab_rows: int) -> BaseException | None:
     return None
 
 
+def _startable(jobs: Iterable[Job], vocab_rows: int) -> tuple[list[Job], list[tuple[Job, BaseException]]]:
+    """The jobs sorted by prompt length (stably), and those that cannot start with their reason."""
+    waiting, refused = [], []
+    for job in jobs:
+        problem = _check_prompt(job, vocab_rows)
+        if problem is None:
+            waiting.append(job)
+        else:
+            refused.append((job, problem))
+    waiting.sort(key=lambda job: len(job.ids))
+    return waiting, refused
+
+
 class HostCopy:
     """Device tensors copied to host memory without waiting (pinned memory, an event on CUDA);
     `result()` waits for that copy only, not for later work on the stream."""
@@ -117,8 +132,9 @@ class BatchState:
 
     Per slot: the token to feed (`tokens`) at its position (`positions`), whether the row is
     done (`finished`; empty slots are finished), how many tokens it has (`emitted`), its seed,
-    and its answer so far (`generated`). `admit` starts prompts in slots; `step(span)` is one
-    decode step of every slot, one captured graph per span."""
+    and its answer so far (`generated`). `admit` starts prompts in slots; `step(span, rows)` is
+    one decode step of the first `rows` slots, one captured graph per (rows, span); `move`
+    packs rows into other slots."""
 
     def __init__(self, target: Target, slots: int, capacity: int, settings: GenerationSettings, stop_ids: Sequence[int],
                  *, graphs: bool = True):
@@ -233,7 +249,7 @@ class StaticBatchEngine:
         self.state: BatchState | None = None
         self.budget = memory_budget  # bytes the caches may take; None = 3/4 of free CUDA memory, no limit on CPU
         self.out_of_memory = 0  # times the slots were halved
-        graph_note = "CUDA graphs per (slots, attention span)" if self.device.type == "cuda" and graphs else "no CUDA graphs"
+        graph_note = "CUDA graphs per (rows, attention span)" if self.device.type == "cuda" and graphs else "no CUDA graphs"
         self.description = (f"engine: static batched generator, {slots} slots, continuous batching, {graph_note}, "
                             f"finished rows read every {read_every} steps")
 
@@ -242,15 +258,9 @@ class StaticBatchEngine:
 
     @torch.no_grad()
     def generated(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Generated | BaseException]]:
-        """The answers as tokens (what `answers` decodes), in the order rows finish."""
-        waiting: list[Job] = []
-        for job in jobs:
-            problem = _check_prompt(job, self.vocab_rows)
-            if problem is not None:
-                yield job, problem
-            else:
-                waiting.append(job)
-        waiting.sort(key=lambda job: len(job.ids))  # stable: equal lengths keep their order
+        """The answers as tokens (what `answers` decodes), in the order rows finish; rows that
+        cannot start come last (so bad rows never look like a failing setup to the driver)."""
+        waiting, refused = _startable(jobs, self.vocab_rows)
         queue = deque(waiting)
         while queue:
             slots, capacity, count = self._next_phase(queue)
@@ -270,6 +280,7 @@ class StaticBatchEngine:
                       f"halving to {self.slots} and starting the {len(in_flight)} rows in flight again", file=self.log)
                 for job in sorted(in_flight.values(), key=lambda job: len(job.ids), reverse=True):
                     queue.appendleft(job)
+        yield from refused
 
     def _release(self) -> None:
         self.state = None
@@ -514,14 +525,7 @@ class EagerBatchEngine:
         return _as_answers(self.target.tokenizer, self.generated(jobs))
 
     def generated(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Generated | BaseException]]:
-        waiting: list[Job] = []
-        for job in jobs:
-            problem = _check_prompt(job, self.vocab_rows)
-            if problem is not None:
-                yield job, problem
-            else:
-                waiting.append(job)
-        waiting.sort(key=lambda job: len(job.ids))
+        waiting, refused = _startable(jobs, self.vocab_rows)
         start = 0
         while start < len(waiting):
             batch = waiting[start:start + self.batch_size]
@@ -542,6 +546,7 @@ class EagerBatchEngine:
                 results = [self._alone(job, error, len(batch)) for job in batch]
             start += len(batch)
             yield from zip(batch, results)
+        yield from refused
 
     def _generate(self, batch: list[Job]) -> list[Generated]:
         return generate_batch(self.target.model, [job.ids for job in batch], max_new_tokens=self.settings.max_new_tokens,
