@@ -144,6 +144,25 @@ def test_sampled_rows_depend_only_on_their_own_seed():
         assert sum(alone[k] != greedy[k] for k in alone) >= 7 and sum(alone[k] != reseeded[k] for k in alone) >= 7
 
 
+def test_sampler_draws_follow_the_tempered_top_p_distribution():
+    from dflash_train.decode.sampling import choose_tokens, uniform_draws
+
+    rows = 40_000
+    probs = torch.tensor([0.04, 0.4, 0.06, 0.3, 0.2])
+    logits = (probs.log() * 2).repeat(rows, 1)  # temperature 2 gives back `probs`
+    seeds, counters = torch.arange(rows) * 7919, torch.arange(rows) % 5
+    for top_p, kept in ((1.0, [0, 1, 2, 3, 4]), (0.75, [1, 3, 4]), (0.5, [1, 3]), (0.1, [1])):
+        counts = torch.bincount(choose_tokens(logits, 2.0, top_p, seeds, counters), minlength=5).double() / rows
+        expected = torch.zeros(5, dtype=torch.float64)
+        expected[kept] = probs[kept].double() / probs[kept].sum()
+        assert (counts - expected).abs().max() < 0.01, (top_p, counts, expected)
+    # Each draw is a function of its own (seed, index) pair: the same pair, anywhere in a batch.
+    u = uniform_draws(seeds, counters)
+    assert torch.equal(uniform_draws(seeds.flip(0)[:100], counters.flip(0)[:100]), u.flip(0)[:100])
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert torch.equal(choose_tokens(logits[:3], 0.0, 0.5, None, None), torch.tensor([1, 1, 1]))
+
+
 class OutOfMemoryAbove:
     """Wraps a real module's forward: a torch.OutOfMemoryError (what CUDA raises) when the batch
     has more than `rows` rows, as if the device's memory held only that many."""

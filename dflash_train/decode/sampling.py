@@ -10,12 +10,11 @@ CUDA, capturable in a graph):
     h = fmix32(fmix32(fmix32(fmix32(s_lo ^ A) ^ s_hi) ^ k_lo) ^ k_hi)      (murmur3's finaliser)
     u = h / 2**32                                                          uniform in [0, 1)
 
-with s_lo/s_hi and k_lo/k_hi the 32-bit halves of s and k. The token is then drawn by inverse
+with s_lo/s_hi and k_lo/k_hi the 32-bit halves of s and k, and A = 0x9E3779B9. The token is then drawn by inverse
 CDF from the tempered, top-p-filtered distribution: the tokens kept are those at or above the
 probability where the sorted mass first reaches top_p (the most likely token always), and the
 token drawn is the first, in vocabulary order, whose cumulative kept mass (summed in float64)
-exceeds u × (kept mass). Without top-p nothing is sorted. Greedy
-(temperature 0) is argmax. A draw moves only when the logits' rounding (which batching can
+exceeds u × (kept mass). Without top-p nothing is sorted. Greedy (temperature 0) is argmax. A draw moves only when the logits' rounding (which batching can
 change in the last bits) moves a cumulative boundary across u: about as rare as a greedy near-tie.
 
 Multiplications mod 2**32 are done on 16-bit halves so no intermediate leaves int64's range.
