@@ -260,6 +260,16 @@ def test_resume_refuses_other_settings_and_foreign_files(tiny, tmp_path):
     run(tiny, prompts, out, settings=GenerationSettings(max_new_tokens=3))
     with pytest.raises(RegenerateError, match=r"max_new_tokens: 3 before, 4 now"):
         run(tiny, prompts, out, settings=GenerationSettings(max_new_tokens=4))
+    # A sampled file written before the counter-based sampler (its sidecar names none): other draws.
+    sampled = tmp_path / "sampled.jsonl"
+    settings = GenerationSettings(max_new_tokens=3, temperature=0.7)
+    run(tiny, prompts, sampled, settings=settings)
+    record = json.loads(settings_path(sampled).read_text())
+    assert record["sampler"] == "counter-hash-v1"
+    del record["sampler"]
+    settings_path(sampled).write_text(json.dumps(record))
+    with pytest.raises(RegenerateError, match=r"sampler: per-row torch generators before, counter-hash-v1 now"):
+        run(tiny, prompts, sampled, settings=settings)
     foreign = tmp_path / "data.jsonl"
     shutil.copy(DATA / "chat_openai.jsonl", foreign)
     with pytest.raises(RegenerateError, match="was not written by `dflash-train regenerate`"):

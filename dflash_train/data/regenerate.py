@@ -128,10 +128,12 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".regenerate.json")
 
 
-def output_record(target_name: str, settings: GenerationSettings) -> dict[str, Any]:
+def output_record(target_name: str, settings: GenerationSettings, sampler: str = SAMPLER) -> dict[str, Any]:
+    """What the sidecar records; `sampler` names how sampled runs draw (another engine, e.g. a
+    server, passes its own name here and as `record_extra["sampler"]`)."""
     record: dict[str, Any] = {"target": target_name, "settings": asdict(settings)}
     if not settings.greedy:
-        record["sampler"] = SAMPLER
+        record["sampler"] = sampler
     return record
 
 
