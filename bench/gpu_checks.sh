@@ -68,6 +68,11 @@ for name in "$@"; do
         # Issue #6 item 4: Qwen3-8B-shaped target on cuda:0 feeding a drafter on cuda:1 at config D.
         pipeline8b) stage pipeline8b ${PIPELINE_LIMIT:-150} python3 bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 30 --json "$OUT/pipeline8b.json" ;;
         # Issue #5: decode-step latency, static decoder (CUDA graphs) vs Hugging Face eager, at SmolLM2's and Qwen3-8B's shapes.
+        # Regeneration speed (issue #21): ours vs HF generate on real SmolLM2 (needs GGUF=), then the 8B shape.
+        # One call each (every case has an untimed warm-up, and hf-static compiles once per batch size).
+        regen-speed) stage regen-speed ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_smollm2.json" ;;
+        regen-speed-1024) stage regen-speed-1024 ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --batches 1024 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_smollm2_1024.json" ;;
+        regen-speed-8b) stage regen-speed-8b ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --dims qwen3-8b --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_qwen3_8b.json" ;;
         decode-speed) stage decode-speed 100 python3 bench/static_decode_speed.py --dims smollm2 --json "$OUT/decode_speed_smollm2.json"
             stage decode-speed-8b 170 python3 bench/static_decode_speed.py --dims qwen3-8b --context 1000 --repeats 10 --new-tokens 64 --json "$OUT/decode_speed_qwen3.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;

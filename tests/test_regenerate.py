@@ -1,6 +1,7 @@
 """Regeneration with real models and the real SmolLM2 tokenizer: answers, stop tokens, sampling,
 accounting, and resume after a torn write or a kill -9 in a real subprocess."""
 
+import io
 import json
 import os
 import shutil
@@ -15,10 +16,9 @@ import torch
 
 from dflash_train.cli import main as cli_main
 from dflash_train.data.readers import Prompt, RowStats, read_conversations, read_prompts
-from dflash_train.data.regenerate import (
-    GenerationSettings, Generated, RegenerateError, generate_batch, regenerate, row_seed, settings_path, stop_token_ids,
-)
-from dflash_train.data.render import render_prompt
+from dflash_train.data.regenerate import GenerationSettings, RegenerateError, regenerate, row_seed, settings_path
+from dflash_train.data.render import render_prompt, stop_token_ids
+from dflash_train.decode.batched import EagerBatchEngine, Generated, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.data.samples import load_training_samples
 from dflash_train.target import Target, load_target
 from tiny import tiny_hf_model
@@ -56,6 +56,15 @@ def smollm2(smollm2_dir):
     return load_target(smollm2_dir, "cpu")
 
 
+def run(target, prompts, out, *, stats=None, settings=GenerationSettings(), batch_size=8, max_prompt_tokens=None,
+        engine=None, **kwargs):
+    """`regenerate` as the command runs it for a local target (the engine `local_engine` picks)."""
+    engine = engine or local_engine(target, settings, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, log=_quiet())
+    kwargs = {"log": _quiet(), "progress_stream": _quiet(), **kwargs}
+    return regenerate(prompts, out, engine=engine, stats=stats or _stats(prompts), settings=settings,
+                      target_name=str(target.path), tokenizer=target.tokenizer, max_prompt_tokens=max_prompt_tokens, **kwargs)
+
+
 def _prompts(texts, prefix="p"):
     return [Prompt(f"{prefix}{i}", [{"role": "user", "content": t}], f"test:{i + 1}") for i, t in enumerate(texts)]
 
@@ -82,8 +91,13 @@ TEXTS = [f"Tell me fact number {i} about {topic}." for i, topic in enumerate(
 def test_smollm2_answers_match_hf_generate_and_stop_at_end_of_turn(smollm2, tmp_path):
     prompts = _prompts(["What is the capital of France?", "Explain recursion in simple words.", "Describe a cat."])
     out = tmp_path / "answers.jsonl"
-    report = regenerate(smollm2, prompts, out, stats=_stats(prompts), settings=GenerationSettings(max_new_tokens=12),
-                        batch_size=2, log=_quiet(), progress_stream=_quiet())
+    settings = GenerationSettings(max_new_tokens=12)
+    engine = local_engine(smollm2, settings, batch_size=2, log=_quiet())
+    assert isinstance(engine, StaticBatchEngine)  # 3 prompts through 2 slots: one is admitted when a row finishes
+    log = io.StringIO()
+    report = run(smollm2, prompts, out, settings=settings, engine=engine, log=log)
+    assert log.getvalue().splitlines()[0] == "engine: static batched generator, 2 slots, continuous batching, no CUDA graphs, " \
+                                            "finished rows read every 4 steps"
     rows = {row["id"]: row for row in _rows(out)}
     assert sorted(rows) == ["p0", "p1", "p2"] and report.new == 3 and report.stats.skipped == 0
     paris = rows["p0"]
@@ -149,6 +163,27 @@ def test_sampling_is_seeded_per_row(tiny):
     assert together != greedy and together != other_seed
 
 
+def test_targets_the_static_generator_cannot_run_are_answered_by_hugging_face_eagerly(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tiny_hf_model("gemma3_text", vocab=49152, hidden=32, layers=2)  # a 16-token sliding window
+    target = Target(model, AutoTokenizer.from_pretrained(smollm2_dir), "tiny-gemma")
+    settings = GenerationSettings(max_new_tokens=5)
+    engine = local_engine(target, settings, batch_size=2, max_prompt_tokens=100, log=_quiet())
+    assert isinstance(engine, EagerBatchEngine)
+    assert engine.description == ("engine: Hugging Face eager batches of 2 (the static generator cannot run this target: "
+                                  "its 16-token sliding window is shorter than the 512-position cache)")
+    prompts = _prompts(TEXTS[:3])
+    log = io.StringIO()
+    report = run(target, prompts, tmp_path / "out.jsonl", settings=settings, engine=engine, log=log)
+    assert log.getvalue().splitlines()[0] == engine.description and report.new == 3
+    for row in _rows(tmp_path / "out.jsonl"):
+        ids = render_prompt(target.tokenizer, row["messages"][:-1])
+        expected = generate_batch(model, [ids], max_new_tokens=5, stop_ids=[2], pad_id=2)[0]
+        assert row["completion_tokens"] == len(expected.tokens)
+        assert row["messages"][-1]["content"] == target.tokenizer.decode(expected.answer_tokens(), skip_special_tokens=False)
+
+
 def test_accounting_of_bad_duplicate_long_and_failing_rows(smollm2_dir, tmp_path):
     # A real failure: a model whose embedding table is cut to 30,000 rows cannot take prompts with
     # higher token ids (IndexError per row); the others answer normally.
@@ -169,8 +204,8 @@ def test_accounting_of_bad_duplicate_long_and_failing_rows(smollm2_dir, tmp_path
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stats = RowStats()
     prompts = list(read_prompts(source, stats))
-    report = regenerate(target, prompts, tmp_path / "out.jsonl", stats=stats, settings=GenerationSettings(max_new_tokens=4),
-                        batch_size=4, max_prompt_tokens=60, log=_quiet(), progress_stream=_quiet())
+    report = run(target, prompts, tmp_path / "out.jsonl", stats=stats, settings=GenerationSettings(max_new_tokens=4),
+                 batch_size=4, max_prompt_tokens=60)
     assert sorted(r["id"] for r in _rows(tmp_path / "out.jsonl")) == ["ok1", "ok2"]
     assert report.failed == 1 and report.new == 2
     assert stats.read == 6 and stats.used == 2
@@ -191,47 +226,54 @@ def test_every_row_failing_is_a_setup_error_not_bad_data(smollm2_dir, tmp_path):
     target = Target(model, AutoTokenizer.from_pretrained(smollm2_dir), "tiny-vocab")
     prompts = _prompts(TEXTS[:3])
     with pytest.raises(IndexError):
-        regenerate(target, prompts, tmp_path / "out.jsonl", stats=_stats(prompts), settings=GenerationSettings(max_new_tokens=2),
-                   batch_size=2, log=_quiet(), progress_stream=_quiet())
+        run(target, prompts, tmp_path / "out.jsonl", settings=GenerationSettings(max_new_tokens=2), batch_size=2)
 
 
-def test_resume_after_torn_last_line_gives_the_uninterrupted_file(tiny, tmp_path):
+def test_resume_after_torn_last_line_gives_the_uninterrupted_rows(tiny, tmp_path):
     prompts = _prompts(TEXTS)
     settings = GenerationSettings(max_new_tokens=6)
-    kwargs = dict(settings=settings, batch_size=3, log=_quiet(), progress_stream=_quiet())
     straight = tmp_path / "straight.jsonl"
-    regenerate(tiny, prompts, straight, stats=_stats(prompts), **kwargs)
+    run(tiny, prompts, straight, settings=settings, batch_size=3)
     full = straight.read_bytes()
     lines = full.splitlines(keepends=True)
     assert len(lines) == 20
-    # A crash in the middle of a batch's write: 7 whole rows (2 batches + 1 row of the third) and half a row.
+    # A crash in the middle of a chunk's write: 7 whole rows and half a row.
     crashed = tmp_path / "crashed.jsonl"
     crashed.write_bytes(b"".join(lines[:7]) + lines[7][: len(lines[7]) // 2])
     shutil.copy(settings_path(straight), settings_path(crashed))
     log = tmp_path / "log.txt"
     with open(log, "w") as handle:
-        report = regenerate(tiny, prompts, crashed, stats=_stats(prompts), **{**kwargs, "log": handle})
+        report = run(tiny, prompts, crashed, settings=settings, batch_size=3, log=handle)
     assert "dropped an incomplete last line" in log.read_text()
     assert report.resumed == 7 and report.new == 13
-    assert crashed.read_bytes() == full  # no duplicate, no gap, same rows in the same order
+    # No duplicate, no gap, the same rows (written in the order they finished, so compared by id).
+    resumed = crashed.read_bytes().splitlines(keepends=True)
+    assert resumed[:7] == lines[:7] and sorted(resumed) == sorted(lines)
     # Resuming a finished file does nothing.
-    again = regenerate(tiny, prompts, crashed, stats=_stats(prompts), **kwargs)
-    assert again.new == 0 and again.resumed == 20 and crashed.read_bytes() == full
+    again = run(tiny, prompts, crashed, settings=settings, batch_size=3)
+    assert again.new == 0 and again.resumed == 20 and sorted(crashed.read_bytes().splitlines(keepends=True)) == sorted(lines)
 
 
 def test_resume_refuses_other_settings_and_foreign_files(tiny, tmp_path):
     prompts = _prompts(TEXTS[:2])
     out = tmp_path / "out.jsonl"
-    regenerate(tiny, prompts, out, stats=_stats(prompts), settings=GenerationSettings(max_new_tokens=3),
-               log=_quiet(), progress_stream=_quiet())
+    run(tiny, prompts, out, settings=GenerationSettings(max_new_tokens=3))
     with pytest.raises(RegenerateError, match=r"max_new_tokens: 3 before, 4 now"):
-        regenerate(tiny, prompts, out, stats=_stats(prompts), settings=GenerationSettings(max_new_tokens=4),
-                   log=_quiet(), progress_stream=_quiet())
+        run(tiny, prompts, out, settings=GenerationSettings(max_new_tokens=4))
+    # A sampled file written before the counter-based sampler (its sidecar names none): other draws.
+    sampled = tmp_path / "sampled.jsonl"
+    settings = GenerationSettings(max_new_tokens=3, temperature=0.7)
+    run(tiny, prompts, sampled, settings=settings)
+    record = json.loads(settings_path(sampled).read_text())
+    assert record["sampler"] == "counter-hash-v1"
+    del record["sampler"]
+    settings_path(sampled).write_text(json.dumps(record))
+    with pytest.raises(RegenerateError, match=r"sampler: per-row torch generators before, counter-hash-v1 now"):
+        run(tiny, prompts, sampled, settings=settings)
     foreign = tmp_path / "data.jsonl"
     shutil.copy(DATA / "chat_openai.jsonl", foreign)
     with pytest.raises(RegenerateError, match="was not written by `dflash-train regenerate`"):
-        regenerate(tiny, prompts, foreign, stats=_stats(prompts), settings=GenerationSettings(max_new_tokens=3),
-                   log=_quiet(), progress_stream=_quiet())
+        run(tiny, prompts, foreign, settings=GenerationSettings(max_new_tokens=3))
     assert foreign.read_bytes() == (DATA / "chat_openai.jsonl").read_bytes()
 
 
@@ -243,7 +285,8 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tiny_dir, tmp_p
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("".join(f"{t} Then add a second fact about {t.split()[-1]}\n" for t in TEXTS * 2))
     args = ["regenerate", "--target", str(tiny_dir), "--prompts", str(prompt_file), "--max-new-tokens", "32",
-            "--batch-size", "2", "--device", "cpu"]
+            "--batch-size", "2", "--device", "cpu",
+            "--flush-seconds", "0"]  # every row written as it finishes: the kill lands mid-run
     # One thread in the subprocesses too: the uninterrupted run below (in this process, under
     # `one_thread`) must compute with the same kernels.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -269,7 +312,7 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tiny_dir, tmp_p
     assert cli_main([*args, "--out", str(straight)]) == 0  # one thread, like the subprocesses (see `one_thread`)
     capsys.readouterr()
     killed_rows, straight_rows = _rows(killed), _rows(straight)
-    assert len(killed_rows) == 40 and len({r["id"] for r in killed_rows}) == 40
+    assert len(killed_rows) == 40 and len({r["id"] for r in killed_rows}) == 40  # none lost, none twice
     assert sorted(killed_rows, key=lambda r: r["id"]) == sorted(straight_rows, key=lambda r: r["id"])
     assert [c.id for c in read_conversations(killed)] == [r["id"] for r in killed_rows]
 

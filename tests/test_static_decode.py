@@ -37,15 +37,45 @@ def test_static_target_gives_the_hugging_face_logits_and_hidden_states(family):
         expected_states = torch.cat([reference.hidden_states[k + 1] for k in range(layers)], dim=-1)
         static = StaticTarget(target, 32, list(range(layers)))
         # A rejected block first: its keys land at positions 11..15 and must stay invisible.
-        static.forward(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor(11))
+        static.single(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor(11))
         position = 0
         for length in (7, 1, 1, 5, 1, 5):  # prefill, single steps, verify blocks
-            logits, states = static.forward(ids[:, position : position + length], torch.tensor(position))
+            logits, states = static.single(ids[:, position : position + length], torch.tensor(position))
             torch.testing.assert_close(logits, reference.logits[0, position : position + length], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(states, expected_states[:, position : position + length], atol=2e-5, rtol=1e-4)
             position += length
-        last, none = static.forward(ids[:, :3], torch.tensor(0), last_only=True, features=False)
+        last, none = static.single(ids[:, :3], torch.tensor(0), last_only=True, features=False)
         assert none is None and last.shape == (1, target.spec.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batched_static_target_rows_start_and_step_at_their_own_positions(family):
+    """The batched generator's use of StaticTarget: prompts of other lengths started together in
+    any cache rows (right-padded, over a row's stale keys), then steps at per-row positions
+    attending a prefix of the cache: every row gives Hugging Face's logits for its sequence."""
+    target = tiny_target(family, head_scale=8)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 90, (n,), generator=generator) for n in (12, 6, 9)]
+    with torch.no_grad():
+        reference = [target.model(seq[None]).logits[0] for seq in sequences]
+        static = StaticTarget(target, 64, batch=3)
+        static.forward(torch.randint(0, 90, (3, 20), generator=generator), torch.tensor([0, 30, 7]))  # stale keys everywhere
+        lengths = [8, 3, 6]  # prompt tokens; the rest of each sequence is decoded below
+        rows = [2, 0, 1]  # sequence i lives in cache row rows[i]
+        width = max(lengths)
+        padded = torch.stack([torch.cat([seq[:n], torch.full((width - n,), 5)]) for seq, n in zip(sequences, lengths)])
+        first = static.prefill_rows(padded, torch.tensor(lengths), torch.tensor(rows))
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(first[i], reference[i][n - 1], atol=2e-5, rtol=1e-4)
+        position = {rows[i]: n for i, n in enumerate(lengths)}
+        for step in range(3):  # one token per row and step, in cache-row order
+            order = {row: i for i, row in enumerate(rows)}
+            ids = torch.stack([sequences[order[row]][position[row]: position[row] + 1] for row in range(3)])
+            logits, _ = static.forward(ids, torch.tensor([position[row] for row in range(3)]), features=False, attend=16)
+            for row in range(3):
+                torch.testing.assert_close(logits[row, 0], reference[order[row]][position[row]], atol=2e-5, rtol=1e-4)
+                position[row] += 1
+    assert StaticTarget.bytes_per_position(target) == static.keys[:, 0, :, 0].numel() * 2 * 4
 
 
 def test_static_drafter_step_gives_the_drafters_own_draft_logits():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,10 @@ class RegenerateConfig:
     temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
     seed: int = option(0, "sampling seed (also picks and orders the default prompts)")
-    batch_size: int = option(0, "prompts per batch; 0 = 64 on CUDA, 8 on CPU")
+    batch_size: int = option(0, "prompts decoded at once (the static generator's slots); 0 = 1024 on CUDA (fewer "
+                                "where the caches do not fit; 64 for targets on the eager fallback), 8 on CPU")
+    flush_seconds: float = option(1.0, "write finished rows (fsync'ed) at most this often; a kill loses at most the "
+                                       "rows of the last interval, which a rerun answers again")
     max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens "
                                        "(with --endpoint: no cap unless set, and it needs --target)")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
@@ -85,6 +89,8 @@ class RegenerateConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.flush_seconds < 0:
+            raise ConfigError(f"flush_seconds must be >= 0 (0 = after every row), got {self.flush_seconds}")
         if self.limit < 0 or self.max_prompt_tokens < 0:
             raise ConfigError("limit and max_prompt_tokens must be >= 0 (0 = no limit / automatic)")
         if self.split not in SPLIT_CHOICES:
@@ -135,46 +141,40 @@ def run_regenerate(config: RegenerateConfig) -> int:
     target_name = str(Path(config.target).resolve())
     check_output(Path(config.out), output_record(target_name, settings))  # refuse early, before loading anything
     prompts, stats = read_input_prompts(config)
-    target = load_target_for(config.target, device, config.dtype)
-    batch_size = config.batch_size or (64 if target.device.type == "cuda" else 8)
+    engine, tokenizer, max_prompt_tokens, record_extra = _local_engine(config, device, settings)
     report = regenerate(
-        target, prompts, config.out, stats=stats, settings=settings, batch_size=batch_size,
-        max_prompt_tokens=config.max_prompt_tokens or None, target_name=target_name,
+        prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
+        tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, record_extra=record_extra,
+        flush_seconds=config.flush_seconds,
     )
     print(report.summary())
     return 0
 
 
-def endpoint_record(base: str, model: str, settings) -> dict:
-    """The settings sidecar of an endpoint run: the server and model take the target's place, so
-    resuming against another server or model is refused like resuming with another target."""
-    from ..data.regenerate import output_record
-
-    record = output_record(f"{model} @ {base}", settings)
-    record["endpoint"] = {"url": base, "model": model}
-    return record
-
-
 def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
-    from ..data.endpoint import EndpointClient, EndpointEngine, RetryPolicy, resolve_model
-    from ..data.regenerate import check_output
-    from ..data.regenerate_engine import regenerate_with_engine
+    """The same driver with a server as the engine: the server and model take the target's
+    place in the settings sidecar, so resuming against another server or model is refused like
+    resuming with another target."""
+    from ..data.endpoint import SAMPLER, EndpointClient, EndpointEngine, RetryPolicy, resolve_model
+    from ..data.regenerate import check_output, output_record, regenerate
 
     client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
     model = resolve_model(client, config.model)
-    record = endpoint_record(client.base, model, settings)
-    check_output(Path(config.out), record)  # refuse early, before building the prompts
-    tokenizer = None
-    if config.target:
-        tokenizer = load_tokenizer(config.target)
+    target_name = f"{model} @ {client.base}"
+    record_extra = {"endpoint": {"url": client.base, "model": model}}
+    if not settings.greedy:
+        record_extra["sampler"] = SAMPLER
+    check_output(Path(config.out), {**output_record(target_name, settings), **record_extra})  # before building prompts
+    tokenizer = load_tokenizer(config.target) if config.target else None
     prompts, stats = read_input_prompts(config)
     engine = EndpointEngine(
         client, model, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
         enable_thinking=settings.enable_thinking, concurrency=config.concurrency,
     )
-    report = regenerate_with_engine(
-        engine, prompts, config.out, stats=stats, record=record, settings=settings, tokenizer=tokenizer,
-        max_prompt_tokens=config.max_prompt_tokens or None,
+    report = regenerate(
+        prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
+        tokenizer=tokenizer, max_prompt_tokens=config.max_prompt_tokens or None, record_extra=record_extra,
+        flush_seconds=config.flush_seconds,
     )
     print(report.summary())
     return 0
@@ -194,3 +194,18 @@ def load_tokenizer(target: str):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ConfigError(f"--target {path}: cannot read its tokenizer ({error})") from None
+
+
+def _local_engine(config: RegenerateConfig, device: Any, settings: Any) -> tuple[Any, Any, int | None, dict[str, Any]]:
+    """The target loaded here and its engine (decode/batched.py): (engine, tokenizer for
+    rendering, prompt token cap, what the settings sidecar records besides the settings)."""
+    from ..data.regenerate import prompt_token_limit
+    from ..data.render import stop_token_ids
+    from ..decode.batched import local_engine
+
+    target = load_target_for(config.target, device, config.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{target.path}: no tokenizer next to the model; it is needed to render the prompts")
+    max_prompt_tokens = config.max_prompt_tokens or prompt_token_limit(target.model.config, settings)
+    engine = local_engine(target, settings, batch_size=config.batch_size, max_prompt_tokens=max_prompt_tokens)
+    return engine, target.tokenizer, max_prompt_tokens, {"stop_token_ids": stop_token_ids(target.model, target.tokenizer)}

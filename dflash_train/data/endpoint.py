@@ -31,35 +31,17 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator
 
 from ..errors import ConfigError, UserError
-from .readers import Prompt
+from .regenerate import Answer, Job
 
 SEED_MASK = 0x7FFFFFFF
 _FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
 
 
-# --- The engine interface. Temporary copy: data/regenerate.py (the generator's branch) defines
-# --- Job, Answer and AnswerEngine; these match it field for field and go when the two merge.
-@dataclass
-class Job:
-    prompt: Prompt
-    ids: list[int] | None  # the rendered prompt, when a tokenizer is at hand
-    seed: int
-
-
-@dataclass
-class Answer:
-    text: str
-    finish_reason: str  # "stop" | "length"
-    completion_tokens: int
-
-
-class AnswerEngine(Protocol):
-    description: str
-
-    def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]: ...
+# What the settings sidecar records for a sampled endpoint run: the server draws the samples.
+SAMPLER = "server"
 
 
 class EndpointError(UserError):
@@ -223,6 +205,7 @@ class EndpointEngine:
         # Enough consecutive failures that a few bad prompts in flight together are not mistaken for a dead server.
         self.failure_streak = failure_streak or max(8, 2 * concurrency)
         self.description = f"endpoint {client.base}, model {model}, {concurrency} concurrent requests"
+        self.setup_failures = None  # this engine gives up by its own rules (unreachable, a failure streak, no answer)
 
     def request_body(self, job: Job) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -11,30 +11,36 @@ written as a training row the conversation reader takes as is:
 the token itself is not part of `content`, the chat template adds it back when the row is
 rendered); "length" means `max_new_tokens` ran out first.
 
-Decoding is a plain KV-cache loop over a left-padded batch. Rows that finish leave the batch
-(their cache rows are dropped), so a batch costs as many steps as its longest answer, at the
-width of the answers still running. Sampling (`temperature > 0`) draws each row from its own
-generator seeded by (seed, row id), so a row's answer does not depend on its batch neighbours.
+This module is the driver: it reads and deduplicates the prompts, renders them, skips what
+cannot be answered, resumes, writes and accounts. The answers come from an `AnswerEngine`, which
+takes `Job`s and yields `(job, Answer)` (or `(job, exception)` for a row that failed) as rows
+finish, in any order: the local engines in `decode/batched.py` (the static continuous-batching
+generator, or Hugging Face eagerly for targets it cannot run), or a server (`--endpoint`).
+Sampling (`temperature > 0`) gives each row its own seed, `row_seed(seed, row id)`; the local
+engines draw from it alone, so a row's answer does not depend on its batch neighbours.
 
-Resuming. The output is append-only: each batch's rows are written in one piece, flushed and
-fsync'ed. A restart truncates a torn last line (kill -9 during a write), reads the ids already
-present and generates only the others. Batches are a fixed function of the input (windows of
-`16 × batch_size` prompts in file order, sorted by prompt length, cut into batches), whatever was
-done before, and a batch with some rows already written is generated again in full and only its
-missing rows are written: an interrupted and resumed run writes the same rows as one that was
-never interrupted. (Rows are therefore written in batch order, not in input order; readers
-key them by `id`.) A sidecar `OUT.regenerate.json` records the settings that shape the answers;
-resuming with other settings is refused rather than mixing two kinds of answers in one file.
+Resuming. The output is append-only: finished rows are written in chunks (every `flush_seconds`,
+and at the end), each chunk flushed and fsync'ed. A restart truncates a torn last line (kill -9
+during a write), reads the ids already present and gives the engine only the others: no row is
+lost (a row is either in the file whole, or answered again) and none is written twice. What a
+resumed run does not reproduce: the order of rows in the file (rows are written as they finish;
+readers key them by `id`), and bit-for-bit answers where the device's arithmetic depends on the
+batch a row shares. Each row's answer is a function of its prompt, its seed and the settings;
+on CPU in float32 the resumed rows equal an uninterrupted run's (tested), while on a GPU in
+bfloat16 the kernels chosen for a prefill of another batch shape can round differently and flip
+a near-tie (as any two runs with different batch sizes can). A sidecar `OUT.regenerate.json`
+records the settings that shape the answers; resuming with other settings is refused rather
+than mixing two kinds of answers in one file.
 
 Accounting: every input row is exactly one of ok (written now, or already in the output), failed
-(generation raised for that row alone) or skipped (unreadable row, duplicate id, chat template
-error, prompt too long); failed and skipped rows are counted by reason in a RowStats.
+(the engine failed that row alone) or skipped (unreadable row, duplicate id, chat template
+error, prompt too long); failed and skipped rows are counted by reason in a RowStats. When the
+first rows of a run all fail, that is a setup problem, not bad data: the first error is raised.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import sys
@@ -42,21 +48,18 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Iterable, Iterator, Protocol, Sequence, TextIO
 
-import torch
-
-from ..config import ConfigError
+from ..config import ConfigError, UserError
 from ..files import write_json_atomic
 from ..progress import Progress, format_seconds
 from .readers import DataError, Prompt, RowStats
-from .render import RenderError, render_prompt, stop_token_ids
+from .render import RenderError, render_prompt
 
-# Prompts are sorted by length inside windows of this many batches: less padding, and the
-# batches stay a function of the input alone (see the module doc).
-WINDOW_BATCHES = 16
 DUPLICATE_ID = "duplicate id"
 GENERATION_FAILED = "generation failed"
+SETUP_FAILURES = 8  # a run whose first this many rows (or all, if fewer) fail stops with the first error
+SAMPLER = "counter-hash-v1"  # how the local engines draw (decode/sampling.py); recorded for sampled runs
 
 
 class RegenerateError(ConfigError):
@@ -78,13 +81,34 @@ class GenerationSettings:
         return self.temperature <= 0.0
 
 
-@dataclass(frozen=True)
-class Generated:
-    tokens: list[int]  # the answer's tokens, the stop token included when there is one
-    finish_reason: str  # "stop" or "length"
+@dataclass
+class Job:
+    """One prompt to answer: `ids` are its rendered tokens (None when no tokenizer is used, e.g.
+    a server renders it), `seed` its own sampling seed."""
 
-    def answer_tokens(self) -> list[int]:
-        return self.tokens[:-1] if self.finish_reason == "stop" else self.tokens
+    prompt: Prompt
+    ids: list[int] | None
+    seed: int
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    completion_tokens: int  # generated tokens, the stop token included
+
+
+class AnswerEngine(Protocol):
+    """Anything that answers jobs: yields each job once with its Answer, or with the exception
+    that failed that row alone (counted; the run goes on), in any order, as rows finish. An
+    exception raised instead ends the run (rows already written are kept)."""
+
+    description: str  # one line for the run's header
+    # The driver stops with the first error when this many leading rows (or all, if fewer) failed
+    # and none succeeded: a setup problem, not bad rows. None: the engine applies its own rule.
+    setup_failures: int | None
+
+    def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]: ...
 
 
 def row_seed(seed: int, row_id: str) -> int:
@@ -93,97 +117,28 @@ def row_seed(seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _cache_keyword(model: Any) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` on the forward; accept either.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _choose(logits: torch.Tensor, settings: GenerationSettings, generators: list[torch.Generator] | None) -> torch.Tensor:
-    if settings.greedy or generators is None:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
-    if settings.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= settings.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
-
-
-@torch.inference_mode()
-def generate_batch(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_id: int,
-    settings: GenerationSettings = GenerationSettings(),
-    seeds: Sequence[int] | None = None,
-) -> list[Generated]:
-    """Answer a batch of tokenized prompts (left-padded here) with a KV cache.
-
-    `seeds` (one per prompt) are required for sampling; greedy ignores them.
-    """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    count = len(prompts)
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((count, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((count, width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention[i, width - len(prompt):] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    # Left padding shifts every row; positions count real tokens only, as for an unpadded prompt.
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    generators = None
-    if not settings.greedy:
-        if seeds is None or len(seeds) != count:
-            raise ValueError("sampling needs one seed per prompt")
-        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-    stops = set(int(s) for s in stop_ids)
-    cache = DynamicCache(config=model.config)
-    cache_kw = {_cache_keyword(model): cache}
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                   logits_to_keep=1, **cache_kw).logits[:, -1]
-    next_position = positions[:, -1:] + 1
-    live = list(range(count))  # original index of each row still in the batch
-    tokens: list[list[int]] = [[] for _ in range(count)]
-    finish = ["length"] * count
-    for step in range(max_new_tokens):
-        chosen = _choose(logits, settings, generators)
-        keep = []
-        for slot, (row, token) in enumerate(zip(live, chosen.tolist())):
-            tokens[row].append(token)
-            if token in stops:
-                finish[row] = "stop"
-            else:
-                keep.append(slot)
-        if not keep or step + 1 == max_new_tokens:
-            break
-        if len(keep) < len(live):
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            chosen, attention, next_position = chosen[index], attention[index], next_position[index]
-            live = [live[k] for k in keep]
-            if generators is not None:
-                generators = [generators[k] for k in keep]
-        attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=-1)
-        logits = model(input_ids=chosen[:, None], attention_mask=attention, position_ids=next_position,
-                       use_cache=True, **cache_kw).logits[:, -1]
-        next_position = next_position + 1
-    return [Generated(tokens[i], finish[i]) for i in range(count)]
+def prompt_token_limit(model_config: Any, settings: GenerationSettings) -> int | None:
+    """The longest prompt a target's context leaves room for (None when it declares none)."""
+    context = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+    if not context:
+        return None
+    if context - settings.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the "
+                          f"target's {context}-token context")
+    return context - settings.max_new_tokens
 
 
 def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".regenerate.json")
 
 
-def output_record(target_name: str, settings: GenerationSettings) -> dict[str, Any]:
-    return {"target": target_name, "settings": asdict(settings)}
+def output_record(target_name: str, settings: GenerationSettings, sampler: str = SAMPLER) -> dict[str, Any]:
+    """What the sidecar records; `sampler` names how sampled runs draw (another engine, e.g. a
+    server, passes its own name here and as `record_extra["sampler"]`)."""
+    record: dict[str, Any] = {"target": target_name, "settings": asdict(settings)}
+    if not settings.greedy:
+        record["sampler"] = sampler
+    return record
 
 
 def check_output(out: Path, record: dict[str, Any]) -> bool:
@@ -202,6 +157,8 @@ def check_output(out: Path, record: dict[str, Any]) -> bool:
                if before["settings"].get(k) != v]
     if before.get("target") != record["target"]:
         changed.insert(0, f"target: {before.get('target')} before, {record['target']} now")
+    if record["settings"].get("temperature", 0) > 0 and before.get("sampler") != record.get("sampler"):
+        changed.append(f"sampler: {before.get('sampler') or 'per-row torch generators'} before, {record.get('sampler')} now")
     if changed:
         raise RegenerateError(
             f"{out} was written with other settings ({'; '.join(changed)}); resume with the same settings, "
@@ -274,156 +231,140 @@ class RegenerationReport:
         return "\n".join(lines)
 
 
-def _batches(items: list[tuple[Prompt, list[int]]], batch_size: int) -> list[list[tuple[Prompt, list[int]]]]:
-    window = batch_size * WINDOW_BATCHES
-    out = []
-    for start in range(0, len(items), window):
-        chunk = sorted(items[start:start + window], key=lambda item: len(item[1]))
-        out += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    return out
-
-
-def _row(prompt: Prompt, answer: str, generated: Generated) -> dict[str, Any]:
+def _row(prompt: Prompt, answer: Answer) -> dict[str, Any]:
     return {
         "id": prompt.id,
-        "messages": [*prompt.messages, {"role": "assistant", "content": answer}],
-        "finish_reason": generated.finish_reason,
-        "completion_tokens": len(generated.tokens),
+        "messages": [*prompt.messages, {"role": "assistant", "content": answer.text}],
+        "finish_reason": answer.finish_reason,
+        "completion_tokens": answer.completion_tokens,
     }
 
 
+class ChunkWriter:
+    """Appends lines to the output in fsync'ed chunks: at most every `flush_seconds`, and on
+    `flush()`. A kill loses at most the last unflushed chunk, which a resume answers again."""
+
+    def __init__(self, out: Path, flush_seconds: float):
+        self.handle = open(out, "a", encoding="utf-8")
+        self.flush_seconds = flush_seconds
+        self.pending: list[str] = []
+        self.last_flush = time.monotonic()
+
+    def add(self, line: str) -> None:
+        self.pending.append(line)
+        if time.monotonic() - self.last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.handle.write("".join(self.pending))
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+            self.pending = []
+        self.last_flush = time.monotonic()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.handle.close()
+
+
 def regenerate(
-    target: Any,
     prompts: Sequence[Prompt],
     out: str | Path,
     *,
+    engine: AnswerEngine,
     stats: RowStats,
     settings: GenerationSettings = GenerationSettings(),
-    batch_size: int = 8,
+    target_name: str,
+    tokenizer: Any | None = None,
     max_prompt_tokens: int | None = None,
-    target_name: str | None = None,
+    record_extra: dict[str, Any] | None = None,
+    flush_seconds: float = 1.0,
     log: TextIO | None = None,
     progress_stream: TextIO | None = None,
 ) -> RegenerationReport:
-    """Answer `prompts` with `target` (a dflash_train Target) and append the rows to `out`.
+    """Answer `prompts` with `engine` and append the rows to `out` (resumed if it exists).
 
     `stats` must already count the input rows as read (the reader does, for a file); this adds
-    the skipped and failed ones. Resumes an existing `out` (see the module doc). `target_name`
-    (default: the target's folder) is what the settings sidecar records for the target.
+    the skipped and failed ones. With a `tokenizer` the prompts are rendered here (`Job.ids`) and
+    those longer than `max_prompt_tokens` skipped; without one, `Job.ids` is None. The settings
+    sidecar records `target_name`, `settings` and `record_extra` (e.g. the stop token ids).
     """
     log = log or sys.stdout
     out = Path(out)
     if not out.name.endswith(".jsonl"):
         raise ConfigError(f"--out {out}: must be a .jsonl file (appended to and resumed; not compressed)")
-    model, tokenizer = target.model, target.tokenizer
-    if tokenizer is None:
-        raise ConfigError(f"{target.path}: no tokenizer next to the model; it is needed to render the prompts")
-    stop_ids = stop_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    if max_prompt_tokens is None:
-        max_prompt_tokens = context - settings.max_new_tokens if context else None
-        if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise ConfigError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the "
-                              f"target's {context}-token context")
-    record = output_record(target_name or str(target.path), settings)
-    record["stop_token_ids"] = stop_ids
+    record = {**output_record(target_name, settings), **(record_extra or {})}
     done = prepare_output(out, record, log)
     report = RegenerationReport(out, stats)
+    print(engine.description, file=log)
 
     # Every input row is accounted for here: duplicates, template errors and over-long prompts
-    # are skipped; the others are rendered once and wait for their batch.
+    # are skipped; the others become jobs, rendered once.
     seen: set[str] = set()
-    items: list[tuple[Prompt, list[int]]] = []
+    jobs: list[Job] = []
     too_long = f"prompt longer than {max_prompt_tokens} tokens"
     for prompt in prompts:
         if prompt.id in seen:
             stats.skip(DUPLICATE_ID, f"{prompt.source}: id {prompt.id!r}")
             continue
         seen.add(prompt.id)
-        try:
-            ids = render_prompt(tokenizer, prompt.messages, enable_thinking=settings.enable_thinking)
-        except RenderError as error:
-            stats.skip("chat template error", f"{prompt.source}: {error}")
-            continue
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            stats.skip(too_long, f"{prompt.source}: {len(ids)} tokens")
-            continue
-        items.append((prompt, ids))
-    report.resumed = sum(1 for prompt, _ in items if prompt.id in done)
+        ids = None
+        if tokenizer is not None:
+            try:
+                ids = render_prompt(tokenizer, prompt.messages, enable_thinking=settings.enable_thinking)
+            except RenderError as error:
+                stats.skip("chat template error", f"{prompt.source}: {error}")
+                continue
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                stats.skip(too_long, f"{prompt.source}: {len(ids)} tokens")
+                continue
+        if prompt.id in done:
+            report.resumed += 1
+        else:
+            jobs.append(Job(prompt, ids, row_seed(settings.seed, prompt.id)))
     foreign = len(done - seen)
     if foreign:
         print(f"note: {out} also holds {foreign} rows whose ids are not in this input (kept)", file=log)
     if report.resumed:
-        print(f"resuming {out}: {report.resumed} of {len(items)} rows already written", file=log)
+        print(f"resuming {out}: {report.resumed} of {report.resumed + len(jobs)} rows already written", file=log)
 
-    progress = Progress(len(items) - report.resumed, "regenerate", stream=progress_stream or sys.stderr)
+    progress = Progress(len(jobs), "regenerate", stream=progress_stream or sys.stderr)
     progress.last_draw = progress.started  # the first line after `every_seconds`: short runs print one line
     started = time.monotonic()
-    handle = open(out, "a", encoding="utf-8")
+    writer = ChunkWriter(out, flush_seconds)
+    failures: list[BaseException] = []
     try:
-        for batch in _batches(items, batch_size):
-            todo = [item for item in batch if item[0].id not in done]
-            if not todo:
-                continue
-            generated = _generate_rows(model, batch, stop_ids, pad_id, settings, stats, report)
-            lines = []
-            for (prompt, _ids), result in zip(batch, generated):
-                if prompt.id in done or result is None:
-                    continue
-                answer = tokenizer.decode(result.answer_tokens(), skip_special_tokens=False)
-                lines.append(json.dumps(_row(prompt, answer, result), ensure_ascii=False) + "\n")
-                report.tokens += len(result.tokens)
+        for job, result in engine.answers(jobs):
+            if isinstance(result, BaseException):
+                failures.append(result)
+                stats.skip(f"{GENERATION_FAILED}: {type(result).__name__}", f"{job.prompt.source}: {result}")
+                limit = getattr(engine, "setup_failures", SETUP_FAILURES)
+                if limit is not None and report.new == 0 and len(failures) >= min(limit, len(jobs)):
+                    # Nothing has worked yet and every row so far failed: a setup problem, not bad rows.
+                    raise failures[0]
+            else:
+                writer.add(json.dumps(_row(job.prompt, result), ensure_ascii=False) + "\n")
+                report.new += 1
+                report.tokens += result.completion_tokens
                 report.finish[result.finish_reason] += 1
-            if lines:
-                handle.write("".join(lines))
-                handle.flush()
-                os.fsync(handle.fileno())
-            report.new += len(lines)
             report.seconds = time.monotonic() - started
-            progress.update(len(todo), note=f"{report.tokens / max(report.seconds, 1e-9):.0f} tok/s")
+            progress.update(1, note=f"{report.tokens / max(report.seconds, 1e-9):.0f} tok/s")
+    except UserError as error:
+        if report.new == 0:
+            raise
+        # The engine gave up (a server that went away): every row answered so far stays.
+        raise UserError(f"{error}; the {report.new} rows answered in this run are kept in {out}: "
+                        "run the same command again to resume") from None
     except KeyboardInterrupt:
         report.interrupted = True
         raise
     finally:
-        handle.close()
+        writer.close()  # finished rows are whole: keep them, whatever ended the run
         report.seconds = time.monotonic() - started
         progress.close()
         if report.interrupted:
             print(report.summary(), file=log)
     return report
-
-
-def _generate_rows(model, batch, stop_ids, pad_id, settings, stats, report) -> list[Generated | None]:
-    """The batch's answers. If the batch fails (out of memory, a row the model cannot take), each
-    row is retried alone, and a row that still fails is counted as failed (None)."""
-    prompts = [ids for _, ids in batch]
-    seeds = [row_seed(settings.seed, prompt.id) for prompt, _ in batch]
-    kwargs = dict(max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id, settings=settings)
-    try:
-        return generate_batch(model, prompts, seeds=seeds, **kwargs)
-    except Exception as error:  # noqa: BLE001 - isolated row by row below
-        batch_error = error
-    _release_memory(model)
-    results: list[Generated | None] = [None] * len(batch)
-    errors: list[BaseException | None] = [batch_error] * len(batch)
-    for i, (ids, seed) in enumerate(zip(prompts, seeds)):
-        if len(batch) == 1:
-            break  # that row just failed alone
-        try:
-            results[i], errors[i] = generate_batch(model, [ids], seeds=[seed], **kwargs)[0], None
-        except Exception as error:  # noqa: BLE001 - counted per row below
-            errors[i] = error
-            _release_memory(model)
-    if report.new == 0 and all(result is None for result in results):
-        # Nothing has worked yet and every row of this batch fails: a setup problem, not bad rows.
-        raise batch_error
-    for (prompt, _), error in zip(batch, errors):
-        if error is not None:
-            stats.skip(f"{GENERATION_FAILED}: {type(error).__name__}", f"{prompt.source}: {error}")
-    return results
-
-
-def _release_memory(model: Any) -> None:
-    if next(model.parameters()).device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -51,21 +51,29 @@ def cache_capacity(tokens: int) -> int:
     return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of `grouped_attention` from `visible` [b, q or 1, keys] (True = seen):
+    [b, 1, groups·q or 1, keys], 0 where seen and −inf elsewhere. Built once per forward and
+    shared by every layer (SDPA would otherwise convert a boolean mask in each of them)."""
+    if visible.shape[1] > 1:
+        visible = visible.repeat(1, groups, 1)  # folded query row g·q + i is query i (see below)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return bias[:, None]
+
+
 def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """query [1, heads, q, d] over a whole cache keys/values [1, kv_heads, capacity, d] where
-    `visible` [q or 1, capacity] says which keys each query sees -> [1, q, heads·d].
+    """query [b, heads, q, d] over cache rows keys/values [b, kv_heads, positions, d], `bias` from
+    `attention_bias` (which keys each query sees) -> [b, q, heads·d].
 
     Grouped-query heads are folded into the query axis (query head h uses kv head h // groups,
     as Hugging Face's repeat_kv), so the cache is read once, never repeated per group."""
-    _, heads, length, d = query.shape
+    batch, heads, length, d = query.shape
     kv_heads = keys.shape[1]
-    groups = heads // kv_heads
-    folded = query.reshape(1, kv_heads, groups * length, d)
-    mask = visible.expand(length, -1).repeat(groups, 1)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(1, heads, length, d).transpose(1, 2).reshape(1, length, heads * d)
+    folded = query.reshape(batch, kv_heads, heads // kv_heads * length, d)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
 
 
 # One capture at a time in the process: captures from two threads at once are untested (the
@@ -109,13 +117,16 @@ class CapturedStep(Generic[Outputs]):
     overwrites that it also reads, which are put back before the captured graph's first replay.
 
     If capture fails (an operation that syncs with the host, ...), the step runs eagerly from then
-    on, with one warning: slower, never wrong."""
+    on, with one warning: slower, never wrong. Steps given one `pool` (torch.cuda.graph_pool_handle)
+    share their graphs' memory; only do that for steps that return nothing, keep all their state
+    in tensors made outside the graphs and are replayed one after the other."""
 
-    def __init__(self, fn: Callable[[], Outputs], device: torch.device, name: str, restore: tuple[torch.Tensor, ...] = ()):
-        self.fn, self.device, self.name, self.restore = fn, device, name, restore
+    def __init__(self, fn: Callable[[], Outputs], device: torch.device, name: str, restore: tuple[torch.Tensor, ...] = (),
+                 *, graphs: bool = True, pool: tuple | None = None):
+        self.fn, self.device, self.name, self.restore, self.pool = fn, device, name, restore, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs | None = None
-        self.eager = device.type != "cuda"
+        self.eager = device.type != "cuda" or not graphs
 
     def __call__(self) -> Outputs:
         if self.eager:
@@ -144,7 +155,7 @@ class CapturedStep(Generic[Outputs]):
             # Our own stream, on our device: without one, torch.cuda.graph captures on a single
             # process-wide stream made on whichever device was current at the first capture, so
             # a second GPU's graphs came out empty.
-            with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 outputs = self.fn()
             for tensor, value in zip(self.restore, saved):
                 tensor.copy_(value)
@@ -158,7 +169,9 @@ class CapturedStep(Generic[Outputs]):
             if mismatch is not None:
                 raise RuntimeError(f"its first replay did not reproduce the eager result ({mismatch} differs): "
                                    "the graph holds none or only part of the step's kernels")
-        except Exception as error:  # noqa: BLE001 - any capture failure means: stay eager
+        except torch.OutOfMemoryError:
+            raise  # not a reason to run eagerly: the caller frees memory and retries
+        except Exception as error:  # noqa: BLE001 - any other capture failure means: stay eager
             warnings.warn(f"CUDA graph capture of the {self.name} step failed, running it eagerly: {error}", stacklevel=2)
             self.eager = True
             # Whatever the capture or replay wrote is overwritten by one more eager run from the
@@ -176,67 +189,134 @@ class CapturedStep(Generic[Outputs]):
 
 
 class StaticTarget:
-    """The target's forward over a preallocated KV cache of `capacity` positions.
+    """The target's forward over preallocated KV caches: `batch` rows of `capacity` positions.
 
-    `forward(ids [1, q], start)` writes the new keys/values at positions start..start+q−1 and
-    returns float32 logits (of the last row only with `last_only`) and, when `layer_ids` were
-    given, their hidden states concatenated [1, q, n·hidden] (layer id k = output of decoder
-    layer k, as Hugging Face's hidden_states[k + 1]). Positions ≥ start + q in the cache are
-    stale or empty and masked; nothing has to be cropped after a rejection.
+    `forward(ids [b, q], start)` (the first b ≤ batch cache rows; `start` a scalar or one position
+    per row) writes row r's new keys/values at positions start[r]..start[r]+q−1 of cache row r, attends over
+    the first `attend` cache positions (default: all of them) and returns float32 logits
+    [b, q, vocab] (the last column only with `last_only`) and, when `layer_ids` were given,
+    their hidden states concatenated [b, q, n·hidden] (layer id k = output of decoder layer k,
+    as Hugging Face's hidden_states[k + 1]). A query sees the positions ≤ its own: whatever a
+    cache row holds past that is stale or empty and masked, so nothing has to be cropped after a
+    rejection, and a row reused for a new prompt needs no clearing.
+
+    `prefill_rows(ids [k, W], lengths [k], rows [k])` starts new sequences in cache rows `rows`
+    (right-padded prompts at positions 0..W−1, attending causally to themselves) and returns the
+    logits after each prompt's last real token [k, vocab]. The padding's keys land past each
+    prompt's end: masked, and overwritten by the row's next tokens before they can be seen.
 
     The model's own submodules run (norms, projections, MLP, rotary embedding), so bias terms,
     q/k norms and scaled RoPE variants are the model's; only the attention over the cache is ours.
     """
 
-    def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None):
+    def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1):
         body = target.model.model
         self.model, self.body, self.layers = target.model, body, target.layers
         self.layer_ids = list(layer_ids or [])
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         kv_heads = attn.k_proj.out_features // self.head_dim
+        self.groups = attn.q_proj.out_features // self.head_dim // kv_heads
         weight = target.embed_weight
-        self.device, self.capacity = weight.device, capacity
-        shape = (len(self.layers), 1, kv_heads, capacity, self.head_dim)
+        self.device, self.capacity, self.batch, self.dtype = weight.device, capacity, batch, weight.dtype
+        shape = (len(self.layers), batch, kv_heads, capacity, self.head_dim)
         self.keys = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.key_positions = torch.arange(capacity, device=self.device)
         self.last_layer = len(self.layers) - 1
 
+    def move_rows(self, source: list[int], destination: list[int], chunk: int = 16) -> None:
+        """Copy cache rows `source` to rows `destination` (disjoint sets), a few rows at a time so
+        the copy needs little memory of its own."""
+        for i in range(0, len(source), chunk):
+            src = torch.tensor(source[i:i + chunk], device=self.device)
+            dst = torch.tensor(destination[i:i + chunk], device=self.device)
+            for cache in (self.keys, self.values):
+                cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @staticmethod
+    def bytes_per_position(target: Target) -> int:
+        """Cache bytes one row needs per position (keys and values of every layer)."""
+        attn = target.layers[0].self_attn
+        return 2 * len(target.layers) * attn.k_proj.out_features * target.embed_weight.element_size()
+
     def forward(
-        self, ids: torch.Tensor, start: torch.Tensor, *, last_only: bool = False, features: bool = True
+        self, ids: torch.Tensor, start: torch.Tensor, *, last_only: bool = False, features: bool = True,
+        attend: int | None = None, float_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        positions = start + torch.arange(ids.shape[1], device=self.device)
+        span = attend or self.capacity
+        positions = start.reshape(-1, 1) + torch.arange(ids.shape[1], device=self.device)  # [b or 1, q]
+        positions = positions.expand(ids.shape[0], -1)
+        visible = self.key_positions[:span] <= positions[:, :, None]  # causal, over the cache
+        bias = attention_bias(visible, self.groups, self.dtype)
+        index = positions[:, None, :, None].expand(-1, self.keys.shape[2], -1, self.head_dim)
+
+        rows = ids.shape[0]  # the first `rows` cache rows
+
+        def over_cache(layer: int, query, key, value, scale: float) -> torch.Tensor:
+            keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+            keys.scatter_(2, index, key)
+            values.scatter_(2, index, value)
+            return grouped_attention(query, keys[:, :, :span], values[:, :, :span], bias, scale)
+
+        hidden, states = self._run(ids, positions, over_cache, features)
+        logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)
+        return (logits.float() if float_logits else logits), states
+
+    def single(self, ids: torch.Tensor, start: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` of a one-row cache, logits without the batch axis: [q, vocab]."""
+        logits, states = self.forward(ids, start, **options)
+        return logits[0], states
+
+    def prefill_rows(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, *, float_logits: bool = True) -> torch.Tensor:
+        count, width = ids.shape
+        positions = torch.arange(width, device=self.device)[None].expand(count, -1)
+
+        def own_prompt(layer: int, query, key, value, scale: float) -> torch.Tensor:
+            self.keys[layer][:, :, :width].index_copy_(0, rows, key)
+            self.values[layer][:, :, :width].index_copy_(0, rows, value)
+            # Keys repeated per query head (Hugging Face's repeat_kv): a plain causal call, which
+            # every SDPA backend (flash included) takes.
+            key, value = key.repeat_interleave(self.groups, dim=1), value.repeat_interleave(self.groups, dim=1)
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+            return out.transpose(1, 2).reshape(count, width, -1)
+
+        hidden, _ = self._run(ids, positions, own_prompt, False)
+        last = hidden.gather(1, (lengths - 1).view(count, 1, 1).expand(-1, 1, hidden.shape[-1]))
+        logits = self.model.lm_head(last)[:, 0]
+        return logits.float() if float_logits else logits
+
+    def _run(self, ids, positions, attend, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding, every decoder layer (`attend` does the attention and its cache writes), the
+        final norm -> (normed hidden [b, q, hidden], the requested layers' states or None)."""
         x = self.body.embed_tokens(ids)
-        cos, sin = self.body.rotary_emb(x, positions[None])
-        visible = self.key_positions[None, :] <= positions[:, None]  # causal, over the whole cache
+        cos, sin = self.body.rotary_emb(x, positions)
         wanted = set(self.layer_ids) if features else set()
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, positions, visible)
+            attn = layer.self_attn
+            query, key, value = self._project(attn, layer.input_layernorm(x), cos, sin)
+            x = x + attn.o_proj(attend(i, query, key, value, attn.scaling))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 captured[i] = x
         hidden = self.body.norm(x)
         if self.last_layer in captured:  # Hugging Face's last hidden state is the normed one
             captured[self.last_layer] = hidden
-        logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)[0].float()
         states = torch.cat([captured[k] for k in self.layer_ids], dim=-1) if wanted else None
-        return logits, states
+        return hidden, states
 
-    def _attention(self, index, attn, x, cos, sin, positions, visible) -> torch.Tensor:
-        length, d = x.shape[1], self.head_dim
-        query = attn.q_proj(x).view(1, length, -1, d)
-        key = attn.k_proj(x).view(1, length, -1, d)
+    def _project(self, attn, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [b, heads, q, d], keys and values [b, kv_heads, q, d], RoPE applied."""
+        batch, length, d = x.shape[0], x.shape[1], self.head_dim
+        query = attn.q_proj(x).view(batch, length, -1, d)
+        key = attn.k_proj(x).view(batch, length, -1, d)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3
             query, key = attn.q_norm(query), attn.k_norm(key)
         query = apply_rope(query.transpose(1, 2), cos, sin)
         key = apply_rope(key.transpose(1, 2), cos, sin)
-        value = attn.v_proj(x).view(1, length, -1, d).transpose(1, 2)
-        self.keys[index].index_copy_(2, positions, key)
-        self.values[index].index_copy_(2, positions, value)
-        out = grouped_attention(query, self.keys[index], self.values[index], visible, attn.scaling)
-        return attn.o_proj(out)
+        value = attn.v_proj(x).view(batch, length, -1, d).transpose(1, 2)
+        return query, key, value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,13 +356,14 @@ class StaticDrafter:
         dtype = drafter.fc.weight.dtype  # the drafter may run in another dtype than the target
         context = drafter.hidden_norm(drafter.fc(features.to(dtype)))
         x = embed_block_tokens(block_ids, self.target.embed_weight, config.input_embedding_scale).to(dtype)
-        visible = (self.key_positions < start + length)[None]
+        visible = (self.key_positions < start + length)[None, None]
+        bias = attention_bias(visible, config.num_attention_heads // config.num_key_value_heads, self.keys.dtype)
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
             self._write(i, context_positions, *attn.keys_values(context, cos_ctx, sin_ctx))
             h = layer.input_layernorm(x)
             self._write(i, block_positions, *attn.keys_values(h, cos, sin))
-            out = grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], visible, self.scale)
+            out = grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], bias, self.scale)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         head = self.target.head_weight
@@ -344,19 +425,32 @@ def _probe(target: Target) -> str | None:
     except Exception as error:  # noqa: BLE001 - a config that cannot be shrunk: stay on Hugging Face
         return f"a 2-layer replica of {type(target.model).__name__} could not be built ({type(error).__name__}: {error})"
     layers = len(replica.layers)
-    ids = (torch.arange(12, device=target.device) * 7919 % 512)[None]
+    device = target.device
+    ids = (torch.arange(12, device=device) * 7919 % 512)[None]
+    other = (torch.arange(8, device=device) * 104729 % 512)[None]
     with torch.no_grad():
         reference = replica.model(ids, output_hidden_states=True, use_cache=False)
+        other_reference = replica.model(other, use_cache=False).logits[0]
         try:
             ours = StaticTarget(replica, 16, list(range(layers)))
-            first = ours.forward(ids[:, :7], torch.tensor(0, device=target.device))
-            second = ours.forward(ids[:, 7:], torch.tensor(7, device=target.device))
+            first = ours.single(ids[:, :7], torch.tensor(0, device=device))
+            second = ours.single(ids[:, 7:], torch.tensor(7, device=device))
+            # The batched generator's path: two prompts of other lengths started in swapped cache
+            # rows (right-padded), then one step each at its own position.
+            batched = StaticTarget(replica, 16, batch=2)
+            padded = torch.cat([ids[:, :10], torch.cat([other[:, :6], other[:, :4]], dim=1)])
+            started = batched.prefill_rows(padded, torch.tensor([10, 6], device=device), torch.tensor([1, 0], device=device))
+            stepped = batched.forward(torch.stack([other[0, 6:7], ids[0, 10:11]]), torch.tensor([6, 10], device=device),
+                                      features=False)[0][:, 0]
         except Exception as error:  # noqa: BLE001 - a module with another signature: not our block
             return f"its modules do not run as a Llama/Qwen block ({type(error).__name__}: {error})"
     logits = torch.cat([first[0], second[0]])
     states = torch.cat([first[1], second[1]], dim=1)
     expected_states = torch.cat([reference.hidden_states[hidden_state_index(k)] for k in range(layers)], dim=-1)
-    for name, got, expected in (("logits", logits, reference.logits[0]), ("hidden states", states, expected_states)):
+    rows = torch.stack([started[0], started[1], stepped[0], stepped[1]])
+    expected_rows = torch.stack([reference.logits[0, 9], other_reference[5], other_reference[6], reference.logits[0, 10]])
+    for name, got, expected in (("logits", logits, reference.logits[0]), ("hidden states", states, expected_states),
+                                ("batched logits", rows, expected_rows)):
         error = float((got - expected).abs().max()) / (float(expected.abs().max()) + 1e-6)
         if not error <= 1e-4:
             return f"its {name} differ from the Hugging Face forward's (relative error {error:.1e} in float32)"
@@ -396,7 +490,7 @@ class StaticState:
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.next_token = CapturedStep(lambda: self.target.forward(self.token, self.start, features=False)[0], device, "target-only")
+        self.next_token = CapturedStep(lambda: self.target.single(self.token, self.start, features=False)[0], device, "target-only")
         self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
         self.drafter = None
         if drafter is not None:
@@ -410,7 +504,7 @@ class StaticState:
                 lambda: self.drafter.step(self.new_features, self.count, self.start, self.block), device, "draft"
             )
             self.verify_ids = torch.zeros(1, block, dtype=torch.long, device=device)
-            self.verify = CapturedStep(lambda: self.target.forward(self.verify_ids, self.start), device, "verify")
+            self.verify = CapturedStep(lambda: self.target.single(self.verify_ids, self.start), device, "verify")
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def capture_all(self) -> None:
@@ -428,7 +522,7 @@ class StaticState:
                 self.greedy(length)()
 
     def _next_greedy(self) -> torch.Tensor:
-        token = self.target.forward(self.token, self.start, features=False)[0].argmax(-1)
+        token = self.target.single(self.token, self.start, features=False)[0].argmax(-1)
         return torch.cat([torch.zeros_like(token), token])
 
     def greedy(self, length: int) -> CapturedStep[torch.Tensor]:
@@ -444,7 +538,7 @@ class StaticState:
         drafts = self.drafter.step(self.new_features, self.count, self.start, block).argmax(-1)
         ids[0, :1].copy_(self.bonus)
         ids[0, 1:].copy_(drafts)
-        logits, features = self.target.forward(ids, self.start)
+        logits, features = self.target.single(ids, self.start)
         self.new_features[:, :length].copy_(features)  # the next step's context: its first `count` rows are kept
         return agreement(ids, logits)
 
@@ -548,7 +642,7 @@ class StaticDecoder:
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = self.state
         state.start.fill_(0)
-        logits, features = state.target.forward(prompt, state.start, last_only=True, features=state.drafter is not None)
+        logits, features = state.target.single(prompt, state.start, last_only=True, features=state.drafter is not None)
         return logits[-1], features
 
     def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
@@ -574,7 +668,7 @@ class StaticDecoder:
         if not features and block.shape[1] == 1:
             state.token.copy_(block)
             return state.next_token(), None
-        return state.target.forward(block, state.start, features=features)
+        return state.target.single(block, state.start, features=features)
 
     def greedy(
         self, features: torch.Tensor | None, start: int, bonus: torch.Tensor, length: int
