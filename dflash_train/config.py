@@ -217,6 +217,7 @@ class TrainConfig:
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA, eager where a capture is refused), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
@@ -249,6 +250,12 @@ class TrainConfig:
             raise ConfigError(f"attention {self.attention!r}: use auto, flex or sdpa")
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f"compile {self.compile!r}: use auto, on or off")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ConfigError(f"cuda_graphs {self.cuda_graphs!r}: use auto, on or off")
+        devices = [*(self.target_devices or [self.device]), *(self.drafter_devices or [self.device])]
+        if self.cuda_graphs == "on" and "cpu" in devices:
+            raise ConfigError("--cuda-graphs on: CUDA graphs need CUDA devices and this run uses the cpu "
+                              "(use --cuda-graphs auto or off)")
         if self.fp8 not in FP8_CHOICES:
             raise ConfigError(f"fp8 {self.fp8!r}: use {', '.join(FP8_CHOICES)}")
         if self.precision not in ("auto", "bf16", "fp32"):

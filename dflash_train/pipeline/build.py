@@ -33,7 +33,9 @@ from ..objective import ObjectiveConfig
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets
+from .compile_cache import CompileCacheReport
 from .runtime import StopSignal
+from .startup import GraphChoice, Warmup, attach_step, feature_dtype, graphed_sources
 from .workers import (
     BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
     GradientReducer, Replica, StepHook, StepRange, TargetSetup, TargetWorker,
@@ -406,6 +408,7 @@ class Pipeline:
     drafter_workers: list[DrafterWorker]
     reducers: list[GradientReducer]
     targets: list[Target]
+    warmup: Warmup | None = None
 
     @property
     def workers(self) -> list:
@@ -418,7 +421,8 @@ class Pipeline:
 def build_pipeline(
     config: TrainConfig, layout: Layout, plans: list[DrafterPlan], supply: FeatureSupply,
     sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, compiles: bool, evaluation: EvaluationSchedule | None,
-    step_hook: StepHook | None, save_checkpoints: bool,
+    step_hook: StepHook | None, save_checkpoints: bool, graphs: GraphChoice, log: TextIO,
+    compile_cache: CompileCacheReport | None = None,
 ) -> Pipeline:
     stop = StopSignal()
     reports: queue.Queue = queue.Queue()
@@ -426,6 +430,7 @@ def build_pipeline(
     replicas_per_step = len(plans[0].devices) if config.mode == "replicas" else 1
     batches_per_step = replicas_per_step * grad_accum
     slots = [(plan, rank) for plan in plans for rank in range(len(plan.devices))]
+    warmup = Warmup(len(sources) + len(slots), stop, log, run_dir=Path(config.out), compile_cache=compile_cache)
     router = BatchRouter(len(supply.targets), len(slots), batches_per_step=batches_per_step, grad_accum=grad_accum,
                          every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
     union = layer_union(plans)
@@ -436,6 +441,9 @@ def build_pipeline(
     for plan in plans:
         write_run_record(plan, config)
         replicas = build_replicas(plan, config, resume, frozen, backends)
+        for replica in replicas:  # its step: graphed, or eager with its compiles before step 1
+            attach_step(replica, config, graphs, shape_buckets(config), feature_dtype(sources),
+                        compiled=compiles_drafter(config, replica.device) or backends[replica.device] == "flex")
         reducer = GradientReducer([r.drafter for r in replicas], stop) if len(replicas) > 1 else None
         if reducer is not None:
             reducers.append(reducer)
@@ -453,7 +461,7 @@ def build_pipeline(
                 stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer,
                 evaluation=evaluation if rank0 else None,
                 compile_watch=CompileWatch(thread_name, config.fail_on_recompile) if compiles else None,
-                hook=step_hook,
+                hook=step_hook, warmup=warmup,
             )))
 
     planner = BatchPlanner(
@@ -462,11 +470,13 @@ def build_pipeline(
         pad_id=(supply.first.tokenizer.pad_token_id or 0) if supply.first.tokenizer is not None else 0,
         pin_memory=layout.uses_cuda,
     )
+    sources = graphed_sources(sources, graphs, shape_buckets(config), config.batch_size)
     target_workers = [
-        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles))
+        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles,
+                                 warmup=warmup))
         for t, source in enumerate(sources)
     ]
-    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets)
+    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets, warmup)
 
 
 def cpu_threads_per_worker(pipeline: Pipeline) -> int | None:

@@ -29,9 +29,10 @@ from ..export import export_model
 from ..progress import Progress
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
 from .reporting import (
-    RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
-    summary_text, worker_stats,
+    RunningStats, Sink, StepAssembler, drafter_compiles, eval_line, pipeline_bottleneck, pipeline_note,
+    recompile_snapshot, step_line, step_record, summary_text, worker_stats,
 )
+from .startup import StartupClock
 from .runtime import StopSignal
 from .workers import StepRange, wait_for_workers
 
@@ -85,6 +86,7 @@ class Coordinator:
         self.queue_samples = 0
         self.started = time.monotonic()
         self.interrupts = InterruptHandler(self.stop)
+        self.clock = StartupClock(pipeline.warmup)
 
     # --- run -------------------------------------------------------------------------------------
 
@@ -136,9 +138,13 @@ class Coordinator:
         measured = next((r.evaluation for r in reports if r.evaluation), None)
         if measured:
             self.progress.print(eval_line(record, measured, name if many else None))
+        first = name == self.plans[0].name
+        if first:
+            startup = self.clock.observe(record, drafter_compiles(self.pipeline.drafter_workers))
+            if startup:
+                self.progress.print(startup)
         for sink in self.sinks:
             sink.write_step(name, record)
-        first = name == self.plans[0].name
         if first:
             self.progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
         step = record["step"]
@@ -147,11 +153,13 @@ class Coordinator:
             eta = (self.steps.end - step) * elapsed / max(1, step - self.steps.start)
             depth = self.mean_queue_depth()
             workers = self.pipeline.workers
+            limit = pipeline_bottleneck(workers, depth, self.config.prefetch)
             self.progress.print(step_line(record, name if many else None, self.config.steps, eta)
-                                + pipeline_note(workers, depth))
+                                + pipeline_note(workers, depth, limit))
             if first:
                 pipeline_record = {"step": step, "elapsed_s": round(elapsed, 2), "mean_queue_depth": round(depth, 3),
-                                   "workers": worker_stats(workers), "compiles": recompile_snapshot()}
+                                   "workers": worker_stats(workers), "bottleneck": limit.label,
+                                   "bottleneck_detail": limit.detail, "compiles": recompile_snapshot()}
                 for sink in self.sinks:
                     sink.write_pipeline(pipeline_record)
 
@@ -173,6 +181,8 @@ class Coordinator:
             "mean_queue_depth": round(self.mean_queue_depth(), 2),
             "gradient_sync_s": round(sum(r.seconds for r in pipeline.reducers), 2),
             "recompiles": recompile_snapshot(),
+            "startup": self.clock.summary(),
+            "bottleneck": str(pipeline_bottleneck(pipeline.workers, self.mean_queue_depth(), self.config.prefetch)),
         }
         for plan in self.plans:
             rank0 = pipeline.rank0(plan)

@@ -24,8 +24,10 @@ from .build import (
     build_evaluation, build_pipeline, describe_drafters, find_resume_point, layer_union, load_feature_supply,
     load_samples, plan_drafters, prepare_compile_safety, resolve_layout, step_range,
 )
+from .compile_cache import load_compile_cache
 from .coordinator import Coordinator
 from .reporting import Sink, open_sinks
+from .startup import choose_cuda_graphs
 from .workers import StepHook
 
 
@@ -57,6 +59,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
 
     layout = resolve_layout(config)
+    graphs = choose_cuda_graphs(config, [*layout.target_devices, *layout.drafter_devices])
     plans = plan_drafters(config, layout)
     supply = load_feature_supply(config, layout, target, log)
     if samples is None:
@@ -66,10 +69,12 @@ def train(
     resume = find_resume_point(config, plans, log)
     steps = step_range(config, resume, stop_at, log)
     compiles = prepare_compile_safety(config, layout, plans, log)
+    compile_cache = load_compile_cache(out, log) if compiles else None
     evaluation = build_evaluation(config, supply.first, steps, log)
     pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
-                              evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints)
-    print(layout_line(config, plans, pipeline, steps.start), file=log)
+                              evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
+                              graphs=graphs, log=log, compile_cache=compile_cache)
+    print(layout_line(config, plans, pipeline, steps.start) + f"\ncuda graphs: {graphs.reason}", file=log)
 
     all_sinks = [*open_sinks({plan.name: plan.run_dir / "metrics.jsonl" for plan in plans}, out / "pipeline.jsonl"),
                  *sinks]
