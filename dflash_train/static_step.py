@@ -92,6 +92,19 @@ class StaticInputs:
         self.inverse_normalizer.fill_(inverse_normalizer(batch.loss_normalizer))
 
 
+def padded_slot_index(scored: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows]: the positions of the True entries of `scored` in order (what nonzero_static gives),
+    then `scored.numel()` (one past the last: the dump slot) for the padding rows. Elementwise ops
+    and one scatter, so it captures on any torch; a host count above `rows` would drop rows, so
+    the caller's rows bucket must hold it."""
+    slots = scored.numel()
+    rank = torch.cumsum(scored, 0) - 1  # each scored slot's place among the scored ones
+    place = torch.where(scored & (rank < rows), rank, rows)  # unscored slots: the extra entry, dropped
+    index = torch.full((rows + 1,), slots, dtype=torch.long, device=scored.device)
+    index.scatter_(0, place, torch.arange(slots, device=scored.device))
+    return index[:rows]
+
+
 def static_drafter_loss(
     drafter: DFlashDrafter,
     frozen: FrozenTargetParts,
@@ -105,7 +118,7 @@ def static_drafter_loss(
     slots = label_valid.numel()
     # The scored slots, then `slots` (one past the last) for the padding rows: their CE goes to a
     # dump slot that is sliced off, so the loss gives them zero gradient.
-    into = torch.nonzero_static(label_valid.flatten(), size=rows, fill_value=slots).squeeze(1)
+    into = padded_slot_index(label_valid.flatten(), rows)
     source = into.clamp(max=slots - 1)  # padding rows read a real row's state: finite, never used
     scored_ce, scored_correct = frozen_head_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, source), frozen.head_weight, labels.flatten()[source],

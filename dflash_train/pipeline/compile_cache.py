@@ -62,6 +62,10 @@ def load_compile_cache(run_dir: str | Path, log: TextIO) -> CompileCacheReport:
         report.note = f"{path} did not load ({type(error).__name__}: {error}); compiling from scratch"
         warnings.warn(f"compile cache: {report.note}", stacklevel=2)
         return report
+    if info is None:  # torch logs why (a checksum, another format) and returns nothing
+        report.note = f"{path} did not load (torch could not read it); compiling from scratch"
+        warnings.warn(f"compile cache: {report.note}", stacklevel=2)
+        return report
     report.loaded = _counts(info)
     report.note = f"loaded {sum(report.loaded.values())} artifacts from {path}"
     print(f"compile cache: {report.note} ({', '.join(f'{k} {v}' for k, v in report.loaded.items()) or 'none usable'})",
