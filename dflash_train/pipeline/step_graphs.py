@@ -144,11 +144,13 @@ def _probe_update(device: torch.device) -> str | None:
     `tensor_lr_step` replayed with the lr changed in between (to 0 once: a baked-in lr would
     still move the weights), a clipped gradient, and a non-finite one (the skip)."""
     with torch.cuda.device(device):
-        start = (torch.arange(64, device=device, dtype=torch.float32).view(8, 8) - 31.5) / 64
-        eager, graphed = (torch.nn.Linear(8, 8, bias=False, device=device) for _ in range(2))
+        start = (torch.arange(64, dtype=torch.float32).view(8, 8) - 31.5) / 64
+        # Made on the CPU and filled: no CUDA random numbers (another thread may be capturing).
+        eager, graphed = (torch.nn.Linear(8, 8, bias=False) for _ in range(2))
         with torch.no_grad():
             eager.weight.copy_(start)
             graphed.weight.copy_(start)
+        eager, graphed = eager.to(device), graphed.to(device)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in (eager, graphed)]
         graphed.weight.grad = torch.zeros_like(start)
         grads = [graphed.weight.grad]
@@ -338,11 +340,12 @@ class GraphedStep:
         self._skipping_update()  # warm-up on this stream
         try:
             graph = self._capture(self.static.update)
-            before = torch.stack(torch._foreach_norm(self.static.params))
-            self.static.force_skip.fill_(1.0)
-            graph.replay()
-            if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
-                raise CaptureError("a replayed skipped update moved the weights")
+            with torch.no_grad():
+                before = torch.stack(torch._foreach_norm(self.static.params))
+                self.static.force_skip.fill_(1.0)
+                graph.replay()
+                if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
+                    raise CaptureError("a replayed skipped update moved the weights")
         except Exception as error:  # noqa: BLE001 - the update then runs eagerly
             self.eager_reasons["update"] = f"{type(error).__name__}: {_first_line(error)}"
             return
