@@ -7,8 +7,8 @@ forward hook: an exception cannot be recorded in a graph, and the hooks are per-
 over right-padded rows, as `Target.features` runs it), so its result is `Target.features`'.
 
 Whether a model runs correctly this way is decided on behaviour (`feature_forward_unsupported`):
-on a float32 2-layer replica of the model's class and config, random weights, `FeatureForward`
-must reproduce `Target.features`. A model whose layers need a mask built by the model's forward
+on a float32 2-layer replica of the model's class and config, random weights, on the CPU,
+`FeatureForward` must reproduce `Target.features`. A model whose layers need a mask built by the model's forward
 (eager attention, a sliding window shorter than the rows) does not, and keeps `Target.features`.
 """
 
@@ -103,11 +103,14 @@ def _probe(target: Target) -> str | None:
     missing = [name for name in ("embed_tokens", "rotary_emb", "norm") if getattr(body, name, None) is None]
     if missing:
         return f"{type(target.model).__name__} lacks model.{', model.'.join(missing)}"
+    # On the CPU: the question is which modules run and in what order, not a kernel; and no CUDA
+    # random numbers are drawn (another thread may be capturing a CUDA graph meanwhile).
+    cpu = torch.device("cpu")
     try:
-        replica = Target(float32_replica(target.model, target.device))
+        replica = Target(float32_replica(target.model, cpu))
     except Exception as error:  # noqa: BLE001 - a config that cannot be shrunk: keep Target.features
         return f"a 2-layer replica of {type(target.model).__name__} could not be built ({type(error).__name__}: {error})"
-    ids = (torch.arange(2 * 12, device=target.device) * 7919 % 512).view(2, 12)
+    ids = (torch.arange(2 * 12) * 7919 % 512).view(2, 12)
     for layer_ids in ([0], [1, 0]):  # stopping early, and the last layer's final norm
         expected = replica.features(ids, layer_ids)
         try:

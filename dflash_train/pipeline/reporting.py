@@ -227,7 +227,8 @@ def summary_text(summary: dict, total_steps: int) -> str:
                  + (f" | limit: {summary['bottleneck']}" if summary.get("bottleneck") else ""))
     startup = summary.get("startup") or {}
     if startup.get("time_to_first_step_s") is not None:
+        warmup = f", warm-up (compile + capture before step 1) {startup['warmup_s']}s" if startup.get("warmup_s") else ""
         lines.append(f"  startup: first step after {startup['time_to_first_step_s']}s, full speed after "
-                     f"{startup['time_to_full_speed_s']}s, warm-up {startup['warmup_s']}s")
+                     f"{startup['time_to_full_speed_s']}s{warmup}")
     lines.append("=" * 72)
     return "\n".join(lines)

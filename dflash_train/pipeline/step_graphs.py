@@ -73,14 +73,15 @@ def step_shapes(
     lengths: list[int], batch_size: int, objective: ObjectiveConfig, feature_width: int, feature_dtype: torch.dtype,
     vocab_size: int,
 ) -> StepShapes:
-    """Rows buckets are multiples of the head's chunk rows (a compiled head pads its last chunk to
-    that size anyway, so rounding up adds no head work), at most MAX_ROWS_GRAPHS per length."""
-    chunk = head_chunk_rows(vocab_size, objective.loss_chunk_rows, objective.compiled_head)
+    """At most MAX_ROWS_GRAPHS rows buckets per length. With a compiled head they are multiples of its
+    chunk rows (it pads its last chunk to that size anyway, so rounding up adds no head work); with
+    an eager head, even steps of at most 1/MAX_ROWS_GRAPHS of the largest count."""
+    unit = head_chunk_rows(vocab_size, objective.loss_chunk_rows, True) if objective.compiled_head else 1
     inputs, granules, rows = {}, {}, {}
     for length in sorted(set(lengths)):
         max_rows = batch_size * min(objective.num_anchors, length - 1) * (objective.block_size - 1)
-        chunks = -(-max_rows // chunk)
-        granule = chunk * max(1, -(-chunks // MAX_ROWS_GRAPHS))
+        units = -(-max_rows // unit)
+        granule = unit * max(1, -(-units // MAX_ROWS_GRAPHS))
         inputs[length] = InputShape(batch_size, length, objective.num_anchors, feature_width, feature_dtype)
         granules[length] = granule
         rows[length] = rows_buckets(max_rows, granule)
