@@ -29,6 +29,7 @@ from dflash_train.static_step import (
     InputShape, StaticInputs, padded_slot_index, rows_bucket, rows_buckets, static_drafter_loss,
 )
 from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss, training_step, warmup_cosine
+from dflash_train.target import Target
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
 LAYERS = [1, 3]
@@ -348,17 +349,12 @@ def test_bottleneck_names_the_saturated_resource():
                       1.0, 2).label == "queue"
 
 
-class _SlowTarget:
-    """A live target whose features take `seconds` longer (host time: the thread sleeps)."""
+class _SlowTarget(Target):
+    """A live target whose features take 60 ms longer (host time: the thread sleeps)."""
 
-    def __init__(self, target, seconds):
-        self.__class__ = type("SlowTarget", (type(target),), {"features": self._slow_features})
-        self.__dict__.update(target.__dict__)
-        self._seconds = seconds
-
-    def _slow_features(self, *args, **kwargs):
-        time.sleep(self._seconds)
-        return type(self).__mro__[1].features(self, *args, **kwargs)
+    def features(self, *args, **kwargs):
+        time.sleep(0.06)
+        return super().features(*args, **kwargs)
 
 
 def _pipeline_records(out):
@@ -370,7 +366,7 @@ def test_pipeline_names_a_deliberately_slowed_side(tmp_path, target, slow):
     """Real threads on the CPU: a target thread sleeping 60 ms per batch is named `target host`,
     a drafter thread sleeping 60 ms after each step `drafter host` (in the step line's record in
     pipeline.jsonl and the summary), with the host busy fractions that say so."""
-    source = _SlowTarget(target, 0.06) if slow == "target" else target
+    source = _SlowTarget(target.model) if slow == "target" else target
     hook = (lambda worker, step: time.sleep(0.06)) if slow == "drafter" else None
     config = tiny_train_config(tmp_path, steps=12, num_anchors=8, log_every=4, save_every=100, export_dtype="")
     summary = train(config, samples=pattern_samples(32), target=source, log=open(os.devnull, "w"), step_hook=hook)
