@@ -56,7 +56,9 @@ class GraphedFeatures:
                 try:
                     self._prepare_length(length, stream, pool)
                 except Exception as error:  # noqa: BLE001 - this length keeps Target.features
-                    self.eager_reasons[length] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                    text = str(error).strip()
+                    self.eager_reasons[length] = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+                    self.graphs.pop(length, None)
         current.wait_stream(stream)
         if self.eager_reasons:
             listed = "; ".join(f"length {length}: {why}" for length, why in self.eager_reasons.items())

@@ -260,10 +260,19 @@ class GraphedStep:
         if not self.capture_graphs:
             return "static step, no CUDA graphs (not a CUDA device)"
         reason = update_capture_unsupported(self.device)
-        if reason is not None:
-            self.classic_reason = reason
-            warnings.warn(f"CUDA graphs: {self.name} runs the eager training step: {reason}", stacklevel=2)
-            return f"eager training step ({reason})"
+        if reason is None:
+            try:
+                return self._prepare_graphs(say)
+            except Exception as error:  # noqa: BLE001 - whatever broke the warm-up: the proven eager step
+                reason = f"the warm-up failed ({type(error).__name__}: {_first_line(error)})"
+                self.graphs, self.update_graph = {}, None
+                if self.stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.classic_reason = reason
+        warnings.warn(f"CUDA graphs: {self.name} runs the eager training step: {reason}", stacklevel=2)
+        return f"eager training step ({reason})"
+
+    def _prepare_graphs(self, say: Say) -> str:
         current = torch.cuda.current_stream(self.device)
         self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
         self.stream.wait_stream(current)
@@ -446,12 +455,18 @@ def warm_compile(
     started = time.perf_counter()
     for length, shape in sorted(shapes.inputs.items()):
         bucket_started = time.perf_counter()
-        batch = synthetic_batch(shape, objective, vocab, device, 0)
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
-        with autocast:
-            loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
-        loss.backward()
-        drafter.zero_grad(set_to_none=True)
+        try:
+            batch = synthetic_batch(shape, objective, vocab, device, 0)
+            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
+            with autocast:
+                loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
+            loss.backward()
+        except Exception as error:  # noqa: BLE001 - the first real step of this length compiles it instead
+            warnings.warn(f"warm-up: length {length} did not compile up front ({type(error).__name__}: "
+                          f"{_first_line(error)}); its first step compiles it", stacklevel=2)
+            continue
+        finally:
+            drafter.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         say(f"length {length}: compiled in {time.perf_counter() - bucket_started:.1f}s")
