@@ -404,3 +404,90 @@ def test_a_damaged_compile_cache_is_reported_and_ignored(tmp_path):
     assert report.supported and not report.loaded and "did not load" in report.note
     assert any("compile cache" in str(w.message) for w in caught)
     assert load_compile_cache(tmp_path / "empty", io.StringIO()).note == "no saved artifacts yet"
+
+
+# --- the warm-up's logic, with a stand-in for the capture -----------------------------------------
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU (no capture runs here): `replay` runs the
+    function eagerly. With `baked`, it first puts back the input buffers as they were at
+    "capture", like a graph that read host copies instead of the buffers would behave."""
+
+    def __init__(self, fn, buffers=None):
+        self.fn = fn
+        self.baked = [(b, b.clone()) for b in buffers] if buffers else []
+
+    def replay(self):
+        for buffer, value in self.baked:
+            buffer.copy_(value)
+        self.fn()
+
+
+class _Stream:
+    def synchronize(self):
+        pass
+
+
+def _warm_up_on_cpu(graphed, monkeypatch, capture):
+    """GraphedStep's warm-up sequence (prepare without its CUDA streams) with `capture` standing in."""
+    from dflash_train.pipeline import step_graphs
+
+    monkeypatch.setattr(step_graphs, "capture", capture)
+    graphed.stream = _Stream()
+    graphed._skipping_update()
+    for length in sorted(graphed.inputs):
+        graphed._prepare_length(length, lambda line: None)
+    graphed._prepare_update()
+    graphed.static.reset()
+
+
+def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_graph(target, monkeypatch):
+    """The warm-up (compile run, captures, replay checks, skipped update) leaves weights, Adam
+    moments and step counts as they were, and the steps after it equal the classic step's. A
+    'graph' that replays stale inputs fails the replay check: its length then runs eagerly, named
+    in one warning, and the result is still the classic step's."""
+    objective = _objective(anchors=24)
+    steps = _steps(target, objective, steps=6, batches_per_step=2)
+    for baked_length in (None, BUCKETS[1]):
+        reference = _drafter(target)
+        drafter = copy.deepcopy(reference)
+        optimizer, scheduler = _trainer(target, objective, drafter)
+        graphed = _graphed(target, objective, drafter, optimizer, scheduler)
+        before = [p.detach().clone() for p in drafter.parameters()]
+
+        def capture(fn, device, stream, pool=None):
+            baked = _captures_length(graphed, fn, baked_length)
+            return _EagerGraph(fn, [graphed.inputs[baked_length].target_features] if baked else None), None
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _warm_up_on_cpu(graphed, monkeypatch, capture)
+            graphed._warn_eager_buckets()
+        assert all(torch.equal(a, b) for a, b in zip(drafter.parameters(), before))
+        assert all(float(optimizer.state[p]["step"]) == 0 and float(optimizer.state[p]["exp_avg"].abs().max()) == 0
+                   for p in drafter.parameters())
+        assert all(float(g.abs().max()) == 0 for g in graphed.static.grads)
+        if baked_length is None:
+            assert not graphed.eager_reasons and graphed.update_graph is not None
+            assert len(graphed.graphs) == sum(len(r) for r in graphed.shapes.rows.values())
+            assert not [w for w in caught if "CUDA graphs" in str(w.message)]
+        else:
+            assert list(graphed.eager_reasons) == [f"length {baked_length}"], graphed.eager_reasons
+            assert "replay differs" in graphed.eager_reasons[f"length {baked_length}"]
+            assert not any(key[0] == baked_length for key in graphed.graphs)
+            assert len([w for w in caught if "CUDA graphs" in str(w.message)]) == 1
+        ref_opt, ref_sched = _trainer(target, objective, reference)
+        for micro in steps:
+            expected = training_step(reference, ref_opt, ref_sched, micro, _frozen(target), objective,
+                                     attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None)
+            assert graphed.step(micro, None).loss == pytest.approx(expected.loss, rel=1e-5)
+        for a, b in zip(drafter.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _captures_length(graphed, fn, length):
+    """Whether `fn` (a lambda around StaticStep.accumulate) reads `length`'s buffers."""
+    if length is None:
+        return False
+    cells = [c.cell_contents for c in (fn.__closure__ or ())]
+    return any(cell is graphed.inputs[length] for cell in cells)
