@@ -93,6 +93,9 @@ def line(numbers: dict) -> str:
     startup = numbers["startup"]
     workers = " ".join(f"{name} host {w['host_busy']:.2f}" + (f" gpu {w['gpu_busy']:.2f}" if w.get("gpu_busy") is not None else "")
                        for name, w in (numbers["workers"] or {}).items())
+    gpu_total = sum(w["gpu_busy"] for w in (numbers["workers"] or {}).values() if w.get("gpu_busy") is not None)
+    if gpu_total:  # every worker of the recipe shares one GPU (and one stream): their spans add up
+        workers += f" | GPU busy {min(1.0, gpu_total):.2f}"
     ms = numbers["ms_per_step"]
     return (f"  --cuda-graphs {numbers['cuda_graphs']}: {ms:.1f} ms/step steady ({1000 / ms:.1f} steps/s), first step after "
             f"{startup['time_to_first_step_s']}s, warm-up {startup['warmup_s'] or 0}s, full speed after "
