@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -104,7 +105,7 @@ class Warmup:
         self.stop = stop
         self.log = log
         self.lock = threading.Lock()
-        self.barrier = threading.Barrier(workers)
+        self.barrier = threading.Barrier(workers, action=self._all_ready)  # the action runs before any is released
         stop.on_stop(self.barrier.abort)
         self.run_dir, self.compile_cache = run_dir, compile_cache
         self.seconds: dict[str, float] = {}
@@ -131,16 +132,20 @@ class Warmup:
                 self.notes[worker.name] = note
                 self.say(f"{worker.name} ready in {self.seconds[worker.name]:.1f}s: {note}")
         try:
-            last = self.barrier.wait() == 0
+            self.barrier.wait()
         except threading.BrokenBarrierError:
             raise PipelineStopped(self.stop.reason or "the warm-up was stopped") from None
-        if last:
-            self.ready = time.monotonic()
-            if self.seconds:
-                self.say(f"all workers ready after {self.ready - self.began:.1f}s; training starts")
-            if self.compile_cache is not None and self.run_dir is not None:
-                save_compile_cache(self.run_dir, self.compile_cache, self.log)
         worker.meter.start(worker.times.waiting)
+
+    def _all_ready(self) -> None:
+        self.ready = time.monotonic()
+        if self.seconds:
+            self.say(f"all workers ready after {self.ready - (self.began or self.ready):.1f}s; training starts")
+        if self.compile_cache is not None and self.run_dir is not None:
+            try:
+                save_compile_cache(self.run_dir, self.compile_cache, self.log)
+            except Exception as error:  # noqa: BLE001 - a cache that cannot be written never stops training
+                warnings.warn(f"compile cache: not saved ({type(error).__name__}: {error})", stacklevel=2)
 
     @property
     def warmup_s(self) -> float | None:
