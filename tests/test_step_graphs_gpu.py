@@ -335,22 +335,25 @@ def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
     assert eager["startup"]["time_to_first_step_s"] is not None
 
 
-class _SlowGpuTarget(Target):
-    """A live target that keeps its GPU busy ~40 ms longer per batch without host work (a spin
-    kernel on its stream, inside the span its CUDA events measure)."""
-
-    def features(self, input_ids, layer_ids, attention_mask=None):
-        torch.cuda._sleep(int(0.04 * 2.0e9))
-        return super().features(input_ids, layer_ids, attention_mask)
+def _slow_gpu_target(seconds: float) -> Target:
+    """A live target whose GPU work takes `seconds` longer per batch without host work: a spin
+    kernel before its first decoder layer (a forward pre-hook, so Target.features and the graphed
+    feature forward both run it, and the capture records it)."""
+    model = tiny_hf_model("llama", layers=6).to(DEVICE, torch.bfloat16)
+    cycles = int(seconds * 2.0e9)
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
+    return Target(model)
 
 
 def test_a_deliberately_slowed_target_gpu_is_named(tmp_path):
-    """The target's GPU work made ~40 ms longer per batch (host untouched): the step line's record
-    in pipeline.jsonl names `target GPU`, with the target's GPU busy fraction high."""
-    model = tiny_hf_model("llama", layers=6).to(DEVICE, torch.bfloat16)
-    target = _SlowGpuTarget(model)
-    config = _pipeline_config(tmp_path, cuda_graphs="off", steps=30, log_every=10)
-    train(config, samples=pattern_samples(64, min_len=30, max_len=120), target=target, log=open(os.devnull, "w"))
+    """The target's GPU work made ~40 ms longer per batch (host untouched), graphs on: the step
+    line's record in pipeline.jsonl names `target GPU`, with the target's GPU busy fraction high
+    and above the drafter's."""
+    config = _pipeline_config(tmp_path, cuda_graphs="on", steps=30, log_every=10)
+    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=120), target=_slow_gpu_target(0.04),
+                    log=open(os.devnull, "w"))
+    assert "2/2 feature graphs" in summary["startup"]["warmup_notes"]["target-0"]  # the spin is in the graph
     last = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()][-1]
+    workers = last["workers"]
     assert last["bottleneck"] == "target GPU", last
-    assert last["workers"]["target-0"]["gpu_busy"] >= 0.6, last["workers"]
+    assert workers["target-0"]["gpu_busy"] >= 0.6 and workers["target-0"]["gpu_busy"] > workers["drafter-0"]["gpu_busy"], workers

@@ -5,7 +5,8 @@ for its GPU to catch up. GPU busy: the share of wall time its GPU spent on its w
 events recorded around each item on the worker's stream (start before, end after) and read only
 once both have completed (`query`, never a wait), so measuring costs no synchronisation. For a
 graphed step (one launch) the span between the events is kernel time; for eager work it also
-holds the GPU's idle gaps between launches, so there it is an upper bound.
+holds the GPU's idle gaps between launches, and, where workers share a device's stream, kernels
+another thread enqueued meanwhile: an upper bound there.
 
 `bottleneck` turns those fractions and the mean queue depth into one label: a saturated GPU
 first (its biggest user, "target GPU" / "drafter GPU"), then a saturated host ("target host",
