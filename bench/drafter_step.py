@@ -7,7 +7,12 @@ warm-up, timed with CUDA events, split into forward / backward / optimizer.
 
     python bench/drafter_step.py --configs A,B,D --json out.json
     python bench/drafter_step.py --configs A,D --fp8 off,all   # each config in each FP8 mode (train --fp8)
+    python bench/drafter_step.py --configs A,D --cuda-graphs on,off   # the step captured in CUDA graphs, and eager
     python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
+
+With `--cuda-graphs on` the step is `pipeline.step_graphs.GraphedStep` (its warm-up compiles and
+captures the shape first, reported as `prepare_s`); ms/step is then also measured back to back
+(`pipelined_ms`: N steps, one synchronize at the end), which is how training runs them.
 
 MFU follows the issue's formula (see `step_flops`), against 790 TFLOP/s.
 """
@@ -109,7 +114,7 @@ def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = 
     return drafter
 
 
-def run_config(name, dims, shape, args, device, fp8="off"):
+def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     config = drafter_config(dims, args.block_size)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
@@ -122,6 +127,8 @@ def run_config(name, dims, shape, args, device, fp8="off"):
     objective.compiled_head = args.compile == "on" and args.head == "compiled"
     objective.fp8_head = fp8 != "off"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
+    if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
     backend = "flex" if device.type == "cuda" else "sdpa"
     autocast = torch.bfloat16 if device.type == "cuda" else None
@@ -149,14 +156,42 @@ def run_config(name, dims, shape, args, device, fp8="off"):
         return [(clock[i + 1] - clock[i]) * 1000 for i in range(3)]
 
     last: dict = {}
+    graphed, prepare_s, prepare_note = None, None, ""
+    if graphs == "on":
+        from dflash_train.pipeline.step_graphs import GraphedStep, step_shapes
+
+        shapes = step_shapes([shape["seq"]], shape["batch"], objective, batch.target_features.shape[-1], dtype,
+                             config.vocab_size)
+        graphed = GraphedStep(name=name, drafter=drafter, optimizer=optimizer, scheduler=scheduler, frozen=frozen,
+                              objective=objective, attention_backend=backend, clip_grad=1.0, autocast_dtype=autocast,
+                              shapes=shapes)
+        started = time.perf_counter()
+        prepare_note = graphed.prepare(lambda line: print(f"  prepare {name}: {line}", flush=True))
+        prepare_s = time.perf_counter() - started
+
+    def one_step():
+        if graphed is not None:
+            return graphed.step([batch], None)
+        return training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
+                             clip_grad=1.0, autocast_dtype=autocast)
 
     def full_step():
         start = time.perf_counter()
-        last["step"] = training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
-                      clip_grad=1.0, autocast_dtype=autocast)
+        last["step"] = one_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1000
+
+    def pipelined() -> float:
+        """ms per step of `args.steps` steps enqueued back to back (one synchronize at the end)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            last["step"] = one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000 / args.steps
 
     warm_start = time.perf_counter()
     for _ in range(args.warmup):
@@ -165,7 +200,8 @@ def run_config(name, dims, shape, args, device, fp8="off"):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     totals = [full_step() for _ in range(args.steps)]
-    parts = [timed_parts() for _ in range(args.steps)]
+    pipelined_ms = pipelined()
+    parts = [timed_parts() for _ in range(args.steps)] if graphed is None else [[float("nan")] * 3]
     if name in args.profile.split(","):
         profile(full_step, device, Path(args.profile_dir) / f"profile_{name}{'' if fp8 == 'off' else '_fp8' + fp8}.txt")
     ms = statistics.median(totals)
@@ -180,6 +216,8 @@ def run_config(name, dims, shape, args, device, fp8="off"):
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
         "last_loss": round(last["step"].loss, 4), "last_grad_norm": round(last["step"].grad_norm, 4),
         "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
+        "cuda_graphs": graphs, "pipelined_ms": round(pipelined_ms, 2),
+        "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
     }
     if name in SPECFORGE and dims is QWEN3_8B:
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
@@ -222,6 +260,8 @@ def main() -> int:
                         help="frozen-head CE chunk compiled (default, with --compile on) or eager")
     parser.add_argument("--fp8", default="off",
                         help=f"comma-separated FP8 modes to run each config in, of {FP8_CHOICES} (train --fp8)")
+    parser.add_argument("--cuda-graphs", default="off",
+                        help="comma-separated: on (the step captured in CUDA graphs, train --cuda-graphs), off (eager)")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -238,32 +278,47 @@ def main() -> int:
     for mode in modes:
         if mode not in FP8_CHOICES:
             parser.error(f"--fp8 {mode!r}: choose from {FP8_CHOICES}")
+    graph_modes = args.cuda_graphs.split(",")
+    for mode in graph_modes:
+        if mode not in ("on", "off"):
+            parser.error(f"--cuda-graphs {mode!r}: choose from on, off")
     results = []
     for name in args.configs.split(","):
         shape = {k: SPECFORGE[name][k] for k in ("batch", "seq", "anchors")}
         if dims is TINY:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         for mode in modes:
-            try:
-                result = run_config(name, dims, shape, args, device, mode)
-            except Exception as error:  # noqa: BLE001 - report and go on with the next config
-                result = {"config": name, "fp8": mode, "error": f"{type(error).__name__}: {error}"}
-            results.append(result)
-            print(json.dumps(result), flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'fp8':>5}{'ms/step':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
+            for graphs in graph_modes:
+                try:
+                    result = run_config(name, dims, shape, args, device, mode, graphs)
+                except Exception as error:  # noqa: BLE001 - report and go on with the next config
+                    result = {"config": name, "fp8": mode, "cuda_graphs": graphs, "error": f"{type(error).__name__}: {error}"}
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(f"\n{'cfg':<4}{'fp8':>5}{'graph':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+          f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<4}{r['fp8']:>5} error: {r['error']}")
+            print(f"{r['config']:<4}{r['fp8']:>5}{r['cuda_graphs']:>6} error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['fp8']:>5}{r['ms_per_step']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
+        print(f"{r['config']:<4}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
+              f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
     for r in results:
         if "speedup_vs_specforge" in r:
             mode = "" if r["fp8"] == "off" else f" (--fp8 {r['fp8']})"
-            print(f"drafter-step {r['config']}{mode}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
+            graphs = " (--cuda-graphs on)" if r["cuda_graphs"] == "on" else ""
+            print(f"drafter-step {r['config']}{mode}{graphs}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
+    by_key = {(r["config"], r["fp8"], r["cuda_graphs"]): r for r in results if "error" not in r}
+    for (config_name, fp8_mode, graphs), r in by_key.items():
+        eager = by_key.get((config_name, fp8_mode, "off"))
+        if graphs == "on" and eager is not None:
+            print(f"graphed drafter-step {config_name} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}): "
+                  f"{r['pipelined_ms']:.1f} ms/step back to back (eager {eager['pipelined_ms']:.1f}); "
+                  f"synchronised per step {r['ms_per_step']:.1f} (eager {eager['ms_per_step']:.1f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2))
     return 0

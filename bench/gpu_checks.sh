@@ -75,6 +75,20 @@ for name in "$@"; do
         regen-speed-8b) stage regen-speed-8b ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --dims qwen3-8b --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_qwen3_8b.json" ;;
         decode-speed) stage decode-speed 100 python3 bench/static_decode_speed.py --dims smollm2 --json "$OUT/decode_speed_smollm2.json"
             stage decode-speed-8b 170 python3 bench/static_decode_speed.py --dims qwen3-8b --context 1000 --repeats 10 --new-tokens 64 --json "$OUT/decode_speed_qwen3.json" ;;
+        # Issue #17: --cuda-graphs. GPU tests, the QUALITY recipe graphed vs eager (needs GGUF= and DATA=),
+        # the step alone at A and D both ways, the small pipeline both ways, and a second start's warm-up.
+        graphs-tests) stage graphs-tests ${GRAPHS_LIMIT:-290} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/test_step_graphs_gpu.py tests/test_training.py ;;
+        graphed-step) stage graphed-step ${GRAPHED_LIMIT:-290} python3 bench/graphed_step.py --gguf "$GGUF" --data "$DATA" \
+            --steps ${GRAPHED_STEPS:-600} --run-timeout 120 --cache-dir /tmp/dflash-cache --json "$OUT/graphed_step.json" ;;
+        step-graphs) stage step-graphs ${STEP_LIMIT:-290} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
+            --cuda-graphs on,off --json "$OUT/step_graphs.json" ;;
+        pipeline-graphs) stage pipeline-graphs ${PIPELINE_LIMIT:-290} python3 bench/pipeline.py --dims small --device cuda:0 \
+            --steps 200 --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 1024,2048 --num-anchors 256 \
+            --cuda-graphs on,off --json "$OUT/pipeline_graphs.json" ;;
+        starts) stage starts ${STARTS_LIMIT:-290} python3 bench/pipeline.py --dims small --device cuda:0 --steps 20 \
+            --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 512,1024,1536,2048 --num-anchors 256 \
+            --cuda-graphs on --starts 2 --json "$OUT/starts.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

@@ -7,7 +7,13 @@ samples/s alone (no target: features replayed from memory), and the pipeline's e
 samples/s with every worker's busy fraction, queue depth and compile counts.
 
     python bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 60
+    python bench/pipeline.py --dims small --device cuda:0 --cuda-graphs on,off   # both, one after the other
+    python bench/pipeline.py --dims small --device cuda:0 --cuda-graphs on --starts 2   # warm-up: first vs second start
     python bench/pipeline.py --tiny --device cpu --steps 6            # smoke test of the script
+
+GPU busy comes twice: nvidia-smi's utilisation (coarse, any kernel of the process) and each worker's
+own CUDA-event time (pipeline.jsonl, `gpu_busy`). `--starts N` runs the same run N times as
+subprocesses sharing one run folder and fresh compile caches (cold for the first start).
 """
 
 from __future__ import annotations
@@ -144,8 +150,13 @@ def main() -> int:
     parser.add_argument("--num-anchors", type=int, default=512)
     parser.add_argument("--buckets", default="", help="comma-separated padded lengths")
     parser.add_argument("--compile", default="auto")
+    parser.add_argument("--cuda-graphs", default="auto", help="comma-separated modes to run one after the other: auto, on, off")
+    parser.add_argument("--starts", type=int, default=1, help="run N times as subprocesses (warm-up of a second start)")
+    parser.add_argument("--out", default="", help="run folder (default: a new temporary one)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    if args.starts > 1:
+        return repeated_starts(args)
     faulthandler.dump_traceback_later(570, exit=True)
     dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]
     target_devices = [args.device] if args.device else args.target_devices.split(",")
@@ -159,9 +170,56 @@ def main() -> int:
     print(f"target alone: {tokens_per_s:,.0f} tokens/s ({args.batch_size} x {args.max_seq_len})", flush=True)
     min_len = args.min_seq_len or args.max_seq_len
     samples = variable_length_samples(max(64, args.batch_size * 16), dims["vocab_size"], min_len, args.max_seq_len)
-    out = tempfile.mkdtemp(prefix="dflash-bench-")
+    results = []
+    for mode in args.cuda_graphs.split(","):
+        out = args.out or tempfile.mkdtemp(prefix="dflash-bench-")
+        results.append(run_once(args, dims, targets, layer_ids, samples, tokens_per_s, min_len, target_devices,
+                                drafter_devices, mode, out))
+    by_mode = {r["cuda_graphs"]: r for r in results}
+    if "on" in by_mode and "off" in by_mode:
+        on, off = by_mode["on"], by_mode["off"]
+        print(f"pipeline {args.dims} ({','.join(target_devices)} -> {','.join(drafter_devices)}): graphed "
+              f"{on['steady_steps_per_s']} steps/s, {on['pipeline_samples_per_s_steady']} samples/s "
+              f"(eager {off['steady_steps_per_s']} steps/s, {off['pipeline_samples_per_s_steady']} samples/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    return 0
+
+
+def repeated_starts(args) -> int:
+    """The same run started `args.starts` times in subprocesses, sharing the run folder and compile
+    caches that are empty before the first start: the warm-up of each start."""
+    import subprocess
+
+    work = Path(tempfile.mkdtemp(prefix="dflash-starts-"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton")}
+    argv = [a for a in sys.argv[1:]]
+    for flag in ("--starts", "--json", "--out"):
+        while flag in argv:
+            index = argv.index(flag)
+            del argv[index:index + 2]
+    starts = []
+    for start in range(args.starts):
+        result = work / f"start{start + 1}.json"
+        command = [sys.executable, __file__, *argv, "--out", str(work / "run"), "--json", str(result)]
+        print(f"=== start {start + 1}: {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, env=env, check=False)
+        numbers = json.loads(result.read_text()) if result.is_file() else {"error": "no result"}
+        starts.append(numbers[0] if isinstance(numbers, list) else numbers)
+    warmups = [s.get("summary", {}).get("startup", {}).get("warmup_s") for s in starts]
+    firsts = [s.get("summary", {}).get("startup", {}).get("time_to_first_step_s") for s in starts]
+    print(f"warm-up per start: {warmups} s; first step after {firsts} s")
+    if len(warmups) > 1 and all(isinstance(w, (int, float)) and w for w in warmups[:2]):
+        print(f"second start warm-up: {100 * warmups[1] / warmups[0]:.0f}% of the first")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"starts": starts, "warmup_s": warmups}, indent=2))
+    return 0
+
+
+def run_once(args, dims, targets, layer_ids, samples, tokens_per_s, min_len, target_devices, drafter_devices, mode,
+             out) -> dict:
     config = TrainConfig(
-        out=out, steps=args.steps, batch_size=args.batch_size, max_seq_len=args.max_seq_len, block_size=16,
+        out=out, steps=args.steps, cuda_graphs=mode, batch_size=args.batch_size, max_seq_len=args.max_seq_len, block_size=16,
         num_layers=2 if dims is TINY else 5, num_anchors=args.num_anchors, target_layer_ids=layer_ids,
         mask_token_id=dims["vocab_size"] - 1, target_devices=target_devices, drafter_devices=drafter_devices,
         mode=args.mode, save_every=10**9, log_every=10, export_dtype="", compile=args.compile,
@@ -173,11 +231,16 @@ def main() -> int:
     summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
     gpu_busy = utilization.busy_fraction(train_started)
     warm = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl" if args.mode == "replicas" else "v0/metrics.jsonl"))]
+    warm = warm[-summary["steps_done"][next(iter(summary["steps_done"]))]:]  # this start's records
     steady = warm[len(warm) // 3:]
     seconds = (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]) / max(1, len(steady) - 1)
     samples_per_step = args.batch_size * (len(drafter_devices) if args.mode == "replicas" else 1)
+    pipeline_records = [json.loads(line) for line in open(os.path.join(out, "pipeline.jsonl"))]
     result = {
         "torch": torch.__version__, "target_devices": target_devices, "drafter_devices": drafter_devices,
+        "cuda_graphs": mode, "startup": summary["startup"], "bottleneck": summary.get("bottleneck"),
+        "worker_gpu_busy_events": {name: w.get("gpu_busy") for name, w in pipeline_records[-1]["workers"].items()},
+        "worker_host_busy": {name: w.get("host_busy") for name, w in pipeline_records[-1]["workers"].items()},
         "mode": args.mode, "target_tokens_per_s_alone": round(tokens_per_s),
         "target_samples_per_s_alone": round(tokens_per_s / ((min_len + args.max_seq_len) / 2), 3),
         "pipeline_samples_per_s_steady": round(samples_per_step / seconds, 3) if seconds > 0 else None,
@@ -186,9 +249,7 @@ def main() -> int:
         "workers": summary["workers"], "summary": summary,
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("summary", "workers")}, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -329,6 +329,23 @@ def summary_lines(train_result: dict[str, Any], evaluation: dict[str, Any] | Non
 # ---------------------------------------------------------------------------------------------
 
 
+def quality_config(target_dir: str, data: str, out: str, *, steps: int, device: str, buckets: list[int] | None = None,
+                   fp8: str = "off", cuda_graphs: str = "auto", smoke: bool = False, **values: Any) -> TrainConfig:
+    """The QUALITY.md recipe as a TrainConfig (also what bench/graphed_step.py times)."""
+    config = TrainConfig(
+        target=target_dir, data=[data], out=out, steps=steps, batch_size=8, max_seq_len=768,
+        seq_buckets=buckets or [768], min_supervised_tokens=32, block_size=16,
+        num_layers=5, num_anchors=256, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_ratio=0.04, clip_grad=1.0,
+        device=device, fp8=fp8, cuda_graphs=cuda_graphs, **{"log_every": 100, **values},
+    )
+    if smoke:
+        config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1
+        config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, [256], 8
+        config.log_every = min(config.log_every, 5)
+    config.validate()
+    return config
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", required=True)
@@ -356,6 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline-seconds", type=float, default=570.0,
                         help="from the start: stop shards still running, merge what finished")
     parser.add_argument("--fp8", default="off", choices=FP8_CHOICES, help="`train --fp8`")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="`train --cuda-graphs`")
     parser.add_argument("--json-dir", default="")
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--smoke", action="store_true",
@@ -418,18 +436,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- training ----------------------------------------------------------------------------
     curve_every = args.curve_every or args.steps + 1  # past the last step: no intermediate checkpoint
-    config = TrainConfig(
-        target=str(target_dir), data=[args.data], out=str(out), steps=args.steps, batch_size=8, max_seq_len=768,
-        seq_buckets=[int(b) for b in args.buckets.split(",")], min_supervised_tokens=32, block_size=16,
-        num_layers=5, num_anchors=256, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_ratio=0.04, clip_grad=1.0,
-        device=train_device, save_every=min(curve_every, args.steps), log_every=100,
+    config = quality_config(
+        str(target_dir), args.data, str(out), steps=args.steps, device=train_device,
+        buckets=[int(b) for b in args.buckets.split(",")], fp8=args.fp8, cuda_graphs=args.cuda_graphs, smoke=args.smoke,
+        save_every=min(curve_every, args.steps),
         keep_checkpoints=args.steps // curve_every + 2,  # every curve checkpoint stays until it is exported
-        fp8=args.fp8,
     )
-    if args.smoke:
-        config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1
-        config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, [256], 8
-        config.log_every = 5
     curve = CurveCheckpoints(out, out / "curve_exports", curve_every, args.steps, time.time(), submit_curve)
     runner.blocked_devices = {train_device}
     watcher_stop = threading.Event()

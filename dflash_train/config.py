@@ -308,6 +308,7 @@ class TrainConfig:
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA, eager where a capture is refused), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
@@ -332,7 +333,7 @@ class TrainConfig:
         "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
                       "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
         "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
-                     "compile", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
+                     "compile", "cuda_graphs", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
         "eval": ("eval_every", "eval_bench", "eval_limit", "eval_max_new_tokens"),
         "checkpoint": ("out", "resume", "save_every", "keep_checkpoints", "export_dtype"),
         "logging": ("log_every", "tensorboard"),
@@ -380,6 +381,11 @@ class TrainConfig:
                 raise ConfigError(f"{_flag(name)} must be in [0, 1) (got {getattr(self, name)})")
         if not 0 <= self.dpace_alpha <= 1:
             raise ConfigError(f"--dpace-alpha must be in [0, 1] (got {self.dpace_alpha})")
+        _choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+        devices = [*(self.target_devices or [self.device]), *(self.drafter_devices or [self.device])]
+        if self.cuda_graphs == "on" and "cpu" in devices:
+            raise ConfigError("--cuda-graphs on: CUDA graphs need CUDA devices and this run uses the cpu "
+                              "(use --cuda-graphs auto or off)")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -186,6 +186,15 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None, None
 
 
+def head_chunk_rows(vocab_size: int, chunk_rows: int = 0, compiled: bool = False) -> int:
+    """Rows per frozen-head CE chunk: `chunk_rows`, or for 0 about 256 MiB of float32 logits
+    (a multiple of 64 rows when compiled, where every chunk is padded to that size)."""
+    if chunk_rows > 0:
+        return chunk_rows
+    rows = max(16, (256 << 20) // (4 * vocab_size))
+    return max(64, rows // 64 * 64) if compiled else rows
+
+
 def frozen_head_cross_entropy(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -203,10 +212,7 @@ def frozen_head_cross_entropy(
     torch.compile (GPU training; the eager path is the reference and the CPU default).
     `fp8_head` (the same head quantised, see fp8.py) runs both vocabulary-sized products in FP8.
     """
-    if chunk_rows <= 0:
-        chunk_rows = max(16, (256 << 20) // (4 * head_weight.shape[0]))
-        if compiled:
-            chunk_rows = max(64, chunk_rows // 64 * 64)
+    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows, compiled)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
@@ -243,15 +249,18 @@ class ObjectiveConfig:
         return float(label_valid.shape[0])  # D-PACE: per sequence, as its authors normalise
 
 
+def loss_weights(ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig) -> torch.Tensor:
+    """w [b, N, B] of each slot: decay weights on scored slots, or D-PACE's from the detached CE."""
+    if objective.loss == "decay":
+        return decay_weights(ce.shape[-1], objective.gamma, ce.device) * label_valid
+    return dpace_weights(torch.exp(-ce.detach()), label_valid, objective.dpace_alpha)
+
+
 def weighted_loss(
     ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig, normalizer: float
 ) -> torch.Tensor:
     """ce, label_valid: [b, N, B]; returns Σ w·CE / normalizer."""
-    if objective.loss == "decay":
-        weights = decay_weights(ce.shape[-1], objective.gamma, ce.device) * label_valid
-    else:
-        weights = dpace_weights(torch.exp(-ce.detach()), label_valid, objective.dpace_alpha)
-    return (weights * ce).sum() / max(normalizer, 1e-12)
+    return (loss_weights(ce, label_valid, objective) * ce).sum() / max(normalizer, 1e-12)
 
 
 def block_metrics(correct: torch.Tensor, label_valid: torch.Tensor, anchor_valid: torch.Tensor) -> dict[str, torch.Tensor]:

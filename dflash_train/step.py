@@ -77,18 +77,7 @@ def drafter_loss(
     attention_backend: str,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash training loss of one micro-batch and its metric sums."""
-    block_size = drafter.config.block_size
-    context_len = batch.input_ids.shape[1]
-
-    block_ids = block_token_ids(batch.input_ids, batch.anchors, block_size, drafter.config.mask_token_id)
-    block_embeds = embed_block_tokens(block_ids.flatten(1), frozen.embed_weight, frozen.embedding_scale)
-    offsets = torch.arange(block_size, device=batch.anchors.device)
-    block_positions = (batch.anchors[..., None] + offsets).flatten(1)
-
-    mask = make_mask(attention_backend, batch.anchors, context_len, block_size)
-    hidden = drafter(batch.target_features, block_embeds, block_positions, mask)
-
-    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size)
+    hidden, labels, label_valid = block_predictions(drafter, frozen, batch, attention_backend)
     # Only scored slots go through the head: slot 0, padded anchors and unsupervised
     # targets would cost vocabulary-sized matmuls for a zero weight.
     rows = scored_slot_index(label_valid, batch.scored_rows)
@@ -104,6 +93,26 @@ def drafter_loss(
 
     loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
     return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+
+
+def block_predictions(
+    drafter: DFlashDrafter, frozen: FrozenTargetParts, batch: DrafterBatch, attention_backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter's final hidden states [b, N·B, hidden] for every anchored block, with the
+    labels [b, N, B] they predict and which of those are scored."""
+    block_size = drafter.config.block_size
+    context_len = batch.input_ids.shape[1]
+
+    block_ids = block_token_ids(batch.input_ids, batch.anchors, block_size, drafter.config.mask_token_id)
+    block_embeds = embed_block_tokens(block_ids.flatten(1), frozen.embed_weight, frozen.embedding_scale)
+    offsets = torch.arange(block_size, device=batch.anchors.device)
+    block_positions = (batch.anchors[..., None] + offsets).flatten(1)
+
+    mask = make_mask(attention_backend, batch.anchors, context_len, block_size)
+    hidden = drafter(batch.target_features, block_embeds, block_positions, mask)
+
+    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size)
+    return hidden, labels, label_valid
 
 
 def scored_slot_index(label_valid: torch.Tensor, count: int | None) -> torch.Tensor:
@@ -176,15 +185,24 @@ def clipped_fused_step(optimizer: torch.optim.Optimizer, drafter: DFlashDrafter,
     clip costs no extra pass over the gradients and the update needs no host sync first.
     Same result as clip_grad_norm_ (scale min(1, clip / (norm + 1e-6))) then step-or-skip.
     """
-    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    norm, _ = fused_clip_and_step(optimizer, [p.grad for p in drafter.parameters() if p.grad is not None], clip_grad)
+    return float(norm)
+
+
+def fused_clip_and_step(
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], clip_grad: float, skip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip and finiteness rule of `clipped_fused_step` on the device, no host sync: returns
+    the gradient norm and the skip flag (1.0: the update was not applied). `skip` forces a skip."""
     norm = torch.nn.utils.get_total_norm(grads)
+    found_inf = (~torch.isfinite(norm)).float()
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip_grad, min=1.0)
-    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    optimizer.found_inf = found_inf if skip is None else torch.maximum(found_inf, skip)
     try:
         optimizer.step()
+        return norm, optimizer.found_inf
     finally:
         del optimizer.grad_scale, optimizer.found_inf
-    return float(norm)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float):

@@ -22,11 +22,13 @@ FLOORS = {
     "pipeline": 8,  # build steps, workers, coordinator, reporting, compile safety
     "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
     "decode": 6, "step": 6, "export": 6, "export_rules": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
+    "static_step": 6,  # the training step with static shapes (what CUDA graphs capture)
     "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache
     "target": 4, "gguf": 4,  # the frozen target (a GGUF file is one way to load it)
+    "feature_forward": 4,  # the target's feature forward as plain module calls (capturable)
     "objective": 3, "fp8": 3,  # the loss and its FP8 products
     # the bottom: the mask, settings, errors, and the small utilities everything may use
-    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "": 2,  # "" = __init__
+    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "graph_capture": 2, "": 2,  # "" = __init__
 }
 CORE = ("attention", "drafter", "objective", "step", "fp8")
 # What the core must not touch: threads, files and processes, the command line.

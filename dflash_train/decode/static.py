@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafter import DFlashDrafter, apply_rope, embed_block_tokens
+from ..feature_forward import float32_replica, sliding_window
+from ..graph_capture import capture
 from ..target import Target, hidden_state_index
 
 Outputs = TypeVar("Outputs")
@@ -74,11 +76,6 @@ def grouped_attention(
     folded = query.reshape(batch, kv_heads, heads // kv_heads * length, d)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
-
-
-# One capture at a time in the process: captures from two threads at once are untested (the
-# device's random generator is in capture mode meanwhile, see `_capture`).
-_CAPTURE_LOCK = threading.Lock()
 
 
 def _output_tensors(outputs: object) -> list[torch.Tensor]:
@@ -148,15 +145,10 @@ class CapturedStep(Generic[Outputs]):
             result = self.fn()
             expected = [t.clone() for t in _output_tensors(result)]  # a copy: an output may be a buffer the step reuses
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: other threads may allocate while we capture. (They must not draw CUDA
-            # random numbers meanwhile: the device's generator is in capture mode; see GPU tests.)
-            # Our own stream, on our device: without one, torch.cuda.graph captures on a single
-            # process-wide stream made on whichever device was current at the first capture, so
-            # a second GPU's graphs came out empty.
-            with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                outputs = self.fn()
+            # One capture at a time, thread_local, on our own stream of our device: graph_capture
+            # says why each matters.
+            graph, outputs = capture(self.fn, self.device, stream, self.pool)
             for tensor, value in zip(self.restore, saved):
                 tensor.copy_(value)
             # Judge the graph by what it does, not by warnings: replayed from the warm-up's
@@ -385,20 +377,13 @@ _VERDICTS: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyD
 _VERDICT_LOCK = threading.Lock()
 
 
-def _sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 def static_unsupported(target: Target, capacity: int) -> str | None:
     """Why the static forward cannot decode `target` with this cache, or None when it can.
 
     Structure first (the submodules it calls), then behaviour: a 12-token probe, prefilled
     in two chunks through our cache, must give Hugging Face's logits and hidden states on a
     float32 2-layer replica (one verdict per model, cached)."""
-    window = _sliding_window(target.model.config)
+    window = sliding_window(target.model.config)
     if window is not None and capacity > window:
         return f"its {window}-token sliding window is shorter than the {capacity}-position cache"
     with _VERDICT_LOCK:
@@ -421,7 +406,7 @@ def _probe(target: Target) -> str | None:
     # itself gives other bits for another sequence length), so only float32 can tell a rounding
     # difference from a missing scale, softcap or rope variant; the class and config decide those.
     try:
-        replica = Target(_float32_replica(target.model, target.device))
+        replica = Target(float32_replica(target.model, target.device))
     except Exception as error:  # noqa: BLE001 - a config that cannot be shrunk: stay on Hugging Face
         return f"a 2-layer replica of {type(target.model).__name__} could not be built ({type(error).__name__}: {error})"
     layers = len(replica.layers)
@@ -455,18 +440,6 @@ def _probe(target: Target) -> str | None:
         if not error <= 1e-4:
             return f"its {name} differ from the Hugging Face forward's (relative error {error:.1e} in float32)"
     return None
-
-
-def _float32_replica(model: nn.Module, device: torch.device) -> nn.Module:
-    import copy
-
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers, config.vocab_size, config.pad_token_id = 2, 512, None
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[:2])
-    # Random weights without touching the caller's random streams.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-        return type(model)(config).float().eval()
 
 
 class StaticState:

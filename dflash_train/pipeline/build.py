@@ -34,8 +34,10 @@ from ..objective import ObjectiveConfig
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets, stream_differences
+from .compile_cache import CompileCacheReport
 from .distributed import Launch, NodeGroup, NodeStep, place_devices
 from .runtime import StopSignal
+from .startup import GraphChoice, Warmup, attach_step, feature_dtype, graphed_sources
 from .workers import (
     BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
     GradientReducer, Replica, StepHook, StepRange, TargetSetup, TargetWorker,
@@ -499,6 +501,7 @@ class Pipeline:
     drafter_workers: list[DrafterWorker]
     reducers: list[GradientReducer]
     targets: list[Target]
+    warmup: Warmup | None = None
 
     @property
     def workers(self) -> list:
@@ -518,7 +521,8 @@ def step_share(config: TrainConfig, plans: list[DrafterPlan], nodes: NodeGroup) 
 def build_pipeline(
     config: TrainConfig, layout: Layout, plans: list[DrafterPlan], supply: FeatureSupply,
     sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, compiles: bool, evaluation: EvaluationSchedule | None,
-    step_hook: StepHook | None, save_checkpoints: bool, nodes: NodeGroup | None = None, stream: dict | None = None,
+    step_hook: StepHook | None, save_checkpoints: bool, graphs: GraphChoice, log: TextIO,
+    compile_cache: CompileCacheReport | None = None, nodes: NodeGroup | None = None, stream: dict | None = None,
 ) -> Pipeline:
     nodes = nodes or NodeGroup()
     stop = StopSignal()
@@ -527,6 +531,7 @@ def build_pipeline(
     global_batches, share = step_share(config, plans, nodes)
     batches_per_step = len(share)
     slots = [(plan, rank) for plan in plans for rank in range(len(plan.devices))]
+    warmup = Warmup(len(sources) + len(slots), stop, log, run_dir=Path(config.out), compile_cache=compile_cache)
     router = BatchRouter(len(supply.targets), len(slots), batches_per_step=batches_per_step, grad_accum=grad_accum,
                          every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
     union = layer_union(plans)
@@ -538,6 +543,9 @@ def build_pipeline(
         if nodes.writes:
             write_run_record(plan, config)
         replicas = build_replicas(plan, config, resume, frozen, backends, nodes)
+        for replica in replicas:  # its step: graphed, or eager with its compiles before step 1
+            attach_step(replica, config, graphs, shape_buckets(config), feature_dtype(sources),
+                        compiled=compiles_drafter(config, replica.device) or backends[replica.device] == "flex")
         checkpointer = Checkpointer(
             plan.run_dir, config.save_every, config.keep_checkpoints,
             {"train_config": dataclasses.asdict(plan.config), "layer_union": union, "stream": stream},
@@ -561,7 +569,7 @@ def build_pipeline(
                 stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer if rank0 else None,
                 evaluation=evaluation if rank0 and nodes.writes else None,
                 compile_watch=CompileWatch(thread_name, config.fail_on_recompile) if compiles else None,
-                hook=step_hook,
+                hook=step_hook, warmup=warmup,
             )))
 
     planner = BatchPlanner(
@@ -570,11 +578,13 @@ def build_pipeline(
         pad_id=(supply.first.tokenizer.pad_token_id or 0) if supply.first.tokenizer is not None else 0,
         pin_memory=layout.uses_cuda,
     )
+    sources = graphed_sources(sources, graphs, shape_buckets(config), config.batch_size)
     target_workers = [
-        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles))
+        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles,
+                                 warmup=warmup))
         for t, source in enumerate(sources)
     ]
-    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets)
+    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets, warmup)
 
 
 def rank0_busy_after(checkpointer: Checkpointer | None, evaluation: EvaluationSchedule | None, end: int):

@@ -38,9 +38,10 @@ from ..target import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
 from .distributed import NodeGroup
 from .reporting import (
-    RunningStats, Sink, StepAssembler, eval_line, pipeline_note, recompile_snapshot, step_line, step_record,
-    summary_text, worker_stats,
+    RunningStats, Sink, StepAssembler, drafter_compiles, eval_line, pipeline_bottleneck, pipeline_note,
+    recompile_snapshot, step_line, step_record, summary_text, worker_stats,
 )
+from .startup import StartupClock
 from .runtime import StopSignal
 from .workers import StepRange, StepReport, wait_for_workers
 
@@ -150,6 +151,7 @@ class Coordinator:
         self.interrupts = InterruptHandler(self.nodes.interrupts(self.stop))
         self.health = HealthWatch(config.stop_after_bad_steps, [plan.name for plan in plans])
         self.failure: str | None = None  # why the health watch stopped the run
+        self.clock = StartupClock(pipeline.warmup)
 
     # --- run -------------------------------------------------------------------------------------
 
@@ -217,10 +219,14 @@ class Coordinator:
         measured = next((r.evaluation for r in reports if isinstance(r, StepReport) and r.evaluation), None)
         if measured:
             self.progress.print(eval_line(record, measured, name if many else None))
+        first = name == self.plans[0].name
+        if first:
+            startup = self.clock.observe(record, drafter_compiles(self.pipeline.drafter_workers))
+            if startup:
+                self.progress.print(startup)
         for sink in self.sinks:
             sink.write_step(name, record)
         self._watch_health(self.health.after_step(name, record))
-        first = name == self.plans[0].name
         if first:
             self.progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
         step = record["step"]
@@ -229,11 +235,13 @@ class Coordinator:
             eta = (self.steps.end - step) * elapsed / max(1, step - self.steps.start)
             depth = self.mean_queue_depth()
             workers = self.pipeline.workers
+            limit = pipeline_bottleneck(workers, depth, self.config.prefetch)
             self.progress.print(step_line(record, name if many else None, self.config.steps, eta)
-                                + pipeline_note(workers, depth))
+                                + pipeline_note(workers, depth, limit))
             if first:
                 pipeline_record = {"step": step, "elapsed_s": round(elapsed, 2), "mean_queue_depth": round(depth, 3),
-                                   "workers": worker_stats(workers), "compiles": recompile_snapshot()}
+                                   "workers": worker_stats(workers), "bottleneck": limit.label,
+                                   "bottleneck_detail": limit.detail, "compiles": recompile_snapshot()}
                 for sink in self.sinks:
                     sink.write_pipeline(pipeline_record)
 
@@ -265,6 +273,8 @@ class Coordinator:
             "gradient_sync_s": round(sum(r.seconds for r in pipeline.reducers), 2),
             **self.nodes_summary(),
             "recompiles": recompile_snapshot(),
+            "startup": self.clock.summary(),
+            "bottleneck": str(pipeline_bottleneck(pipeline.workers, self.mean_queue_depth(), self.config.prefetch)),
         }
         for plan in self.plans:
             rank0 = pipeline.rank0(plan)

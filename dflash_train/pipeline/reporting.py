@@ -20,6 +20,7 @@ from ..objective import summarize_metrics
 from ..progress import format_seconds
 from .distributed import NodeTotals
 from .tensorboard import TensorBoardSink, tensorboard_enabled
+from .utilisation import Bottleneck, bottleneck, worker_load
 from .workers import DrafterWorker, StepReport
 
 
@@ -189,8 +190,11 @@ def step_line(record: dict, name: str | None, total: int, eta: float) -> str:
 def worker_stats(workers) -> dict:
     stats = {}
     for w in workers:
-        entry = {"busy": round(w.times.busy_fraction(), 3), "items": w.times.items,
-                 "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2)}
+        load = worker_load(w)
+        entry = {"busy": round(w.times.busy_fraction(), 3), "host_busy": round(load.host, 3),
+                 "gpu_busy": None if load.gpu is None else round(load.gpu, 3), "items": w.times.items,
+                 "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2),
+                 "gpu_wait_s": round(w.meter.gpu_wait_seconds, 2)}
         if isinstance(w, DrafterWorker):
             watch = w.setup.compile_watch
             entry.update(compiles=watch.compiles if watch else 0,
@@ -199,12 +203,27 @@ def worker_stats(workers) -> dict:
     return stats
 
 
-def pipeline_note(workers, depth: float) -> str:
-    """Who is the bottleneck at a glance: busy fraction per worker and mean queue depth."""
-    busy = " ".join(f"{w.name.split('[')[0].replace('target-', 't').replace('drafter-', 'd')} {w.times.busy_fraction():.2f}"
-                    for w in workers)
+def pipeline_bottleneck(workers, depth: float, queue_bound: int) -> Bottleneck:
+    return bottleneck([worker_load(w) for w in workers], depth, queue_bound)
+
+
+def drafter_compiles(workers) -> int:
+    """Compiles counted so far by the drafter workers' CompileWatches (warm-up included)."""
+    return sum(w.setup.compile_watch.compiles for w in workers if w.setup.compile_watch is not None)
+
+
+def _short(name: str) -> str:
+    return name.split("[")[0].replace("target-", "t").replace("drafter-", "d")
+
+
+def pipeline_note(workers, depth: float, limit: Bottleneck | None = None) -> str:
+    """Who is the bottleneck at a glance: host and GPU busy fraction per worker, mean queue depth,
+    and the verdict of `utilisation.bottleneck`."""
+    loads = [worker_load(w) for w in workers]
+    busy = " ".join(f"{_short(load.name)} host {load.host:.2f}" + (f" gpu {load.gpu:.2f}" if load.gpu is not None else "")
+                    for load in loads)
     watches = [w.setup.compile_watch for w in workers if isinstance(w, DrafterWorker) and w.setup.compile_watch]
-    note = f" | busy {busy} | queue {depth:.1f}"
+    note = f" | busy {busy} | queue {depth:.1f}" + (f" | limit {limit.label}" if limit is not None else "")
     if not watches:
         return note
     compiled = sum(w.compiles for w in watches)
@@ -240,11 +259,18 @@ def summary_text(summary: dict, total_steps: int) -> str:
         lines.append(f"    checkpoint: {entry['checkpoint']}")
         if entry.get("export"):
             lines.append(f"    exported HF folder: {entry['export']}")
-    lines.append("  workers (busy = computing / (computing + waiting)):")
+    lines.append("  workers (host = not waiting on queues or the GPU; gpu = CUDA-event time of its work, per wall time):")
     for name, w in summary["workers"].items():
         compiles = f"  compiles {w['compiles']} (after warm-up {w['recompiles_after_warmup']})" if "compiles" in w else ""
-        lines.append(f"    {name:<24} busy {w['busy']:.2f}  compute {w['computing_s']}s  wait {w['waiting_s']}s  "
+        gpu = f"  gpu {w['gpu_busy']:.2f}" if w.get("gpu_busy") is not None else ""
+        lines.append(f"    {name:<24} host {w['host_busy']:.2f}{gpu}  compute {w['computing_s']}s  wait {w['waiting_s']}s  "
                      f"items {w['items']}{compiles}")
-    lines.append(f"  mean queue depth {summary['mean_queue_depth']} | gradient sync {summary['gradient_sync_s']}s")
+    lines.append(f"  mean queue depth {summary['mean_queue_depth']} | gradient sync {summary['gradient_sync_s']}s"
+                 + (f" | limit: {summary['bottleneck']}" if summary.get("bottleneck") else ""))
+    startup = summary.get("startup") or {}
+    if startup.get("time_to_first_step_s") is not None:
+        warmup = f", warm-up (compile + capture before step 1) {startup['warmup_s']}s" if startup.get("warmup_s") else ""
+        lines.append(f"  startup: first step after {startup['time_to_first_step_s']}s, full speed after "
+                     f"{startup['time_to_full_speed_s']}s{warmup}")
     lines.append("=" * 72)
     return "\n".join(lines)

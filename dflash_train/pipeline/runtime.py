@@ -14,6 +14,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from .utilisation import WorkerMeter
+
 POLL_SECONDS = 0.2
 
 
@@ -155,10 +157,13 @@ class WorkerTimes:
 class Worker(threading.Thread):
     """A pipeline thread: runs `work()`, turns any exception into a pipeline-wide stop."""
 
+    role = "worker"  # "target" or "drafter": how utilisation.bottleneck names it
+
     def __init__(self, name: str, stop: StopSignal):
         super().__init__(name=name, daemon=True)
         self.stop_signal = stop
         self.times = WorkerTimes()
+        self.meter = WorkerMeter()  # host and GPU busy fractions (utilisation.py)
 
     def work(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -30,9 +30,11 @@ from .build import (
     load_feature_supply, load_samples, plan_drafters, prepare_compile_safety, prepare_run_folder, resolve_layout,
     step_range, step_share,
 )
+from .compile_cache import load_compile_cache
 from .coordinator import Coordinator
 from .distributed import NodeGroup, check_launch, detect_launch, gradient_backend
 from .reporting import Sink, open_sinks
+from .startup import choose_cuda_graphs
 from .tensorboard import tensorboard_enabled
 from .workers import StepHook
 
@@ -65,6 +67,7 @@ def train(
     launch = detect_launch()
     check_launch(config.mode, launch)
     layout = resolve_layout(config, launch)
+    graphs = choose_cuda_graphs(config, [*layout.target_devices, *layout.drafter_devices])
     tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
     with NodeGroup(launch, backend=gradient_backend(config.dist_backend, layout.drafter_devices),
                    timeout=config.dist_timeout) as nodes:
@@ -87,11 +90,12 @@ def train(
                     "what to train")
         steps = step_range(config, resume, stop_at, log)
         compiles = prepare_compile_safety(config, layout, plans, log)
+        compile_cache = load_compile_cache(out, log) if compiles else None
         evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
         pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
                                   evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
-                                  nodes=nodes, stream=stream)
-        print(layout_line(config, plans, pipeline, steps.start, nodes), file=log)
+                                  graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream)
+        print(layout_line(config, plans, pipeline, steps.start, nodes) + f"\ncuda graphs: {graphs.reason}", file=log)
 
         all_sinks: list[Sink] = []
         if nodes.writes:

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -33,6 +33,10 @@ from .batches import BatchPlanner, HostBatch
 from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
 from .distributed import FlatGradients, NodeStep
 from .runtime import POLL_SECONDS, PipelineStopped, StopBarrier, StopSignal, Worker, get, put
+
+if TYPE_CHECKING:
+    from .startup import Warmup
+    from .step_graphs import GraphedStep
 
 
 class FeatureSource(Protocol):
@@ -141,9 +145,12 @@ class TargetSetup:
     steps: StepRange
     stop: StopSignal
     compile_safety: bool = False
+    warmup: "Warmup | None" = None  # the start-up gate: warm-ups one at a time, then all start
 
 
 class TargetWorker(Worker):
+    role = "target"
+
     def __init__(self, setup: TargetSetup):
         super().__init__(setup.thread_name, setup.stop)
         self.setup = setup
@@ -159,6 +166,8 @@ class TargetWorker(Worker):
             torch.cuda.set_device(setup.source.device)
         if setup.compile_safety:
             configure_worker_thread()
+        if setup.warmup is not None:
+            setup.warmup.run(self, getattr(setup.source, "prepare", None))
         for step in setup.steps:
             mine = setup.router.produced_by(setup.index, step)
             if not mine:
@@ -168,7 +177,9 @@ class TargetWorker(Worker):
             batches = setup.planner.step_batches(step)
             for j in mine:
                 batch = batches[j]
+                span = self.meter.begin(self.device)
                 features = setup.source.features(batch)
+                self.meter.end(span, self.device)
                 item = FeatureBatch(batch, features, record_ready(features), setup.source.layer_ids)
                 self.times.computing += time.perf_counter() - started
                 self.times.items += 1
@@ -312,13 +323,21 @@ class Replica:
     attention_backend: str
     autocast_dtype: torch.dtype | None
     clip_grad: float
+    graphed: "GraphedStep | None" = None  # --cuda-graphs: the step as CUDA graphs (step_graphs.py)
+    prepare: Callable[[Callable[[str], None]], str] | None = None  # its warm-up before step 1 (startup.py)
 
     def step(self, micro_batches: list[DrafterBatch], sync_gradients: Callable[[], None] | None) -> StepResult:
+        if self.graphed is not None:
+            return self.graphed.step(micro_batches, sync_gradients)
         return training_step(
             self.drafter, self.optimizer, self.scheduler, micro_batches, self.frozen, self.objective,
             attention_backend=self.attention_backend, clip_grad=self.clip_grad,
             autocast_dtype=self.autocast_dtype, sync_gradients=sync_gradients,
         )
+
+    def take_gpu_wait(self) -> float:
+        """Seconds the last steps waited for the GPU to catch up (graphed steps run ahead of it)."""
+        return self.graphed.take_gpu_wait() if self.graphed is not None else 0.0
 
 
 @dataclass
@@ -413,9 +432,12 @@ class DrafterSetup:
     evaluation: EvaluationSchedule | None = None  # rank 0, with --eval-every
     compile_watch: CompileWatch | None = None  # when the run compiles
     hook: StepHook | None = None
+    warmup: "Warmup | None" = None  # the start-up gate: warm-ups one at a time, then all start
 
 
 class DrafterWorker(Worker):
+    role = "drafter"
+
     def __init__(self, setup: DrafterSetup):
         super().__init__(setup.thread_name, setup.stop)
         self.setup = setup
@@ -464,6 +486,8 @@ class DrafterWorker(Worker):
         replica.drafter.train()
         if setup.compile_watch is not None:
             configure_worker_thread()
+        if setup.warmup is not None:
+            setup.warmup.run(self, replica.prepare, setup.compile_watch)
         sync = functools.partial(setup.reducer.sync, replica.rank) if setup.reducer is not None else None
         end = setup.steps.end
         try:
@@ -476,7 +500,10 @@ class DrafterWorker(Worker):
                 started = time.perf_counter()
                 shape = tuple(tuple(b.input_ids.shape) for b in micro_batches)
                 compiles_before = setup.compile_watch.count() if setup.compile_watch is not None else 0
+                span = self.meter.begin(replica.device)
                 result = replica.step(micro_batches, sync)
+                self.meter.end(span, replica.device)
+                self.meter.add_gpu_wait(replica.take_gpu_wait())
                 seconds = time.perf_counter() - started
                 if setup.compile_watch is not None:
                     setup.compile_watch.account(shape, compiles_before)

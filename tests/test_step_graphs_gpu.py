@@ -1,0 +1,359 @@
+"""`--cuda-graphs` on a GPU: captured steps equal eager ones, threads capture side by side, the
+pipeline trains with graphs and names a deliberately slowed target. Every test asserts that the
+graphs were really captured (a silent fallback to eager would otherwise pass as equal)."""
+
+import json
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+from dflash_train.drafter import DrafterConfig
+from dflash_train.objective import ObjectiveConfig
+from dflash_train.pipeline.batches import BatchPlanner
+from dflash_train.pipeline.build import LiveTarget, init_drafter
+from dflash_train.pipeline.compile_safety import configure_worker_thread, install_compile_safety
+from dflash_train.pipeline.feature_graphs import GraphedFeatures
+from dflash_train.pipeline.runtime import StopSignal
+from dflash_train.pipeline.step_graphs import GraphedStep, step_shapes
+from dflash_train.pipeline.trainer import train
+from dflash_train.pipeline.workers import GradientReducer
+from dflash_train.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
+from dflash_train.target import Target
+from tiny import pattern_samples, tiny_hf_model, tiny_train_config
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda:0")
+LAYERS = [1, 3]
+BUCKETS = [64, 112]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_safety():
+    # Several drafters compile the same forward in one process: room for all of them.
+    install_compile_safety(recompile_limit=128)
+
+
+def _target(dtype=torch.float32, seed=0):
+    model = tiny_hf_model("llama", layers=6, seed=seed).to(DEVICE, dtype)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)
+    return Target(model)
+
+
+def _objective():
+    return ObjectiveConfig(block_size=4, num_anchors=24, loss_chunk_rows=64, compiled_head=True)
+
+
+def _drafter(target, seed=0):
+    config = DrafterConfig.from_target(target.spec, num_layers=2, block_size=4, mask_token_id=95, target_layer_ids=LAYERS)
+    return init_drafter(config, seed).to(DEVICE)
+
+
+def _compiled(drafter):
+    drafter.forward = torch.compile(drafter.forward, dynamic=False)
+    return drafter
+
+
+def _frozen(target, dtype):
+    return FrozenTargetParts(target.embed_weight.detach().to(dtype), target.head_weight.detach().to(dtype))
+
+
+def _trainer(drafter):
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    return optimizer, warmup_cosine(optimizer, 40, 0.1, 0.1)
+
+
+def _steps(target, objective, steps, batches_per_step=2, poison=None):
+    """Planned micro-batches (two length buckets) with the target's features on the GPU; `poison`
+    = (step, micro-batch) gets an inf feature (a non-finite gradient: a skipped step)."""
+    planner = BatchPlanner(pattern_samples(48, min_len=30, max_len=110), batch_size=4, batches_per_step=batches_per_step,
+                           buckets=BUCKETS, seed=0, objectives={"d": objective})
+    out = []
+    for step in range(steps):
+        micro = []
+        for j, host in enumerate(planner.step_batches(step)):
+            anchors, valid = host.anchors["d"]
+            features = target.features(host.input_ids.to(DEVICE), LAYERS)
+            if poison == (step, j):
+                features = features.clone()
+                features[0, 3, 0] = float("inf")
+            micro.append(DrafterBatch(features, host.input_ids.to(DEVICE), host.loss_mask.to(DEVICE), anchors.to(DEVICE),
+                                      valid.to(DEVICE), host.normalizers["d"], host.scored_rows["d"]))
+        out.append(micro)
+    return out
+
+
+def _graphed(target, objective, drafter, optimizer, scheduler, autocast, frozen_dtype):
+    shapes = step_shapes(BUCKETS, 4, objective, len(LAYERS) * target.spec.hidden_size, target.embed_weight.dtype,
+                         target.spec.vocab_size)
+    return GraphedStep(name="gpu-test", drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                       frozen=_frozen(target, frozen_dtype), objective=objective, attention_backend="flex", clip_grad=0.5,
+                       autocast_dtype=autocast, shapes=shapes)
+
+
+def _assert_all_captured(graphed):
+    assert graphed.classic_reason is None, graphed.classic_reason
+    assert not graphed.eager_reasons, graphed.eager_reasons
+    assert len(graphed.graphs) == sum(len(r) for r in graphed.shapes.rows.values()) and graphed.update_graph is not None
+
+
+def _f32_lr(optimizer):
+    """The eager run at the float32 value of its lr: what a captured update reads from its lr tensor."""
+    for group in optimizer.param_groups:
+        group["lr"] = float(torch.tensor(group["lr"], dtype=torch.float32))
+
+
+def _relative(a, b):
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+
+
+def _run_eager(target, objective, steps, autocast, frozen_dtype, round_lr, seed=0):
+    drafter = _compiled(_drafter(target, seed))
+    optimizer, scheduler = _trainer(drafter)
+    frozen = _frozen(target, frozen_dtype)
+    results = []
+    for micro in steps:
+        if round_lr:
+            _f32_lr(optimizer)
+        results.append(training_step(drafter, optimizer, scheduler, micro, frozen, objective, attention_backend="flex",
+                                     clip_grad=0.5, autocast_dtype=autocast))
+    return drafter, optimizer, results
+
+
+def _run_graphed(target, objective, steps, autocast, frozen_dtype, seed=0):
+    drafter = _compiled(_drafter(target, seed))
+    optimizer, scheduler = _trainer(drafter)
+    graphed = _graphed(target, objective, drafter, optimizer, scheduler, autocast, frozen_dtype)
+    graphed.prepare(lambda line: None)
+    _assert_all_captured(graphed)
+    results = [graphed.step(micro, None) for micro in steps]
+    torch.cuda.synchronize()
+    return drafter, optimizer, results, graphed
+
+
+def test_graphed_step_equals_the_eager_step_in_float32():
+    """24 steps of 2 micro-batches over 2 length buckets, one of them skipped for a non-finite
+    gradient: per-step loss, gradient norm and skip flag, and the weights and Adam moments at the
+    end, equal the eager training_step's (run at the float32 value of its lr, what the captured
+    update reads) to 1e-6 relative."""
+    target, objective = _target(), _objective()
+    steps = _steps(target, objective, 24, poison=(9, 1))
+    eager, eager_opt, expected = _run_eager(target, objective, steps, None, torch.float32, round_lr=True)
+    graphed_drafter, graphed_opt, got, _ = _run_graphed(target, objective, steps, None, torch.float32)
+    assert [r.skipped for r in got] == [r.skipped for r in expected] and got[9].skipped
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6, nan_ok=True), step
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6, nan_ok=True), step
+        assert a.lr == pytest.approx(b.lr, rel=1e-7)
+    for (name, a), b in zip(graphed_drafter.named_parameters(), eager.parameters()):
+        assert _relative(a, b) <= 1e-6, name
+        assert _relative(graphed_opt.state[a]["exp_avg"], eager_opt.state[b]["exp_avg"]) <= 1e-6, name
+        assert _relative(graphed_opt.state[a]["exp_avg_sq"], eager_opt.state[b]["exp_avg_sq"]) <= 1e-6, name
+
+
+def test_graphed_step_in_bf16_stays_within_the_eager_spread():
+    """bf16 autocast, 20 steps: the graphed weights are no further from the eager run (at the float32
+    lr) than eager runs are from each other (at the two lr representations, and run twice)."""
+    target, objective = _target(torch.bfloat16), _objective()
+    steps = _steps(target, objective, 20)
+    e1, _, _ = _run_eager(target, objective, steps, torch.bfloat16, torch.bfloat16, round_lr=False)
+    e2, _, _ = _run_eager(target, objective, steps, torch.bfloat16, torch.bfloat16, round_lr=True)
+    e2b, _, _ = _run_eager(target, objective, steps, torch.bfloat16, torch.bfloat16, round_lr=True)
+    g, _, _, _ = _run_graphed(target, objective, steps, torch.bfloat16, torch.bfloat16)
+    for (name, a), b, c, d in zip(g.named_parameters(), e2.parameters(), e1.parameters(), e2b.parameters()):
+        spread = max(_relative(c, b), _relative(d, b))
+        assert _relative(a, b) <= spread + 1e-6, (name, _relative(a, b), spread)
+
+
+def test_graphed_step_does_not_wait_for_the_gpu():
+    """Two graphed steps right after a synchronize issue no synchronising CUDA call (the third
+    waits for the first: the run-ahead bound)."""
+    target, objective = _target(), _objective()
+    steps = _steps(target, objective, 4)
+    _, _, _, graphed = _run_graphed(target, objective, steps[:2], None, torch.float32)
+    torch.cuda.synchronize()
+    graphed.ahead.clear()  # all done: the next MAX_AHEAD steps need not wait for any
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            results = [graphed.step(micro, None) for micro in steps[2:]]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, "\n".join(syncs)
+    assert all(r.loss == r.loss for r in results)  # readable afterwards
+
+
+def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
+    """Two replicas (two GPUs if present, else both on one), each a GraphedStep in its own thread,
+    the GradientReducer summing their persistent gradients between the replayed micro-batches and
+    the replayed update == one eager drafter taking both micro-batches (float32, 20 steps)."""
+    devices = [DEVICE, torch.device("cuda:1") if torch.cuda.device_count() > 1 else DEVICE]
+    target, objective = _target(), _objective()
+    steps = _steps(target, objective, 20)
+    eager, _, expected = _run_eager(target, objective, steps, None, torch.float32, round_lr=True)
+    graphed, drafters = [], []
+    for rank, device in enumerate(devices):
+        drafter = _compiled(_drafter(target).to(device))
+        frozen = FrozenTargetParts(target.embed_weight.detach().to(device), target.head_weight.detach().to(device))
+        shapes = step_shapes(BUCKETS, 4, objective, len(LAYERS) * target.spec.hidden_size, torch.float32,
+                             target.spec.vocab_size)
+        optimizer, scheduler = _trainer(drafter)
+        step = GraphedStep(name=f"replica-{rank}", drafter=drafter, optimizer=optimizer, scheduler=scheduler, frozen=frozen,
+                           objective=objective, attention_backend="flex", clip_grad=0.5, autocast_dtype=None, shapes=shapes)
+        with torch.cuda.device(device):
+            step.prepare(lambda line: None)
+        _assert_all_captured(step)
+        graphed.append(step)
+        drafters.append(drafter)
+    reducer = GradientReducer(drafters, StopSignal())
+    results: dict[int, list] = {0: [], 1: []}
+    errors = []
+
+    def run(rank):
+        try:
+            torch.cuda.set_device(devices[rank])
+            for micro in steps:
+                batch = micro[rank]
+                moved = DrafterBatch(*(t.to(devices[rank]) for t in (batch.target_features, batch.input_ids,
+                                                                      batch.loss_mask, batch.anchors, batch.anchor_valid)),
+                                     batch.loss_normalizer, batch.scored_rows)
+                results[rank].append(graphed[rank].step([moved], lambda: reducer.sync(rank)))
+            torch.cuda.synchronize(devices[rank])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            reducer.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    for step, exp in enumerate(expected):
+        assert results[0][step].loss + results[1][step].loss == pytest.approx(exp.loss, rel=1e-5), step
+        assert results[0][step].grad_norm == pytest.approx(exp.grad_norm, rel=1e-5), step
+    for drafter in drafters:
+        for a, b in zip(drafter.parameters(), eager.parameters()):
+            assert _relative(a.to(DEVICE), b) <= 1e-5
+
+
+def test_a_target_thread_and_two_drafter_threads_capture_at_once():
+    """Three real threads on one GPU start their warm-ups together, with no lock between the
+    warm-ups (the pipeline runs them one at a time; this checks the captures alone keep out of each
+    other's way: graph_capture's lock, thread_local mode, a private stream each). Every graph is
+    captured, and a replay then equals the eager computation of each."""
+    install_compile_safety(recompile_limit=128)
+    target, objective = _target(), _objective()
+    steps = _steps(target, objective, 3)
+    features = GraphedFeatures(LiveTarget(target, LAYERS), target, BUCKETS, 4)
+    drafters = [_compiled(_drafter(target, seed)) for seed in (0, 1)]
+    twins = [_compiled(_drafter(target, seed)) for seed in (0, 1)]  # same seed: the same weights
+    graphed = [_graphed(target, objective, d, *_trainer(d), None, torch.float32) for d in drafters]
+    start = threading.Barrier(3)
+    errors = []
+
+    def warm(prepare):
+        try:
+            torch.cuda.set_device(DEVICE)
+            configure_worker_thread()
+            start.wait()
+            prepare(lambda line: None)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=warm, args=(p,)) for p in (features.prepare, graphed[0].prepare, graphed[1].prepare)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    assert not errors, errors
+    assert sorted(features.graphs) == BUCKETS and not features.eager_reasons, features.eager_reasons
+    for g in graphed:
+        _assert_all_captured(g)
+    planner = BatchPlanner(pattern_samples(16), batch_size=4, batches_per_step=1, buckets=BUCKETS, seed=1,
+                           objectives={"d": objective})
+    host = planner.step_batches(0)[0]
+    assert _relative(features.features(host), target.features(host.input_ids.to(DEVICE), LAYERS)) <= 1e-5
+    for g, twin in zip(graphed, twins):
+        optimizer, scheduler = _trainer(twin)
+        frozen = _frozen(target, torch.float32)
+        for micro in steps:
+            _f32_lr(optimizer)
+            expected = training_step(twin, optimizer, scheduler, micro, frozen, objective, attention_backend="flex",
+                                     clip_grad=0.5, autocast_dtype=None)
+            assert g.step(micro, None).loss == pytest.approx(expected.loss, rel=1e-6)
+
+
+def _pipeline_config(out, **values):
+    return tiny_train_config(out, device="cuda", steps=24, num_anchors=16, log_every=4, save_every=24, export_dtype="",
+                             seq_buckets=[64, 128], **values)
+
+
+def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
+    """train() on one GPU with a target thread and two drafter replica threads, --cuda-graphs on:
+    every worker's warm-up captured all its graphs (no fallback warning), the replicas stay
+    identical, the loss follows the eager run's (bf16), and pipeline.jsonl / summary.json carry
+    GPU busy fractions and the start-up times."""
+    fingerprints: dict[int, dict[int, torch.Tensor]] = {}
+    lock = threading.Lock()
+
+    def record(worker, step):
+        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()]).cpu()
+        with lock:
+            fingerprints.setdefault(step, {})[worker.replica.rank] = flat
+
+    target = _target(torch.bfloat16)
+    samples = pattern_samples(64, min_len=30, max_len=120)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = train(_pipeline_config(tmp_path / "on", cuda_graphs="on", drafter_devices=["cuda:0", "cuda:0"]),
+                        samples=samples, target=target, log=open(os.devnull, "w"), step_hook=record)
+    fallbacks = [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
+    assert not fallbacks, fallbacks
+    notes = graphed["startup"]["warmup_notes"]
+    assert "2/2 feature graphs" in notes["target-0"], notes
+    assert all("graphs captured" in notes[name] and "eager" not in notes[name] for name in ("drafter-0", "drafter-1")), notes
+    assert graphed["startup"]["warmup_s"] > 0 and graphed["startup"]["time_to_full_speed_s"] is not None
+    for step, by_rank in fingerprints.items():
+        assert torch.equal(by_rank[0], by_rank[1]), step
+    eager = train(_pipeline_config(tmp_path / "off", cuda_graphs="off", drafter_devices=["cuda:0", "cuda:0"]),
+                  samples=samples, target=target, log=open(os.devnull, "w"))
+    on = [json.loads(line)["loss"] for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    off = [json.loads(line)["loss"] for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert len(on) == len(off) == 24
+    assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(on, off)), list(zip(on, off))
+    records = [json.loads(line) for line in (tmp_path / "on" / "pipeline.jsonl").read_text().splitlines()]
+    workers = records[-1]["workers"]
+    assert all(workers[name]["gpu_busy"] is not None and 0 < workers[name]["gpu_busy"] <= 1 for name in workers), workers
+    assert records[-1]["bottleneck"] in ("target GPU", "drafter GPU", "target host", "drafter host", "queue")
+    assert eager["startup"]["time_to_first_step_s"] is not None
+
+
+def _slow_gpu_target(seconds: float) -> Target:
+    """A live target whose GPU work takes `seconds` longer per batch without host work: a spin
+    kernel before its first decoder layer (a forward pre-hook, so Target.features and the graphed
+    feature forward both run it, and the capture records it)."""
+    model = tiny_hf_model("llama", layers=6).to(DEVICE, torch.bfloat16)
+    cycles = int(seconds * 2.0e9)
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
+    return Target(model)
+
+
+def test_a_deliberately_slowed_target_gpu_is_named(tmp_path):
+    """The target's GPU work made ~40 ms longer per batch (host untouched), graphs on: the step
+    line's record in pipeline.jsonl names `target GPU`, with the target's GPU busy fraction high
+    and above the drafter's."""
+    config = _pipeline_config(tmp_path, cuda_graphs="on", steps=30, log_every=10)
+    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=120), target=_slow_gpu_target(0.04),
+                    log=open(os.devnull, "w"))
+    assert "2/2 feature graphs" in summary["startup"]["warmup_notes"]["target-0"]  # the spin is in the graph
+    last = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()][-1]
+    workers = last["workers"]
+    assert last["bottleneck"] == "target GPU", last
+    assert workers["target-0"]["gpu_busy"] >= 0.6 and workers["target-0"]["gpu_busy"] > workers["drafter-0"]["gpu_busy"], workers
