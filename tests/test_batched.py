@@ -255,7 +255,9 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype):
         settings = GenerationSettings(max_new_tokens=max_new, temperature=temperature, top_p=0.9)
         graphed = StaticBatchEngine(target, settings, [stop], slots=16)
         got = by_id(graphed.generated(jobs))
-        assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= 3
+        # float32 rows run long enough to be compacted into fewer slots: a third step shape.
+        shapes = 3 if dtype == torch.float32 else 2
+        assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= shapes
         eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False).generated(jobs))
         assert got == eager
         if dtype == torch.float32 and temperature == 0:

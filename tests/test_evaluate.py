@@ -535,12 +535,13 @@ def _newest_context_hidden(drafter, monkeypatch) -> None:
 
     attention = static.grouped_attention
 
-    def without_newest_context(query, keys, values, visible, scale):
+    def without_newest_context(query, keys, values, bias, scale):
         length = query.shape[2]
-        if visible.shape[0] == 1 and length > 1:  # the drafter's block (one mask row for all its queries)
-            visible = visible.clone()
-            visible[0, int(visible.sum()) - length - 1] = False
-        return attention(query, keys, values, visible, scale)
+        if bias.shape[-2] == 1 and length > 1:  # the drafter's block (one mask row for all its queries)
+            bias = bias.clone()  # additive: 0 where a key is seen, -inf where not
+            seen = int((bias[0, 0, 0] == 0).sum())
+            bias[..., seen - length - 1] = float("-inf")
+        return attention(query, keys, values, bias, scale)
 
     monkeypatch.setattr(static, "grouped_attention", without_newest_context)
 

@@ -38,7 +38,8 @@ def _compile_safety():
 
 
 def _target(dtype=torch.float32, seed=0):
-    model = tiny_hf_model("llama", layers=6, seed=seed).to(DEVICE, dtype)
+    # head_dim 64, as SmolLM2: flex attention on torch 2.11 finds no kernel for float32 queries at head_dim 16.
+    model = tiny_hf_model("llama", layers=6, hidden=256, seed=seed).to(DEVICE, dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20)
     return Target(model)
@@ -291,8 +292,9 @@ def test_a_target_thread_and_two_drafter_threads_capture_at_once():
 
 
 def _pipeline_config(out, **values):
-    return tiny_train_config(out, device="cuda", steps=24, num_anchors=16, log_every=4, save_every=24, export_dtype="",
-                             seq_buckets=[64, 128], **values)
+    defaults = dict(device="cuda", steps=24, num_anchors=16, log_every=4, save_every=24, export_dtype="",
+                    seq_buckets=[64, 128])
+    return tiny_train_config(out, **{**defaults, **values})
 
 
 def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
@@ -339,7 +341,7 @@ def _slow_gpu_target(seconds: float) -> Target:
     """A live target whose GPU work takes `seconds` longer per batch without host work: a spin
     kernel before its first decoder layer (a forward pre-hook, so Target.features and the graphed
     feature forward both run it, and the capture records it)."""
-    model = tiny_hf_model("llama", layers=6).to(DEVICE, torch.bfloat16)
+    model = tiny_hf_model("llama", layers=6, hidden=256).to(DEVICE, torch.bfloat16)
     cycles = int(seconds * 2.0e9)
     model.model.layers[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
     return Target(model)

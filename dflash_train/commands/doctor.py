@@ -194,7 +194,8 @@ def check_target(target: str) -> list[Finding]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..decode.static import _float32_replica, cache_capacity, static_unsupported
+    from ..decode.static import cache_capacity, static_unsupported
+    from ..feature_forward import float32_replica
     from ..target import Target, TargetSpec
 
     path = Path(target)
@@ -213,7 +214,7 @@ def check_target(target: str) -> list[Finding]:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # class and config only, no memory
-    replica = Target(_float32_replica(skeleton, device))
+    replica = Target(float32_replica(skeleton, device))
     refusal = static_unsupported(replica, cache_capacity(PROBE_TOKENS))
     found.append(Finding("ok" if refusal is None else "info", "static decoder",
                          f"passes its probe on {device} (eval --decoder auto uses it)" if refusal is None

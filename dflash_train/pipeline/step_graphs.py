@@ -153,7 +153,7 @@ def _probe_update(device: torch.device) -> str | None:
             graphed.weight.copy_(start)
         eager, graphed = eager.to(device), graphed.to(device)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in (eager, graphed)]
-        graphed.weight.grad = torch.zeros_like(start)
+        graphed.weight.grad = torch.zeros_like(graphed.weight)
         grads = [graphed.weight.grad]
         lrs = [torch.zeros((), device=device)]
         skip = torch.zeros((), device=device)
