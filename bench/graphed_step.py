@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> int:
     target_dir = hf_folder_from_gguf(args.gguf, args.cache_dir or None) if args.gguf else smollm2_target_dir(args.cache_dir or None)
     config = quality_config(str(target_dir), args.data, args.out, steps=args.steps, device=args.device,
                             cuda_graphs=args.child, smoke=args.smoke, save_every=10**9, export_dtype="",
-                            log_every=max(1, args.steps // 6))
+                            log_every=max(1, args.steps // 6), resume=True)  # start 2 reuses start 1's folder
     started = time.monotonic()
     summary = train(config, save_checkpoints=False)
     out = Path(args.out)
