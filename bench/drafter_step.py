@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.fp8 import use_fp8_linears  # noqa: E402
-from dflash_train.objective import ObjectiveConfig, block_labels, draw_anchors  # noqa: E402
 from dflash_train.step import (  # noqa: E402
-    DrafterBatch, FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
+    FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
 )
+from dflash_train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
 from dflash_train.target import default_dtype  # noqa: E402
 
 PEAK_TFLOPS = 790.0
@@ -51,41 +51,6 @@ QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, mlp=1
 # A drafter for a Qwen3-0.6B-shaped target: small enough that the host, not the GPU, sets the pace.
 SMALL = dict(hidden=1024, layers=5, heads=16, kv_heads=8, head_dim=128, mlp=3072, vocab=151936, target_layers=28,
              layer_ids=[1, 7, 13, 19, 25])
-TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=512, target_layers=8,
-            layer_ids=[1, 3, 5])
-
-
-def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
-    return DrafterConfig(
-        hidden_size=dims["hidden"], num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], intermediate_size=dims["mlp"],
-        rms_norm_eps=1e-6, vocab_size=dims["vocab"], rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        max_position_embeddings=40960, block_size=block_size,
-        target_layer_ids=dims["layer_ids"],
-        num_target_layers=dims["target_layers"], mask_token_id=dims["vocab"] - 1,
-    )
-
-
-def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0,
-               host_count: bool = True):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size - 1, (batch, seq), generator=generator)
-    loss_mask = torch.zeros(batch, seq, dtype=torch.bool)
-    loss_mask[:, int(0.2 * seq):] = True
-    drawn = [draw_anchors(loss_mask[i], anchors, seed=seed, sample_id=i, epoch=0) for i in range(batch)]
-    anchor_pos = torch.stack([a for a, _ in drawn])
-    anchor_valid = torch.stack([v for _, v in drawn])
-    objective = ObjectiveConfig(block_size=config.block_size, num_anchors=anchors)
-    _, label_valid = block_labels(ids, loss_mask, anchor_pos, anchor_valid, config.block_size)
-    features = torch.randn(batch, seq, len(config.target_layer_ids) * config.hidden_size, generator=generator)
-    drafter_batch = DrafterBatch(
-        features.to(device, dtype), ids.to(device), loss_mask.to(device), anchor_pos.to(device),
-        anchor_valid.to(device), objective.normalizer(label_valid),
-        scored_rows=int(label_valid.sum()) if host_count else None,
-    )
-    return drafter_batch, objective, anchor_valid
-
-
 def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.Tensor, anchors: torch.Tensor) -> float:
     """The issue's formula: 6·P_layers·Tq + 6·P_kv·b·S + 4·P_fc·b·S + 4·H·V·Tq + attention pairs."""
     H, B, d = config.hidden_size, config.block_size, config.head_dim

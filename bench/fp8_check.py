@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drafter_step import TINY, drafter_config, make_batch, random_drafter  # noqa: E402
+from drafter_step import random_drafter  # noqa: E402
+from dflash_train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
 
 from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.step import FrozenTargetParts, drafter_loss, make_optimizer  # noqa: E402

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = torch.device("cuda:0")
 LAYERS = [1, 3]
-BUCKETS = [64, 112]
+# Query rows (anchors x block) and key rows (bucket + query rows) in multiples of 128: on the
+# H200 with torch 2.11, flex attention found no kernel for float32 queries of 96 rows
+# (NoValidChoicesError), while the recipe's 4,096 x 4,864 compiled; the tests keep to such shapes.
+BUCKETS = [128, 256]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +49,7 @@ def _target(dtype=torch.float32, seed=0):
 
 
 def _objective():
-    return ObjectiveConfig(block_size=4, num_anchors=24, loss_chunk_rows=64, compiled_head=True)
+    return ObjectiveConfig(block_size=4, num_anchors=32, loss_chunk_rows=64, compiled_head=True)
 
 
 def _drafter(target, seed=0):
@@ -71,7 +74,7 @@ def _trainer(drafter):
 def _steps(target, objective, steps, batches_per_step=2, poison=None):
     """Planned micro-batches (two length buckets) with the target's features on the GPU; `poison`
     = (step, micro-batch) gets an inf feature (a non-finite gradient: a skipped step)."""
-    planner = BatchPlanner(pattern_samples(48, min_len=30, max_len=110), batch_size=4, batches_per_step=batches_per_step,
+    planner = BatchPlanner(pattern_samples(48, min_len=30, max_len=250), batch_size=4, batches_per_step=batches_per_step,
                            buckets=BUCKETS, seed=0, objectives={"d": objective})
     out = []
     for step in range(steps):
@@ -292,8 +295,8 @@ def test_a_target_thread_and_two_drafter_threads_capture_at_once():
 
 
 def _pipeline_config(out, **values):
-    defaults = dict(device="cuda", steps=24, num_anchors=16, log_every=4, save_every=24, export_dtype="",
-                    seq_buckets=[64, 128])
+    defaults = dict(device="cuda", steps=24, num_anchors=32, max_seq_len=256, log_every=4, save_every=24, export_dtype="",
+                    seq_buckets=[128, 256])
     return tiny_train_config(out, **{**defaults, **values})
 
 
@@ -311,7 +314,7 @@ def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
             fingerprints.setdefault(step, {})[worker.replica.rank] = flat
 
     target = _target(torch.bfloat16)
-    samples = pattern_samples(64, min_len=30, max_len=120)
+    samples = pattern_samples(64, min_len=30, max_len=250)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = train(_pipeline_config(tmp_path / "on", cuda_graphs="on", drafter_devices=["cuda:0", "cuda:0"]),
@@ -352,7 +355,7 @@ def test_a_deliberately_slowed_target_gpu_is_named(tmp_path):
     line's record in pipeline.jsonl names `target GPU`, with the target's GPU busy fraction high
     and above the drafter's."""
     config = _pipeline_config(tmp_path, cuda_graphs="on", steps=30, log_every=10)
-    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=120), target=_slow_gpu_target(0.04),
+    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=250), target=_slow_gpu_target(0.04),
                     log=open(os.devnull, "w"))
     assert "2/2 feature graphs" in summary["startup"]["warmup_notes"]["target-0"]  # the spin is in the graph
     last = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()][-1]

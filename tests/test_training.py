@@ -172,13 +172,11 @@ def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
 def test_drafter_loss_and_backward_never_wait_for_the_gpu():
     """With the scored-slot count from the host, a warmed-up forward + loss + backward issues
     no synchronising CUDA call, so the host can run ahead of the GPU for the whole step."""
-    import sys
     import warnings
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.drafter_step import TINY, drafter_config, make_batch
     from dflash_train.drafter import DFlashDrafter
     from dflash_train.step import FrozenTargetParts, drafter_loss
+    from dflash_train.synthetic import TINY, drafter_config, make_batch
 
     device = torch.device("cuda")
     config = drafter_config(TINY, 16)
