@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -82,8 +83,20 @@ class FeatureForward:
         return torch.cat(states, dim=-1)
 
 
-_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyDictionary()
-_VERDICT_LOCK = threading.Lock()
+class ProbeVerdicts:
+    """A behaviour probe's verdict (why a model cannot be used, or None) computed once per
+    model and forgotten with it; safe to ask from several threads."""
+
+    def __init__(self, probe: Callable[[Target], str | None]):
+        self.probe = probe
+        self._verdicts: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, target: Target) -> str | None:
+        with self._lock:
+            if target.model not in self._verdicts:
+                self._verdicts[target.model] = self.probe(target)
+            return self._verdicts[target.model]
 
 
 def feature_forward_unsupported(target: Target, length: int) -> str | None:
@@ -92,10 +105,7 @@ def feature_forward_unsupported(target: Target, length: int) -> str | None:
     window = sliding_window(target.model.config)
     if window is not None and length > window:
         return f"its {window}-token sliding window is shorter than the {length}-token rows"
-    with _VERDICT_LOCK:
-        if target.model not in _VERDICTS:
-            _VERDICTS[target.model] = _probe(target)
-        return _VERDICTS[target.model]
+    return _VERDICTS(target)
 
 
 def _probe(target: Target) -> str | None:
@@ -121,3 +131,6 @@ def _probe(target: Target) -> str | None:
         if got.shape != expected.shape or not error <= 1e-5:
             return f"its features differ from Target.features' (relative error {error:.1e} in float32)"
     return None
+
+
+_VERDICTS = ProbeVerdicts(_probe)

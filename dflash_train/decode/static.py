@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafter import DFlashDrafter, apply_rope, embed_block_tokens
-from ..feature_forward import float32_replica, sliding_window
+from ..feature_forward import ProbeVerdicts, float32_replica, sliding_window
 from ..graph_capture import capture
 from ..target import Target, hidden_state_index
 
@@ -373,8 +373,6 @@ class StaticDrafter:
 # Which models, and the decoding state for one (target, drafter, capacity)
 # ---------------------------------------------------------------------------------------------
 
-_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, str | None]" = weakref.WeakKeyDictionary()
-_VERDICT_LOCK = threading.Lock()
 
 
 def static_unsupported(target: Target, capacity: int) -> str | None:
@@ -386,10 +384,7 @@ def static_unsupported(target: Target, capacity: int) -> str | None:
     window = sliding_window(target.model.config)
     if window is not None and capacity > window:
         return f"its {window}-token sliding window is shorter than the {capacity}-position cache"
-    with _VERDICT_LOCK:
-        if target.model not in _VERDICTS:
-            _VERDICTS[target.model] = _probe(target)
-        return _VERDICTS[target.model]
+    return _VERDICTS(target)
 
 
 def _probe(target: Target) -> str | None:
@@ -440,6 +435,9 @@ def _probe(target: Target) -> str | None:
         if not error <= 1e-4:
             return f"its {name} differ from the Hugging Face forward's (relative error {error:.1e} in float32)"
     return None
+
+
+_VERDICTS = ProbeVerdicts(_probe)
 
 
 class StaticState:
