@@ -40,7 +40,7 @@ from safetensors.torch import save as save_safetensors
 
 from .drafter import DFlashDrafter, DrafterConfig
 from .errors import UserError
-from .files import write_dir_atomically, write_text_atomic
+from .files import remove_leftover_staging, write_dir_atomically, write_text_atomic
 
 STATE_FILE = "state.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -123,7 +123,7 @@ def save_checkpoint(
     the `keep` newest complete checkpoints."""
     checkpoints = Path(run_dir) / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    clean_interrupted_saves(checkpoints)
+    remove_leftover_staging(checkpoints)  # what a save killed midway left (an aside checkpoint goes back)
     final = checkpoints / f"step-{step:08d}"
 
     def build(staging: Path) -> None:
@@ -153,27 +153,6 @@ def save_checkpoint(
                            f"{final} itself is complete (--resume verifies and finds it)") from error
     _prune(checkpoints, keep, final)
     return final
-
-
-def clean_interrupted_saves(checkpoints: str | Path) -> list[str]:
-    """Remove what a save killed midway leaves in `checkpoints` (hidden `.step-*` staging
-    folders, `.latest.*` temporary files); a checkpoint renamed aside to be replaced whose
-    replacement never arrived is put back first. Returns what was done, one line each."""
-    checkpoints = Path(checkpoints)
-    done = []
-    for hidden in sorted(checkpoints.glob(".step-*")):
-        if hidden.is_dir():
-            for aside in hidden.iterdir():  # `.step-N.old.*/step-N`: an intact checkpoint renamed aside
-                if _STEP_NAME.fullmatch(aside.name) and not (checkpoints / aside.name).exists():
-                    os.replace(aside, checkpoints / aside.name)
-                    done.append(f"restored {checkpoints / aside.name} (its replacement was never completed)")
-            shutil.rmtree(hidden, ignore_errors=True)
-        else:
-            hidden.unlink(missing_ok=True)
-        done.append(f"removed {hidden} (left by an interrupted save)")
-    for temp in checkpoints.glob(".latest.*"):
-        temp.unlink(missing_ok=True)
-    return done
 
 
 def _complete_checkpoints(checkpoints: Path) -> list[Path]:

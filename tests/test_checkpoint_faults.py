@@ -243,7 +243,7 @@ def test_a_save_killed_midway_is_cleaned_at_the_next_save(tmp_path):
     assert resumable_checkpoint(run) == (checkpoints / "step-00000001", [])
 
     # A kill between write_dir_atomically's two renames leaves the old step-1 aside and no step-1:
-    aside = checkpoints / ".step-00000001.old.killed"
+    aside = checkpoints / ".step-00000001.old.killed00"  # the name write_dir_atomically's mkdtemp gives it
     aside.mkdir()
     os.replace(checkpoints / "step-00000001", aside / "step-00000001")
     drafter = _drafter()

@@ -227,7 +227,7 @@ def test_replicas_gradient_sum_through_the_static_step(target):
                 results[rank].append(graphed[rank].step([micro[rank]], lambda: reducer.sync(rank)))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
-            reducer.barrier.abort()
+            reducer.abort()
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
     for thread in threads:

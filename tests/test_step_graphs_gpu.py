@@ -231,7 +231,7 @@ def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
             torch.cuda.synchronize(devices[rank])
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
-            reducer.barrier.abort()
+            reducer.abort()
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
     for thread in threads:

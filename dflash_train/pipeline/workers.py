@@ -257,6 +257,12 @@ class GradientReducer:
                 raise
         self.release.wait()
 
+    def abort(self) -> None:
+        """A replica failed outside a pipeline (no StopSignal to stop): release every peer waiting
+        in either barrier."""
+        self.gather.abort()
+        self.release.abort()
+
     def record(self, step: int, result: StepResult, samples: int, tokens: int) -> None:
         """A replica's step result, for the node totals the next vote carries."""
         if self.across is not None:
