@@ -335,16 +335,17 @@ def regenerate(
     progress.last_draw = progress.started  # the first line after `every_seconds`: short runs print one line
     started = time.monotonic()
     writer = ChunkWriter(out, flush_seconds)
-    failures: list[BaseException] = []
+    first_failure: BaseException | None = None
+    failed = 0
+    limit = getattr(engine, "setup_failures", SETUP_FAILURES)
     try:
         for job, result in engine.answers(jobs):
             if isinstance(result, BaseException):
-                failures.append(result)
+                first_failure, failed = first_failure or result, failed + 1
                 stats.skip(f"{GENERATION_FAILED}: {type(result).__name__}", f"{job.prompt.source}: {result}")
-                limit = getattr(engine, "setup_failures", SETUP_FAILURES)
-                if limit is not None and report.new == 0 and len(failures) >= min(limit, len(jobs)):
+                if limit is not None and report.new == 0 and failed >= min(limit, len(jobs)):
                     # Nothing has worked yet and every row so far failed: a setup problem, not bad rows.
-                    raise failures[0]
+                    raise first_failure
             else:
                 writer.add(json.dumps(_row(job.prompt, result), ensure_ascii=False) + "\n")
                 report.new += 1
