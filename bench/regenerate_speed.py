@@ -87,10 +87,11 @@ def load(args) -> tuple[Target, str]:
 def bench_jobs(args, tokenizer) -> tuple[list[Job], dict]:
     """Rendered prompts of at most --max-prompt-tokens tokens, in input order."""
     stats = RowStats()
-    if args.prompts == "default":
-        from dflash_train.data.prompts import default_training_prompts
+    if args.prompts == "default":  # what `regenerate --prompts default` answers
+        from dflash_train.commands._common import default_prompt_set
+        from dflash_train.data.prompt_set import PromptSetSettings
 
-        prompts = default_training_prompts(None, args.seed)
+        prompts = default_prompt_set(PromptSetSettings(seed=args.seed)).split("train")
     else:
         prompts = list(read_prompts(args.prompts, stats))
     jobs, seen, too_long = [], set(), 0
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="a Hugging Face folder or .gguf (weights, or with --dims only the tokenizer)")
     parser.add_argument("--dims", choices=sorted(DIMS), default="", help="random weights of this shape instead of the target's")
-    parser.add_argument("--prompts", default="default", help="prompt file, or 'default' (data.prompts.default_training_prompts)")
+    parser.add_argument("--prompts", default="default", help="prompt file, or 'default' (the train split of `regenerate --prompts default`'s set)")
     parser.add_argument("--batches", default="64,256,1024")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"some of {', '.join(ENGINES)}")
     parser.add_argument("--rows", type=int, default=0, help="rows per case (0 = 3 x batch)")

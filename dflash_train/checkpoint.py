@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import shutil
 import time

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,7 @@ from safetensors.torch import load_file
 from dflash_train import cli
 from dflash_train.checkpoint import (
     STATE_FILE,
-    CheckpointError,
     latest_checkpoint,
-    load_drafter,
     resumable_checkpoint,
     save_checkpoint,
     verify_checkpoint,
