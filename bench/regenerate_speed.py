@@ -134,14 +134,57 @@ def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSettings, stop_ids: list[int], args) -> dict:
-    engine = StaticBatchEngine(target, settings, stop_ids, slots=batch, read_every=args.read_every, log=sys.stdout)
+def replay_ms(engine: StaticBatchEngine, device: torch.device, repeats: int = 20) -> dict[str, float]:
+    """GPU milliseconds per replay of each all-slots decode step (rows finished: the same
+    kernels, no state change), timed with CUDA events."""
+    state = engine.state
+    if state is None or device.type != "cuda":
+        return {}
+    out = {}
+    for (rows, span), step in sorted(state.steps.items()):
+        if rows != state.slots or step.graph is None:
+            continue
+        step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            step()
+        end.record()
+        end.synchronize()
+        out[f"{rows}x{span}"] = round(start.elapsed_time(end) / repeats, 3)
+    return out
+
+
+def profile_ours(engine: StaticBatchEngine, jobs: list[Job], seconds: float, path: Path) -> None:
+    """torch.profiler over `seconds` of the warmed engine: the kernel table (by GPU time) and
+    the host table (by self CPU time) to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    results = engine.generated(jobs)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for _ in results:
+            if time.perf_counter() - started > seconds:
+                break
+        torch.cuda.synchronize()
+    results.close()
+    table = prof.key_averages()
+    path.write_text(table.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+                    + table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    log(f"  profile written to {path}")
+
+
+def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSettings, stop_ids: list[int], args,
+             attention: str = "sdpa") -> dict:
+    engine = StaticBatchEngine(target, settings, stop_ids, slots=batch, read_every=args.read_every, log=sys.stdout,
+                               attention=attention, admit_fraction=args.admit_fraction)
     started = time.perf_counter()
     for _ in engine.generated(spread(jobs, batch)):
         pass
     warmup = time.perf_counter() - started
     log(f"  ours: warm-up {warmup:.1f}s ({engine.description})")
     tokens, rows, finish, answers = 0, 0, {"stop": 0, "length": 0}, {}
+    engine.stats = type(engine.stats)()  # the timed run's own counters
     started = time.perf_counter()
     last_print = started
     results = engine.generated(jobs)
@@ -162,8 +205,17 @@ def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSe
     seconds = time.perf_counter() - started
     out = {"rows": rows, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "finish": finish,
            "warmup_s": warmup, "slots": engine.slots, "out_of_memory_halvings": engine.out_of_memory,
+           "attention": attention, "admit_fraction": args.admit_fraction, "host": engine.stats.as_dict(),
+           "attention_used": engine.state.attention if engine.state else None,
+           "attention_ms": engine.state.attention_ms if engine.state else {},
            "step_shapes": sorted(engine.state.steps) if engine.state else [],  # (rows, attention span)
            "graphs": sum(step.graph is not None for step in engine.state.steps.values()) if engine.state else 0}
+    out["replay_ms"] = replay_ms(engine, target.device)
+    host = out["host"]
+    log(f"  ours[{attention}]: {host['steps']} steps, occupancy {host['occupancy']:.2f}, {host['prefills']} prefills; host s: "
+        f"admit {host['admit_s']:.2f}, steps {host['step_s']:.2f}, waits {host['wait_s']:.2f}; replay ms/step {out['replay_ms']}")
+    if args.profile_s and target.device.type == "cuda":
+        profile_ours(engine, jobs, args.profile_s, Path(args.json or "regenerate_speed.json").with_suffix(f".{batch}.{attention}.prof.txt"))
     del engine
     return out, answers
 
@@ -236,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="timed seconds per case (after its warm-up)")
     parser.add_argument("--read-every", type=int, default=4, help="ours: decode steps between reads of the finished flags")
+    parser.add_argument("--attention", default="auto", help="ours: comma-separated cache attentions to time (auto, sdpa, matmul)")
+    parser.add_argument("--admit-fraction", type=int, default=16, help="ours: refill once 1/N of the slots are free")
+    parser.add_argument("--profile-s", type=float, default=0.0, help="ours: also profile this many seconds (CUDA), table next to --json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
@@ -271,21 +326,24 @@ def run(args, parser) -> int:
         rows = jobs[: args.rows or 3 * batch]
         case = results["cases"].setdefault(str(batch), {})
         answers = {}
-        for engine in engines:
-            log(f"batch {batch}: {engine}, {len(rows)} rows")
+        attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
+        cases = [(e, a) for e in engines for a in (attentions if e == "ours" else [""])]
+        for engine, attention in cases:
+            name = engine if not attention or attention == attentions[0] else f"{engine}-{attention}"
+            log(f"batch {batch}: {name}, {len(rows)} rows")
             _peak_reset(device)
             try:
                 if engine == "ours":
-                    row, answers[engine] = run_ours(target, rows, batch, settings, stop_ids, args)
+                    row, answers[name] = run_ours(target, rows, batch, settings, stop_ids, args, attention)
                 else:
-                    row, answers[engine] = run_hf(target, rows, batch, settings, stop_ids, engine == "hf-static", args)
+                    row, answers[name] = run_hf(target, rows, batch, settings, stop_ids, engine == "hf-static", args)
                 row["peak_memory_gib"] = _peak(device)
-                log(f"  {engine}: {row['tokens_per_s']:,.0f} tok/s ({row['rows']} rows, {row['tokens']} tokens in "
+                log(f"  {name}: {row['tokens_per_s']:,.0f} tok/s ({row['rows']} rows, {row['tokens']} tokens in "
                     f"{row['seconds']:.1f}s, peak {row['peak_memory_gib'] or 0:.1f} GiB)")
             except Exception as error:  # noqa: BLE001 - one failed case must not lose the others
                 row = {"error": f"{type(error).__name__}: {error}"}
-                log(f"  {engine}: FAILED {row['error'][:300]}")
-            case[engine] = row
+                log(f"  {name}: FAILED {row['error'][:300]}")
+            case[name] = row
         if "ours" in answers and "hf-static" in answers:
             both = set(answers["ours"]) & set(answers["hf-static"])
             same = sum(answers["ours"][k] == answers["hf-static"][k] for k in both)
@@ -293,7 +351,9 @@ def run(args, parser) -> int:
         rate = {e: case.get(e, {}).get("tokens_per_s") for e in ENGINES}
         fmt = lambda v: f"{v:,.0f}" if v else "n/a"  # noqa: E731
         line = f"regenerate {label} batch {batch}: {fmt(rate['ours'])} tok/s (HF generate {fmt(rate['hf-static'])} tok/s)"
-        summary.append(line + f"   [plain HF generate {fmt(rate['hf'])} tok/s]")
+        variants = "".join(f", {name} {fmt(row.get('tokens_per_s'))}" for name, row in case.items()
+                           if name.startswith("ours-") and isinstance(row, dict))
+        summary.append(line + f"   [plain HF generate {fmt(rate['hf'])} tok/s{variants}]")
         print(line, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1) + "\n")  # after every batch: a cut run keeps its cases

@@ -69,9 +69,11 @@ def early_stop_token(target, prompts: list[list[int]], max_new: int) -> int:
     return max((t for t, n in counts.items() if n < len(prompts)), key=lambda t: counts[t])
 
 
-@pytest.mark.parametrize("family,read_every,overlap", [("llama", 4, False), ("qwen2", 1, True), ("qwen3", 3, True),
-                                                       ("mistral", 4, False)])
-def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, overlap, monkeypatch):
+@pytest.mark.parametrize("family,read_every,overlap,attention", [
+    ("llama", 4, False, "sdpa"), ("qwen2", 1, True, "sdpa"), ("qwen3", 3, True, "sdpa"), ("mistral", 4, False, "sdpa"),
+    ("llama", 3, True, "matmul"), ("qwen3", 4, False, "matmul"),
+])
+def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, overlap, attention, monkeypatch):
     attended = []
     step = BatchState.step
 
@@ -90,7 +92,7 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
     stop = early_stop_token(target, prompts, max_new)
     settings = GenerationSettings(max_new_tokens=max_new)
     # overlap: the host acts on each round's finished flags one round late, as on CUDA.
-    engine = StaticBatchEngine(target, settings, [stop], slots=3, read_every=read_every, overlap=overlap)
+    engine = StaticBatchEngine(target, settings, [stop], slots=3, read_every=read_every, overlap=overlap, attention=attention)
     got = by_id(engine.generated(make_jobs(prompts)))
     expected = {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
     assert got == expected
@@ -110,6 +112,23 @@ def test_the_last_rows_move_together_into_fewer_slots():
     got = by_id(engine.generated(make_jobs(prompts)))
     assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
     assert {rows for rows, _ in engine.state.steps} == {16, 8}  # the tail ran on a smaller batch
+
+
+def test_refills_wait_for_enough_free_slots_and_answers_do_not_change():
+    target = tiny_target("llama", head_scale=8)
+    prompts = varied_prompts(40, seed=5)
+    max_new = 12
+    stop = early_stop_token(target, prompts[:8], max_new)
+    expected = {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
+    prefills = {}
+    for fraction in (16, 4, 1):  # refill at 1, 4 or all 16 free slots (1 = whole batches)
+        engine = StaticBatchEngine(target, GenerationSettings(max_new_tokens=max_new), [stop], slots=16,
+                                   admit_fraction=fraction, read_every=2)
+        assert by_id(engine.generated(make_jobs(prompts))) == expected
+        stats = engine.stats.as_dict()
+        assert stats["admitted"] == len(prompts) and stats["steps"] > 0 and 0 < stats["occupancy"] <= 1
+        prefills[fraction] = stats["prefills"]
+    assert prefills[16] > prefills[4] > prefills[1] >= 3  # 40 prompts through 16 slots: at least 3 refills
 
 
 def test_a_stop_at_the_first_token_and_one_token_answers():
@@ -243,8 +262,9 @@ def test_rows_the_engine_cannot_start_fail_alone():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype):
+def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype, attention):
     target = tiny_target("qwen3", head_scale=8)
     target.model.to("cuda", dtype)
     prompts = varied_prompts(40, seed=6, long=300)
@@ -253,12 +273,15 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype):
     jobs = make_jobs(prompts)
     for temperature in (0.0, 1.0):
         settings = GenerationSettings(max_new_tokens=max_new, temperature=temperature, top_p=0.9)
-        graphed = StaticBatchEngine(target, settings, [stop], slots=16)
+        graphed = StaticBatchEngine(target, settings, [stop], slots=16, attention=attention)
         got = by_id(graphed.generated(jobs))
         # float32 rows run long enough to be compacted into fewer slots: a third step shape.
         shapes = 3 if dtype == torch.float32 else 2
         assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= shapes
-        eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False).generated(jobs))
+        if attention == "auto":  # both timed once, the faster one kept
+            assert set(graphed.state.attention_ms) == {"sdpa", "matmul"} and graphed.state.attention in ("sdpa", "matmul")
+        eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False,
+                                        attention=graphed.state.attention).generated(jobs))
         assert got == eager
         if dtype == torch.float32 and temperature == 0:
             assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
@@ -301,15 +324,17 @@ def test_regenerate_speed_bench_runs_on_cpu(smollm2_dir, tmp_path, capsys):
     prompts.write_text("What is the capital of France?\nDescribe a cat.\nSay hi.\nName three primes.\nWhy is the sky blue?\n")
     out = tmp_path / "bench.json"
     assert main(["--target", str(smollm2_dir), "--dims", "tiny", "--device", "cpu", "--batches", "2,3", "--rows", "5",
-                 "--max-new-tokens", "4", "--prompts", str(prompts), "--json", str(out)]) == 0
+                 "--max-new-tokens", "4", "--prompts", str(prompts), "--json", str(out), "--attention", "auto,matmul"]) == 0
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())
     assert results["prompts"]["prompts"] == 5
     for batch in ("2", "3"):
         case = results["cases"][batch]
         assert case["ours"]["rows"] == 5 and case["ours"]["tokens"] == 20 and case["ours"]["slots"] == int(batch)
-        for engine in ("ours", "hf-static", "hf"):
+        for engine in ("ours", "ours-matmul", "hf-static", "hf"):
             assert case[engine]["tokens_per_s"] > 0, case
+        assert case["ours-matmul"]["tokens"] == 20 and case["ours-matmul"]["attention"] == "matmul"
+        assert case["ours"]["host"]["admitted"] == 5 and case["ours"]["host"]["steps"] > 0
         assert case["identical_to_hf_static"]["rows"] > 0
         line = re.search(rf"^regenerate tiny batch {batch}: ([\d,]+) tok/s \(HF generate ([\d,]+) tok/s\)$", printed, re.M)
         assert line and float(line.group(1).replace(",", "")) == pytest.approx(case["ours"]["tokens_per_s"], rel=0.01, abs=1)

@@ -4,6 +4,7 @@ accounting, and resume after a torn write or a kill -9 in a real subprocess."""
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -100,6 +101,9 @@ def test_smollm2_answers_match_hf_generate_and_stop_at_end_of_turn(smollm2, tmp_
                                             "finished rows read every 4 steps"
     rows = {row["id"]: row for row in _rows(out)}
     assert sorted(rows) == ["p0", "p1", "p2"] and report.new == 3 and report.stats.skipped == 0
+    # The engine's account: 3 prompts admitted (2, then 1 when a slot freed) in 2 prefills.
+    assert re.search(r"engine      2 slots, attention sdpa: [\d,]+ decode steps at occupancy 0\.\d\d, 2 prefills for 3 prompts",
+                     report.summary()), report.summary()
     paris = rows["p0"]
     assert paris["messages"] == prompts[0].messages + [{"role": "assistant", "content": "The capital of France is Paris."}]
     assert paris["finish_reason"] == "stop" and paris["completion_tokens"] == 8  # 7 answer tokens + <|im_end|>

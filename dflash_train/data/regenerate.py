@@ -207,6 +207,7 @@ class RegenerationReport:
     seconds: float = 0.0
     finish: Counter = field(default_factory=Counter)
     interrupted: bool = False
+    engine_note: str = ""  # the engine's own account of the run (where it has one)
 
     @property
     def failed(self) -> int:
@@ -224,6 +225,7 @@ class RegenerationReport:
             f"  this run    {self.new} rows (finish: {finish}), {self.tokens} tokens generated in "
             f"{format_seconds(self.seconds)} ({self.seconds:.1f} s): {rate:.2f} rows/s, {tps:.1f} tokens/s",
             f"  resumed     {self.resumed} rows were already in the output",
+            *([f"  engine      {self.engine_note}"] if self.engine_note else []),
             f"  accounting  input {self.stats.read} = ok {self.new + self.resumed} + failed {self.failed} + skipped {skipped}",
             "=" * 72,
             self.stats.summary(),
@@ -365,6 +367,7 @@ def regenerate(
     finally:
         writer.close()  # finished rows are whole: keep them, whatever ended the run
         report.seconds = time.monotonic() - started
+        report.engine_note = engine.run_note() if hasattr(engine, "run_note") else ""
         progress.close()
         if report.interrupted:
             print(report.summary(), file=log)

@@ -3,16 +3,21 @@ Hugging Face eager fallback for targets the static forward cannot run.
 
 Static generator (`StaticBatchEngine`). `slots` rows decode at once over preallocated KV caches
 (`decode.static.StaticTarget` with one cache row per slot; the batch-1 static decoder uses the
-same class). Prompts are taken shortest first. When a row finishes, a waiting prompt takes its
-slot: admitted prompts are prefilled together, right-padded, straight into their cache rows
-(eagerly; at most `prefill_tokens` tokens per forward). Each row has its own position, stop
+same class). Prompts are taken shortest first. When rows finish, waiting prompts take their
+slots: once 1/`admit_fraction` of the slots are free (prefills run eagerly, so a few large ones
+cost the host far less than one per finished row), the admitted prompts are prefilled together,
+right-padded, straight into their cache rows (at most `prefill_tokens` tokens per forward). Each row has its own position, stop
 flag, token count and seed in device tensors, so one decode step serves rows at any point of
 their answers, and has one shape per (rows, attention span): the span is the number of cache
 positions attended, a multiple of ATTENTION_STEP that covers the furthest row, so short rows do
 not pay for a long capacity; rows is the slot count, until no prompt waits and at most a quarter
 of the slots are busy: then the last rows are moved into the lowest slots and the steps run over
-fewer rows (a power of two, at least MIN_ROWS). Each shape's step is captured in a CUDA graph on
-first use (never on CPU); the graphs of one cache share a memory pool. Nothing inside a step waits for the host: a row that stops keeps its slot, frozen, until
+fewer rows (a power of two, at least MIN_ROWS). Each shape's step is captured in a CUDA graph
+(never on CPU): the all-slots steps of every span before the first prompt starts, the tail's
+when first needed; the graphs of one cache share a memory pool. The attention over the cache is
+SDPA or two batched matrix products (`decode.static.ATTENTION`, the same result to rounding);
+with `attention="auto"` both all-slots, full-span steps are captured and timed once, and the
+faster one is used for every step of that cache. Nothing inside a step waits for the host: a row that stops keeps its slot, frozen, until
 the host reads the finished flags, which it does every `read_every` steps with a small
 non-blocking copy and acts on one round later, so the GPU runs the next steps meanwhile.
 Greedy takes the argmax; sampling draws on the device from a counter-based hash of (row seed,
@@ -32,7 +37,9 @@ finish), which says so in its description line.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence, TextIO
@@ -43,7 +50,7 @@ from ..data.regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 from ..data.render import stop_token_ids
 from ..target import Target
 from .sampling import choose_tokens
-from .static import CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
+from .static import ATTENTION, CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
 
 ATTENTION_STEP = 256  # attention spans (one captured step each) are multiples of this many positions
 DEFAULT_SLOTS = {"cuda": 1024, "cpu": 8}
@@ -51,6 +58,7 @@ EAGER_BATCH = {"cuda": 64, "cpu": 8}
 READ_EVERY = 4  # decode steps between two reads of the finished flags
 MIN_ROWS = 8  # once no prompt waits, the last rows are moved together into this many slots or more
 PREFILL_TOKENS = 16384  # prompt tokens (padding included) per prefill forward
+ADMIT_FRACTION = 16  # free slots are refilled once 1/ADMIT_FRACTION of them are free (prefills are eager: few, large ones)
 MEMORY_FRACTION = 0.75  # of the CUDA memory free at start that the caches may take
 
 
@@ -137,11 +145,17 @@ class BatchState:
     packs rows into other slots."""
 
     def __init__(self, target: Target, slots: int, capacity: int, settings: GenerationSettings, stop_ids: Sequence[int],
-                 *, graphs: bool = True):
+                 *, graphs: bool = True, attention: str = "auto"):
+        if attention != "auto" and attention not in ATTENTION:
+            raise ValueError(f"attention must be auto or one of {', '.join(ATTENTION)}, not {attention!r}")
         self.device, self.slots, self.capacity, self.settings = target.device, slots, capacity, settings
         self.max_new = settings.max_new_tokens
         self.graphs = graphs
-        self.model = StaticTarget(target, capacity, batch=slots)
+        # auto: SDPA until capture_steps has timed both on this device (eager steps: SDPA).
+        self.attention = "sdpa" if attention == "auto" else attention
+        self.attention_ms: dict[str, float] = {}  # what the choice measured (ms per replayed step)
+        self.choose_attention = attention == "auto"
+        self.model = StaticTarget(target, capacity, batch=slots, attention=self.attention)
         long = dict(dtype=torch.long, device=self.device)
         self.tokens = torch.zeros(slots, **long)
         self.positions = torch.zeros(slots, **long)
@@ -170,16 +184,59 @@ class BatchState:
         self.generated[:, 0].index_copy_(0, rows, first)
         self.finished.index_copy_(0, rows, done)
 
+    def capture_steps(self) -> int:
+        """Capture the steps of all slots at every attention span (the multiples of
+        ATTENTION_STEP up to the capacity) now, while no row decodes, so the steady state
+        never waits for a capture (CUDA graphs only; the fewer-row steps of a phase's tail are
+        captured when first needed). Returns how many were new. A capture's warm-up run writes
+        stale cache positions of empty slots only."""
+        if self.pool is None:
+            return 0
+        chosen = self._choose_attention() if self.choose_attention else 0
+        spans = list(range(ATTENTION_STEP, self.capacity, ATTENTION_STEP)) + [self.capacity]
+        new = [span for span in spans if (self.slots, span) not in self.steps]
+        for span in new:
+            self.step(span, self.slots)
+        self.finished.fill_(True)
+        return chosen + len(new)
+
+    def _choose_attention(self) -> int:
+        """Capture the all-slots, full-span step with each cache attention, keep the one that
+        replays faster (timed with CUDA events) for every later capture; returns the captures made."""
+        self.choose_attention = False
+        candidates = {}
+        for name, attend in ATTENTION.items():
+            self.model.attend_cache = attend
+            step = self._captured(self.capacity, self.slots)
+            step()
+            for _ in range(3):
+                step()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                step()
+            end.record()
+            end.synchronize()
+            candidates[name] = step
+            self.attention_ms[name] = round(start.elapsed_time(end) / 10, 3)
+        self.attention = min(self.attention_ms, key=self.attention_ms.get)
+        self.model.attend_cache = ATTENTION[self.attention]
+        self.steps[(self.slots, self.capacity)] = candidates[self.attention]
+        return len(candidates)
+
     def step(self, span: int, rows: int) -> None:
         """One decode step of slots 0..rows−1 (the others are left as they are)."""
         key = (rows, span)
         if key not in self.steps:
-            self.steps[key] = CapturedStep(
-                lambda: self._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
-                restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated),
-                graphs=self.graphs, pool=self.pool,
-            )
+            self.steps[key] = self._captured(span, rows)
         self.steps[key]()
+
+    def _captured(self, span: int, rows: int) -> CapturedStep[None]:
+        return CapturedStep(
+            lambda: self._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
+            restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated),
+            graphs=self.graphs, pool=self.pool,
+        )
 
     def _step(self, span: int, rows: int) -> None:
         tokens, positions, emitted = self.tokens[:rows], self.positions[:rows], self.emitted[:rows]
@@ -214,6 +271,26 @@ class BatchState:
 
 
 @dataclass
+class EngineStats:
+    """Where the static generator's host time went, and how full its steps were."""
+
+    steps: int = 0  # decode steps run
+    row_steps: int = 0  # rows stepped, summed over steps (slots taking part, busy or not)
+    busy_row_steps: int = 0  # of those, rows holding a prompt (finished ones wait for the next read)
+    prefills: int = 0  # prefill forwards
+    admitted: int = 0  # prompts started
+    admit_s: float = 0.0  # host seconds enqueuing prefills
+    step_s: float = 0.0  # host seconds enqueuing decode steps (captures on the fly included)
+    wait_s: float = 0.0  # host seconds waiting for the device (finished flags, answer tokens)
+    capture_s: float = 0.0  # host seconds capturing decode steps up front
+
+    def as_dict(self) -> dict[str, float]:
+        values = dataclasses.asdict(self)
+        values["occupancy"] = round(self.busy_row_steps / self.row_steps, 3) if self.row_steps else 0.0
+        return values
+
+
+@dataclass
 class _Collected:
     jobs: list[Job]
     tokens: HostCopy  # their `generated` rows
@@ -233,11 +310,14 @@ class StaticBatchEngine:
 
     def __init__(self, target: Target, settings: GenerationSettings, stop_ids: Sequence[int], *, slots: int,
                  read_every: int = READ_EVERY, prefill_tokens: int = PREFILL_TOKENS, graphs: bool = True,
-                 memory_budget: int | None = None, overlap: bool | None = None, log: TextIO | None = None):
-        if slots < 1 or read_every < 1:
-            raise ValueError("slots and read_every must be at least 1")
+                 admit_fraction: int = ADMIT_FRACTION, attention: str = "auto", memory_budget: int | None = None,
+                 overlap: bool | None = None, log: TextIO | None = None):
+        if slots < 1 or read_every < 1 or admit_fraction < 1:
+            raise ValueError("slots, read_every and admit_fraction must be at least 1")
         self.target, self.settings, self.stop_ids = target, settings, list(stop_ids)
         self.slots, self.read_every, self.prefill_tokens, self.graphs = slots, read_every, prefill_tokens, graphs
+        self.admit_fraction, self.attention = admit_fraction, attention
+        self.stats = EngineStats()
         self.log = log or sys.stdout
         self.device = target.device
         # Act on a round's flags one round later, while the device runs the next (module doc):
@@ -256,6 +336,14 @@ class StaticBatchEngine:
 
     def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]:
         return _as_answers(self.target.tokenizer, self.generated(jobs))
+
+    def run_note(self) -> str:
+        """One line for the run's summary: how full the steps were and where the host's time went."""
+        stats = self.stats
+        attention = f", attention {self.state.attention}" if self.state is not None else ""
+        return (f"{self.slots} slots{attention}: {stats.steps:,} decode steps at occupancy {stats.as_dict()['occupancy']:.2f}, "
+                f"{stats.prefills:,} prefills for {stats.admitted:,} prompts; host seconds: prefill {stats.admit_s:.1f}, "
+                f"steps {stats.step_s:.1f}, waiting for the GPU {stats.wait_s:.1f}, captures up front {stats.capture_s:.1f}")
 
     @torch.no_grad()
     def generated(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Generated | BaseException]]:
@@ -322,9 +410,19 @@ class StaticBatchEngine:
     def _state_for(self, slots: int, capacity: int) -> BatchState:
         if self.state is None or (self.state.slots, self.state.capacity) != (slots, capacity):
             self._release()
-            self.state = BatchState(self.target, slots, capacity, self.settings, self.stop_ids, graphs=self.graphs)
+            self.state = BatchState(self.target, slots, capacity, self.settings, self.stop_ids, graphs=self.graphs,
+                                    attention=self.attention)
         state = self.state
         state.finished.fill_(True)  # every slot empty
+        started = time.perf_counter()
+        captured = state.capture_steps()
+        if captured:
+            seconds = time.perf_counter() - started
+            self.stats.capture_s += seconds
+            timed = ", ".join(f"{name} {ms:.2f} ms" for name, ms in state.attention_ms.items())
+            chose = f"; attention over the cache: {state.attention} ({timed} per step)" if timed else ""
+            print(f"captured {captured} decode steps (rows x attention span) for {slots} slots of {capacity} positions "
+                  f"in {seconds:.1f}s{chose}", file=self.log, flush=True)
         return state
 
     def _phase(self, queue: deque, count: int, slots: int, capacity: int, in_flight: dict[int, Job]):
@@ -342,9 +440,12 @@ class StaticBatchEngine:
         round_ = 0
         flags: tuple[int, HostCopy] | None = None  # a round's finished flags, on their way
         collected: list[_Collected] = []  # finished rows' tokens, on their way
+        stats = self.stats
+        admit_at = max(1, slots // self.admit_fraction)
         while True:
             free = [s for s in range(slots) if occupant[s] is None]
-            if free and todo:
+            if free and todo and (len(free) >= min(admit_at, todo) or len(free) == slots):
+                clock = time.perf_counter()
                 taken = [queue.popleft() for _ in range(min(len(free), todo))]
                 todo -= len(taken)
                 for job in taken:
@@ -354,24 +455,34 @@ class StaticBatchEngine:
                     state.admit(into, [job.ids for job in chunk], [job.seed for job in chunk])
                     for slot, job in zip(into, chunk):
                         occupant[slot] = _Slot(job, len(job.ids), round_, steps)
+                    stats.prefills += 1
+                stats.admitted += len(taken)
+                stats.admit_s += time.perf_counter() - clock
             busy = [s for s in range(rows) if occupant[s] is not None]
             if not todo and busy and rows > MIN_ROWS and 4 * len(busy) <= rows:
                 rows = self._compact(state, occupant, busy, round_)  # the tail: step fewer rows
                 busy = [s for s in range(rows) if occupant[s] is not None]
             fresh = None
             if busy:
+                clock = time.perf_counter()
                 span = self._span(occupant, busy, steps, capacity)
                 for _ in range(self.read_every):
                     state.step(span, rows)
                 steps += self.read_every
+                stats.steps += self.read_every
+                stats.row_steps += self.read_every * rows
+                stats.busy_row_steps += self.read_every * len(busy)
                 fresh = (round_, state.flags())
+                stats.step_s += time.perf_counter() - clock
             ready, flags = (flags, fresh) if lag else (fresh, None)
             if lag:  # asked for last round: their copy ran before this round's steps
                 yield from self._answers(collected, in_flight)
                 collected = []
             if ready is not None:
                 flag_round, copy = ready
+                clock = time.perf_counter()
                 finished, emitted = copy.result().tolist()  # host lists: no per-element tensor indexing
+                stats.wait_s += time.perf_counter() - clock
                 done = [s for s in range(rows) if finished[s] and occupant[s] is not None
                         and occupant[s].since_round <= flag_round]
                 if done:
@@ -401,7 +512,9 @@ class StaticBatchEngine:
 
     def _answers(self, collected: list[_Collected], in_flight: dict[int, Job]) -> Iterator[tuple[Job, Generated]]:
         for rows in collected:
+            clock = time.perf_counter()
             tokens = rows.tokens.result().tolist()
+            self.stats.wait_s += time.perf_counter() - clock
             for row, (job, count) in enumerate(zip(rows.jobs, rows.counts)):
                 in_flight.pop(id(job), None)
                 yield job, self._generated(tokens[row][:count])

@@ -78,6 +78,25 @@ def grouped_attention(
     return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
 
 
+def matmul_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`grouped_attention` as two batched matrix products and a float32 softmax (Hugging Face's
+    eager attention, with the grouped heads folded the same way). For a decode step (a few
+    folded query rows over a long cache) cuBLAS reads a strided slice of the cache in place,
+    where an SDPA backend that refuses the mask or the strides would copy or upcast it first."""
+    batch, heads, length, d = query.shape
+    kv_heads = keys.shape[1]
+    folded = query.reshape(batch, kv_heads, heads // kv_heads * length, d)
+    scores = torch.matmul(folded, keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.float() + bias, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)
+    return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
+
+
+ATTENTION = {"sdpa": grouped_attention, "matmul": matmul_attention}  # how StaticTarget attends over its cache
+
+
 def _output_tensors(outputs: object) -> list[torch.Tensor]:
     items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     return [t for t in items if isinstance(t, torch.Tensor)]
@@ -201,7 +220,11 @@ class StaticTarget:
     q/k norms and scaled RoPE variants are the model's; only the attention over the cache is ours.
     """
 
-    def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1):
+    def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1,
+                 attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        self.attend_cache = ATTENTION[attention]
         body = target.model.model
         self.model, self.body, self.layers = target.model, body, target.layers
         self.layer_ids = list(layer_ids or [])
@@ -249,7 +272,7 @@ class StaticTarget:
             keys, values = self.keys[layer][:rows], self.values[layer][:rows]
             keys.scatter_(2, index, key)
             values.scatter_(2, index, value)
-            return grouped_attention(query, keys[:, :, :span], values[:, :, :span], bias, scale)
+            return self.attend_cache(query, keys[:, :, :span], values[:, :, :span], bias, scale)
 
         hidden, states = self._run(ids, positions, over_cache, features)
         logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)
