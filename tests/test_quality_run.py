@@ -1,0 +1,159 @@
+"""bench/quality_run.py on a CPU with a real (tiny, random) Llama behind SmolLM2's real tokenizer
+and chat template: its stages really regenerate, train, export and decode, stop at their time
+boxes and resume on the next call; bad arguments fail in one line before any model loads."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_regenerate import tiny_smollm_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("quality_run", REPO / "bench" / "quality_run.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality_run")
+    target = tiny_smollm_dir(smollm2_dir, root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
+                               for i in range(40)))
+    dev = root / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
+                           for i in range(3)))
+    return {"target": target, "prompts": prompts, "dev": dev}
+
+
+def base_args(files, work, *extra):
+    return ["run", "--target", str(files["target"]), "--prompts", str(files["prompts"]), "--dev-prompts",
+            str(files["dev"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0", *extra]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_regenerate_stopped_at_its_box_resumes_without_losing_or_repeating_a_row(script, files, tmp_path, capsys):
+    # Answers one at a time: 40 x 64 tokens take longer than the 10 s box (of which ~5 s load the target).
+    args = base_args(files, tmp_path / "work", "--samples", "40", "--stages", "regenerate", "--max-new-tokens", "64",
+                     "--regen-batch-size", "1", "--regen-seconds", "10")
+    assert script.main(args) == script.NOT_FINISHED
+    out = capsys.readouterr().out
+    assert "regenerate: box of 10s reached, stopping it" in out and "the next call resumes" in out
+    answers = tmp_path / "work" / "answers.jsonl"
+    partial = rows(answers)
+    assert 0 < len(partial) < 40, f"the box should stop regenerate mid-run, it left {len(partial)} rows"
+    assert script.main(args[:-2]) == 0  # the same command without the box finishes
+    out = capsys.readouterr().out
+    assert f"resumed     {len(partial)} rows were already in the output" in out
+    finished = rows(answers)
+    assert sorted(r["id"] for r in finished) == [f"p{i:02d}" for i in range(40)]  # none lost, none twice
+    assert finished[: len(partial)] == partial  # the rows of the first call stay as they were
+    book = json.loads((tmp_path / "work" / "stages.json").read_text())["regenerate"]
+    assert book["done"] and book["calls"] == 2 and book["rows"] == 40 and book["seconds"] > 10
+
+
+def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--steps", "80", "--dev-limit", "2", "--eval-limit", "2",
+                     "--speed-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "12",
+                     "--speed-decoder", "auto", "--json-dir", str(tmp_path / "json"))
+    # First call: training stops at its 3 s box (loading included), so eval has nothing to evaluate.
+    assert script.main([*args, "--train-seconds", "3"]) == script.NOT_FINISHED
+    out = capsys.readouterr().out
+    assert "regenerate: done: 6 rows" in out and "of 80 after" in out and "eval: waiting: train is not done yet" in out
+    stopped_at = json.loads((work / "stages.json").read_text())["train"]["steps_done"]
+    assert 0 < stopped_at < 80 and not (work / "run" / "export").exists()
+    answers = (work / "answers.jsonl").read_bytes()
+
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "regenerate: done in an earlier call" in out
+    assert f"resuming from step {stopped_at}" in out and "train: done: 80 steps" in out
+    results = json.loads((work / "results.json").read_text())
+    line = "quality SmolLM2 0.006k: tau humaneval {:.2f}, mtbench {:.2f}, speed-up humaneval {:.2f}x".format(
+        results["tau"]["humaneval"]["tau_mean"], results["tau"]["mtbench_odd"]["tau_mean"],
+        results["speed"]["humaneval"]["speedup"])
+    assert results["line"] == line and line in out.splitlines()
+    assert set(results["tau"]) == {"dev", "humaneval", "mtbench_odd", "math500"}
+    assert all(s["prompts"] == 2 and s["errors"] == 0 and s["tau_mean"] >= 1 for s in results["tau"].values())
+    speed = results["speed"]["humaneval"]
+    assert speed["compared"] == 1 and speed["identical_to_baseline"] == 1 and speed["baseline_tokens_per_s"] > 0
+    assert results["stage_seconds"]["train"] > 3 and "regenerate + train" in out
+    assert json.loads((tmp_path / "json" / "results.json").read_text()) == results
+
+    assert script.main(args) == 0  # a third call finds everything done and redoes nothing
+    out = capsys.readouterr().out
+    assert all(f"{stage}: done in an earlier call" in out for stage in ("regenerate", "train", "eval"))
+    assert "loading target" not in out and (work / "answers.jsonl").read_bytes() == answers
+
+
+def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    cases = {
+        "--stages": (["--stages", "regenerate,trian"], "--stages regenerate,trian: use some of"),
+        "missing prompts": (["--prompts", str(tmp_path / "nope.jsonl")], "nope.jsonl: no such file"),
+        "samples": (["--samples", "0"], "--samples must be at least 1"),
+        "loss": (["--loss", "mse"], "--loss 'mse': use decay or dpace"),
+        "curve sizes": (["--stages", "curve", "--samples", "10", "--curve-sizes", "5,20", "--curve-steps", "3"],
+                        "20 rows is more than --samples 10"),
+        "unknown flag": (["--sampels", "3"], "unknown argument '--sampels'"),
+        "recipe": (["--lr", "-1"], "lr"),
+    }
+    for name, (extra, message) in cases.items():
+        assert script.main([*base_args(files, work), *extra]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (name, err)
+    assert not work.exists()  # nothing was started
+    no_dev = [a for a in base_args(files, work) if a not in ("--dev-prompts", str(files["dev"]))]
+    assert script.main(no_dev) == 2 and "--dev-prompts is required" in capsys.readouterr().err
+    # A stage started with some settings refuses others (its results would mix the two).
+    work.mkdir()
+    started = script.parse_run([*base_args(files, work)[1:], "--samples", "6", "--stages", "regenerate"])
+    book = script.StageBook(work / "stages.json")
+    book.entry("regenerate", started)
+    book.save()
+    assert script.main([*base_args(files, work), "--samples", "7", "--stages", "regenerate"]) == 2
+    err = capsys.readouterr().err
+    assert "stage regenerate was started with other settings (--samples 6 then, 7 now);" in err
+    assert script.main(["plot", str(tmp_path / "none.json"), "--png", str(tmp_path / "x.png")]) == 2
+    assert "none.json: no such curve file" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png_and_a_table_with_where_tau_flattens(script, files, tmp_path, capsys):
+    config = script.parse_run(base_args(files, tmp_path / "work", "--stages", "curve", "--samples", "100",
+                                        "--curve-sizes", "10,20,40,80", "--curve-steps", "50", "--curve-epochs", "2")[1:])
+    points = script.curve_points(config, batch_size=8)
+    assert [(p["series"], p["rows"], p["steps"]) for p in points[:4]] == [
+        ("equal steps", 10, 50), ("equal epochs", 10, 3), ("equal steps", 20, 50), ("equal epochs", 20, 5)]
+    taus = {"equal steps": [1.20, 1.50, 1.53, 1.54], "equal epochs": [1.10, 1.20, 1.30, 1.32]}
+    for point in points:
+        tau = taus[point["series"]][config.curve_sizes.index(point["rows"])]
+        point["tau"] = {"humaneval": {"prompts": 20, "errors": 0, "tau_mean": tau, "tau_median": tau,
+                                      "tau_pooled": tau + 0.01, "steps": 100}}
+    curve = tmp_path / "curve.json"
+    script.write_curve(curve, config, points, {"humaneval": 20})
+    png, table = tmp_path / "fig" / "tau.png", tmp_path / "tau.md"
+    assert script.main(["plot", str(curve), "--png", str(png), "--table", str(table)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    text = table.read_text()
+    assert "| equal steps | 20 | 50 | 1.50 / 1.51 |" in text
+    assert "- equal steps, humaneval: τ flattens at 20 rows" in text  # 20 -> 40 adds 0.03
+    assert "- equal epochs, humaneval: τ flattens at 40 rows" in text  # 10 -> 20 and 20 -> 40 add 0.10 each
+    assert text in capsys.readouterr().out + "\n"
