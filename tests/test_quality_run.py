@@ -1,0 +1,223 @@
+"""bench/quality_run.py on a CPU with a real (tiny, random) Llama behind SmolLM2's real tokenizer
+and chat template: its stages really regenerate, train, export and decode, stop at their time
+boxes and resume on the next call; bad arguments fail in one line before any model loads."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_regenerate import tiny_smollm_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("quality_run", REPO / "bench" / "quality_run.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality_run")
+    target = tiny_smollm_dir(smollm2_dir, root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
+                               for i in range(40)))
+    dev = root / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
+                           for i in range(3)))
+    return {"target": target, "prompts": prompts, "dev": dev}
+
+
+def base_args(files, work, *extra):
+    return ["run", "--target", str(files["target"]), "--prompts", str(files["prompts"]), "--dev-prompts",
+            str(files["dev"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0", *extra]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_regenerate_stopped_at_its_box_resumes_without_losing_or_repeating_a_row(script, files, tmp_path, capsys):
+    # Answers one at a time: 40 x 96 tokens take longer than a 6 s box. Loading takes 2-7 s on a
+    # shared CPU, so a box may end before the first row: then the next call gets twice the box
+    # (calls of a chain), until one stops mid-run with rows written.
+    args = base_args(files, tmp_path / "work", "--samples", "40", "--stages", "regenerate", "--max-new-tokens", "96",
+                     "--regen-batch-size", "1")
+    answers = tmp_path / "work" / "answers.jsonl"
+    partial: list[dict] = []
+    for box in (6, 12, 24):
+        assert script.main([*args, "--regen-seconds", str(box)]) == script.NOT_FINISHED, "finished inside the box"
+        out = capsys.readouterr().out
+        assert f"regenerate: box of {box}s reached, stopping it" in out and "the next call resumes" in out
+        written = rows(answers)
+        assert written[: len(partial)] == partial  # rows of earlier calls stay as they were
+        partial = written
+        if partial:
+            break
+    assert 0 < len(partial) < 40, f"no box stopped regenerate mid-run ({len(partial)} rows)"
+    assert script.main(args) == 0  # the same command without a box finishes
+    out = capsys.readouterr().out
+    assert f"resumed     {len(partial)} rows were already in the output" in out
+    finished = rows(answers)
+    assert sorted(r["id"] for r in finished) == [f"p{i:02d}" for i in range(40)]  # none lost, none twice
+    assert finished[: len(partial)] == partial
+    book = json.loads((tmp_path / "work" / "stages.json").read_text())["regenerate"]
+    assert book["done"] and book["rows"] == 40 and book["seconds"] > 6
+    assert "accounting  input 40 = ok 40 + failed 0 + skipped 0" in book["summary"]
+
+
+def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--steps", "80", "--dev-limit", "2", "--eval-limit", "2",
+                     "--speed-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "12",
+                     "--speed-decoder", "auto", "--json-dir", str(tmp_path / "json"))
+    # First call: training stops at its 3 s box (loading included), so eval has nothing to evaluate.
+    assert script.main([*args, "--train-seconds", "3"]) == script.NOT_FINISHED
+    out = capsys.readouterr().out
+    assert "regenerate: done: 6 rows" in out and "of 80 after" in out and "eval: waiting: train is not done yet" in out
+    stopped_at = json.loads((work / "stages.json").read_text())["train"]["steps_done"]
+    assert 0 < stopped_at < 80 and not (work / "run" / "export").exists()
+    answers = (work / "answers.jsonl").read_bytes()
+
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "regenerate: done in an earlier call" in out
+    assert f"resuming from step {stopped_at}" in out and "train: done: 80 steps" in out
+    results = json.loads((work / "results.json").read_text())
+    line = "quality SmolLM2 0.006k: tau humaneval {:.2f}, mtbench {:.2f}, speed-up humaneval {:.2f}x".format(
+        results["tau"]["humaneval"]["tau_mean"], results["tau"]["mtbench_odd"]["tau_mean"],
+        results["speed"]["humaneval"]["speedup"])
+    assert results["line"] == line and line in out.splitlines()
+    assert set(results["tau"]) == {"dev", "humaneval", "mtbench_odd", "math500"}
+    assert all(s["prompts"] == 2 and s["errors"] == 0 and s["tau_mean"] >= 1 for s in results["tau"].values())
+    speed = results["speed"]["humaneval"]
+    assert speed["compared"] == 1 and speed["identical_to_baseline"] == 1 and speed["baseline_tokens_per_s"] > 0
+    assert results["stage_seconds"]["train"] > 3 and "regenerate + train" in out
+    assert json.loads((tmp_path / "json" / "results.json").read_text()) == results
+
+    assert script.main(args) == 0  # a third call finds everything done and redoes nothing
+    out = capsys.readouterr().out
+    assert all(f"{stage}: done in an earlier call" in out for stage in ("regenerate", "train", "eval"))
+    assert "loading target" not in out and (work / "answers.jsonl").read_bytes() == answers
+
+
+def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    bad_dev = tmp_path / "bad_dev.jsonl"
+    bad_dev.write_text('{"id": "d0", "prompt": "fine"}\nnot json\n')
+    cases = {
+        "--stages": (["--stages", "regenerate,trian"], "--stages regenerate,trian: use some of"),
+        "missing prompts": (["--prompts", str(tmp_path / "nope.jsonl")], "nope.jsonl: no such file"),
+        "samples": (["--samples", "0"], "--samples must be at least 1"),
+        "loss": (["--loss", "mse"], "--loss 'mse': use decay or dpace"),
+        "curve sizes": (["--stages", "curve", "--samples", "10", "--curve-sizes", "5,20", "--curve-steps", "3"],
+                        "20 rows is more than --samples 10"),
+        "unknown flag": (["--sampels", "3"], "unknown argument '--sampels'"),
+        "recipe": (["--lr", "-1"], "--lr must be > 0 (got -1.0)"),
+        "bad dev row": (["--dev-prompts", str(bad_dev)], "bad_dev.jsonl:2: invalid JSON"),
+    }
+    for name, (extra, message) in cases.items():
+        assert script.main([*base_args(files, work), *extra]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (name, err)
+    assert not work.exists()  # nothing was started
+    no_dev = [a for a in base_args(files, work) if a not in ("--dev-prompts", str(files["dev"]))]
+    assert script.main(no_dev) == 2 and "--dev-prompts is required" in capsys.readouterr().err
+    # A stage started with some settings refuses others (its results would mix the two).
+    work.mkdir()
+    started = script.parse_run([*base_args(files, work)[1:], "--samples", "6", "--stages", "regenerate"])
+    book = script.StageBook(work / "stages.json")
+    book.entry("regenerate", started)
+    book.save()
+    assert script.main([*base_args(files, work), "--samples", "7", "--stages", "regenerate"]) == 2
+    err = capsys.readouterr().err
+    assert "stage regenerate was started with other settings (--samples 6 then, 7 now);" in err
+    assert script.main(["plot", str(tmp_path / "none.json"), "--png", str(tmp_path / "x.png")]) == 2
+    assert "none.json: no such curve file" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png_and_a_table_with_where_tau_flattens(script, files, tmp_path, capsys):
+    config = script.parse_run(base_args(files, tmp_path / "work", "--stages", "curve", "--samples", "100",
+                                        "--curve-sizes", "10,20,40,80", "--curve-steps", "50", "--curve-epochs", "2")[1:])
+    points = script.curve_points(config, batch_size=8)
+    assert [(p["series"], p["rows"], p["steps"]) for p in points[:4]] == [
+        ("equal steps", 10, 50), ("equal epochs", 10, 3), ("equal steps", 20, 50), ("equal epochs", 20, 5)]
+    taus = {"equal steps": [1.20, 1.50, 1.53, 1.54], "equal epochs": [1.10, 1.20, 1.30, 1.32]}
+    for point in points:
+        tau = taus[point["series"]][config.curve_sizes.index(point["rows"])]
+        point["tau"] = {"humaneval": {"prompts": 20, "errors": 0, "tau_mean": tau, "tau_median": tau,
+                                      "tau_pooled": tau + 0.01, "steps": 100}}
+    curve = tmp_path / "curve.json"
+    script.write_curve(curve, config, points, {"humaneval": 20})
+    png, table = tmp_path / "fig" / "tau.png", tmp_path / "tau.md"
+    assert script.main(["plot", str(curve), "--png", str(png), "--table", str(table)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    text = table.read_text()
+    assert "| equal steps | 20 | 50 | 1.50 / 1.51 |" in text
+    assert "- equal steps, humaneval: τ flattens at 20 rows" in text  # 20 -> 40 adds 0.03
+    assert "- equal epochs, humaneval: τ flattens at 40 rows" in text  # 10 -> 20 and 20 -> 40 add 0.10 each
+    assert text in capsys.readouterr().out + "\n"
+
+
+@pytest.mark.slow
+def test_curve_stage_trains_and_evaluates_each_point_then_plots(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--stages", "regenerate,curve", "--curve-sizes", "2,6",
+                     "--curve-steps", "3", "--curve-epochs", "2", "--curve-limit", "1", "--eval-procs-per-device", "1",
+                     "--max-new-tokens", "8")
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    curve = json.loads((work / "curve.json").read_text())
+    assert [(p["series"], p["rows"], p["steps"]) for p in curve["points"]] == [
+        ("equal steps", 2, 3), ("equal epochs", 2, 2), ("equal steps", 6, 3), ("equal epochs", 6, 6)]
+    for point in curve["points"]:
+        assert set(point["tau"]) == {"dev", "humaneval", "mtbench_odd"}
+        assert all(s["prompts"] == 1 and s["tau_mean"] >= 1 for s in point["tau"].values())
+        trained = json.loads((Path(point["run"]) / "trained.json").read_text())
+        assert trained["steps_done"] == point["steps"]
+    assert rows(work / "curve" / "data-2.jsonl") == rows(work / "answers.jsonl")[:2]  # nested subsets
+    assert "| equal epochs | 6 | 6 |" in out
+    assert script.main(args) == 0 and "curve: done in an earlier call" in capsys.readouterr().out
+    png = tmp_path / "curve.png"
+    assert script.main(["plot", str(work / "curve.json"), "--png", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_final_exports_the_last_checkpoint_of_a_stopped_run(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--steps", "200", "--stages", "regenerate,train")
+    assert script.main([*args, "--train-seconds", "3"]) == script.NOT_FINISHED
+    stopped_at = json.loads((work / "stages.json").read_text())["train"]["steps_done"]
+    assert script.main([*args, "--final"]) == 0
+    assert "train: done (--final): step" in capsys.readouterr().out
+    book = json.loads((work / "stages.json").read_text())["train"]
+    assert book["done"] and book["steps_done"] == stopped_at < 200
+    assert json.loads((work / "run" / "export" / "config.json").read_text())["num_hidden_layers"] == 1  # --smoke
+
+
+@pytest.mark.gpu
+def test_stages_on_a_gpu_with_the_static_speed_decoder(script, files, tmp_path, capsys):
+    """The smoke run on CUDA: training with compile and CUDA graphs, tau shards and the speed
+    eval with the static decoder (the device the lead runs the real thing on)."""
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--steps", "20", "--dev-limit", "2", "--eval-limit", "2",
+                     "--speed-limit", "2", "--eval-procs-per-device", "2", "--max-new-tokens", "12")
+    args[args.index("cpu")] = "cuda:0"
+    assert script.main(args) == 0
+    results = json.loads((work / "results.json").read_text())
+    assert results["line"] in capsys.readouterr().out
+    speed = results["speed"]["humaneval"]
+    assert speed["compared"] == 2 and speed["errors"] == 0 and speed["speedup"] is not None
