@@ -85,6 +85,8 @@ class QualityRunConfig:
     samples: int = option(100000, "answer the first N prompts and train on their rows")
     stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
+    max_prompt_tokens: int = option(512, "regenerate skips longer prompts (512 + 256 new tokens = the recipe's "
+                                         "max length of 768, so no row is cut)")
     device: str = option("auto", "device of regenerate, training and the speed eval (auto = cuda:0 if present)")
     deadline_seconds: float = option(570.0, "this call ends within this many seconds: stages stop cleanly, the "
                                             "next call continues")
@@ -145,7 +147,7 @@ class QualityRunConfig:
                 raise ConfigError("--dev-prompts is required by the eval and curve stages")
             if not Path(self.dev_prompts).is_file():
                 raise ConfigError(f"--dev-prompts {self.dev_prompts}: no such file")
-        for name in ("samples", "max_new_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
+        for name in ("samples", "max_new_tokens", "max_prompt_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
                      "eval_procs_per_device", "curve_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -182,7 +184,7 @@ class QualityRunConfig:
 
 
 # What each stage's result depends on: a stage started with some values refuses others later.
-SOURCE_KEYS = ("target", "prompts", "samples", "max_new_tokens", "smoke")
+SOURCE_KEYS = ("target", "prompts", "samples", "max_new_tokens", "max_prompt_tokens", "smoke")
 RECIPE_KEYS = ("lr", "num_layers", "num_anchors", "block_size", "loss", "gamma", "buckets")
 STAGE_KEYS = {
     "regenerate": SOURCE_KEYS,
@@ -299,7 +301,8 @@ def regenerate_command(call: Call) -> list[str]:
     config = call.config
     command = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", config.target, "--prompts",
                config.prompts, "--limit", str(config.samples), "--max-new-tokens", str(call.new_tokens),
-               "--out", str(config.answers), "--device", config.device]
+               "--out", str(config.answers), "--device", config.device,
+               "--max-prompt-tokens", str(config.max_prompt_tokens)]
     if config.regen_batch_size:
         command += ["--batch-size", str(config.regen_batch_size)]
     return command
