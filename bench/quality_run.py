@@ -422,6 +422,7 @@ class TrainOutcome:
     stop_reason: str
     accuracy: float | None = None
     tau_sim: float | None = None
+    training_rows: int | None = None  # samples after the trainer's filters
 
 
 def train_boxed(config, box: float, *, stop_early: bool) -> TrainOutcome:
@@ -446,7 +447,7 @@ def train_boxed(config, box: float, *, stop_early: bool) -> TrainOutcome:
     if export is None and stop_early and steps_done > 0:
         export = export_last_checkpoint(out)
     return TrainOutcome(steps_done, export, time.monotonic() - started, str(summary["stop_reason"]),
-                        entry.get("accuracy"), entry.get("tau_sim"))
+                        entry.get("accuracy"), entry.get("tau_sim"), int(summary["data"]["samples"]))
 
 
 def export_last_checkpoint(run_dir: Path) -> Path:
@@ -485,8 +486,10 @@ def stage_train(call: Call) -> str:
     outcome = train_boxed(train_config(call, config.answers, run_dir, config.steps), box,
                           stop_early=budget_left <= box)  # the budget ends with this box: export what it trained
     entry["seconds"] = spent_before + outcome.seconds
+    # rows: the answers written; training_rows: those the drafter learned from (>= 32 supervised
+    # tokens), the N of the summary line.
     entry.update(steps_done=outcome.steps_done, stop_reason=outcome.stop_reason, accuracy=outcome.accuracy,
-                 tau_sim=outcome.tau_sim, rows=count_rows(config.answers))
+                 tau_sim=outcome.tau_sim, rows=count_rows(config.answers), training_rows=outcome.training_rows)
     if outcome.export is not None:
         entry.update(done=True, export=str(outcome.export))
     book.save()
@@ -640,7 +643,7 @@ SPEED_KEYS = ("prompts", "errors", "tokens_per_s", "baseline_tokens_per_s", "spe
 
 
 def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any], speed: dict[str, Any]) -> dict:
-    rows = int(book.data["train"].get("rows") or count_rows(config.answers))
+    rows = int(book.data["train"].get("training_rows") or book.data["train"].get("rows") or count_rows(config.answers))
     taus = tau_summary(tau)
     speeds = {name: {k: b["summary"].get(k) for k in SPEED_KEYS} for name, b in speed["benchmarks"].items()}
 
@@ -655,6 +658,7 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
     return {
         "line": line,
         "rows": rows,
+        "answers": int(book.data["train"].get("rows") or count_rows(config.answers)),
         "samples": config.samples,
         "train": {k: train.get(k) for k in ("steps_done", "stop_reason", "accuracy", "tau_sim", "export")},
         "settings": stage_settings(config, "eval"),
@@ -671,7 +675,8 @@ def results_screen(results: dict[str, Any]) -> list[str]:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     train = results["train"]
-    lines = ["=" * 96, f"rows {results['rows']} (of {results['samples']} prompts); training {train['steps_done']} steps "
+    lines = ["=" * 96, f"training rows {results['rows']} (of {results.get('answers', '?')} answers to {results['samples']} "
+             f"prompts); training {train['steps_done']} steps "
              f"({train['stop_reason']}), accuracy {number(train['accuracy'], 3)}, simulated tau {number(train['tau_sim'])}",
              "tau (no baseline, sharded):"]
     for name, s in results["tau"].items():

@@ -100,6 +100,9 @@ def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script,
         results["tau"]["humaneval"]["tau_mean"], results["tau"]["mtbench_odd"]["tau_mean"],
         results["speed"]["humaneval"]["speedup"])
     assert results["line"] == line and line in out.splitlines()
+    # N counts the rows the drafter learned from (the trainer's own count), not the answers written.
+    trained_on = json.loads((work / "stages.json").read_text())["train"]["training_rows"]
+    assert results["rows"] == trained_on and 0 < trained_on <= results["answers"] == 6
     assert set(results["tau"]) == {"dev", "humaneval", "mtbench_odd", "math500"}
     assert all(s["prompts"] == 2 and s["errors"] == 0 and s["tau_mean"] >= 1 for s in results["tau"].values())
     speed = results["speed"]["humaneval"]

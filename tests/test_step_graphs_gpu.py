@@ -188,7 +188,9 @@ def test_graphed_step_does_not_wait_for_the_gpu():
             results = [graphed.step(micro, None) for micro in steps[2:]]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    # Only the warnings of an actual synchronising call; turning the debug mode on warns that it
+    # is a prototype, which is not a sync.
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]
     assert not syncs, "\n".join(syncs)
     assert all(r.loss == r.loss for r in results)  # readable afterwards
 

@@ -106,7 +106,10 @@ def train(
                 print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}",
                       file=log)
         nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
-        return Coordinator(config, plans, pipeline, steps, all_sinks, log, nodes=nodes).run()
+        summary = Coordinator(config, plans, pipeline, steps, all_sinks, log, nodes=nodes).run()
+        # The rows the drafters learned from (after the supervised-token filter), for whoever reports the run.
+        summary["data"] = {"samples": len(pipeline.planner.samples), "batches_per_epoch": pipeline.planner.batches_per_epoch}
+        return summary
 
 
 def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
