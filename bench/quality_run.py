@@ -36,12 +36,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import gzip
+import io
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,9 @@ class QualityRunConfig:
                                             "next call continues")
     min_stage_seconds: float = option(60.0, "a stage that would start with less time left is left to the next call")
     json_dir: str = option("", "also copy stages.json, results.json and curve.json here (e.g. $OUT)")
+    send_back: bool = option(True, "with --json-dir: the call that finishes regenerate or train also writes the "
+                                   "answers / the export there, as .tar.gz parts of <= 15 MiB (a lent machine's "
+                                   "files are gone once it goes back)")
     cache_dir: str = option("", "where a .gguf target is converted to a Hugging Face folder (default WORK/cache)")
     smoke: bool = option(False, "tiny settings (1-layer drafter, batch 2, <= 24 new tokens) to check the stages on a CPU")
     # regenerate
@@ -911,6 +917,11 @@ def run(config: QualityRunConfig) -> int:
             say(f"{stage}: {outcome} ({time.monotonic() - started:.0f}s in this call)")
             if not book.done(stage):
                 status = NOT_FINISHED
+            elif config.json_dir and config.send_back and stage in SENT_BACK:
+                source = SENT_BACK[stage](config)
+                parts = send_back(source, Path(config.json_dir), f"{stage}-{source.name}.tar.gz")
+                say(f"{stage}: {source} sent back as {len(parts)} part(s) in {config.json_dir} "
+                    f"(restore: cat {parts[0].name[:-2]}* | tar -xz)")
     finally:
         faulthandler.cancel_dump_traceback_later()
         copy_to_json_dir(config)
@@ -919,6 +930,59 @@ def run(config: QualityRunConfig) -> int:
     else:
         say("every requested stage is done")
     return status
+
+
+PART_BYTES = 15 * 2**20  # a lent machine returns files of at most 16 MiB
+SENT_BACK = {"regenerate": lambda config: config.answers, "train": lambda config: config.work_dir / "run" / "export"}
+
+
+class _PartWriter(io.RawIOBase):
+    """A write-only stream cut into files NAME.part00, NAME.part01, ... of at most `limit` bytes."""
+
+    def __init__(self, folder: Path, name: str, limit: int):
+        self.folder, self.name, self.limit = folder, name, limit
+        self.parts: list[Path] = []
+        self._handle = None
+        self._left = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            if self._left == 0:
+                self._next_part()
+            chunk, view = view[: self._left], view[self._left:]
+            self._handle.write(chunk)
+            self._left -= len(chunk)
+        return len(data)
+
+    def _next_part(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        path = self.folder / f"{self.name}.part{len(self.parts):02d}"
+        self.parts.append(path)
+        self._handle, self._left = open(path, "wb"), self.limit
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        super().close()
+
+
+def send_back(source: Path, folder: Path, name: str, limit: int = PART_BYTES) -> list[Path]:
+    """`source` (a file or a folder) as a gzip'ed tar cut into parts `name`.partNN in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(f"{name}.part*"):  # an earlier attempt in this folder
+        stale.unlink()
+    writer = _PartWriter(folder, name, limit)
+    with gzip.GzipFile(fileobj=writer, mode="wb", compresslevel=1) as packed:  # fast: 100k answers in seconds
+        with tarfile.open(fileobj=packed, mode="w|") as archive:
+            archive.add(source, arcname=source.name)
+    writer.close()
+    return writer.parts
 
 
 def copy_to_json_dir(config: QualityRunConfig) -> None:

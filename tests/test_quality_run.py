@@ -3,8 +3,11 @@ and chat template: its stages really regenerate, train, export and decode, stop 
 boxes and resume on the next call; bad arguments fail in one line before any model loads."""
 
 import importlib.util
+import io
 import json
+import os
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,31 @@ def files(smollm2_dir, tmp_path_factory):
 def base_args(files, work, *extra):
     return ["run", "--target", str(files["target"]), "--prompts", str(files["prompts"]), "--dev-prompts",
             str(files["dev"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0", *extra]
+
+
+def restore_parts(folder: Path, name: str, into: Path) -> Path:
+    """What `cat NAME.part* | tar -xz` gives."""
+    parts = sorted(folder.glob(f"{name}.part*"))
+    assert parts, f"no {name}.part* in {folder}"
+    into.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:gz") as archive:
+        archive.extractall(into, filter="data")
+    return into
+
+
+def test_send_back_cuts_a_folder_into_parts_that_restore_it(script, tmp_path):
+    source = tmp_path / "export"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(os.urandom(70_000))  # incompressible: several parts
+    (source / "config.json").write_text('{"a": 1}')
+    parts = script.send_back(source, tmp_path / "out", "train-export.tar.gz", limit=16_384)
+    assert len(parts) >= 4 and all(p.stat().st_size <= 16_384 for p in parts)
+    back = restore_parts(tmp_path / "out", "train-export.tar.gz", tmp_path / "back") / "export"
+    assert {f.name: f.read_bytes() for f in back.iterdir()} == {f.name: f.read_bytes() for f in source.iterdir()}
+    # Again into the same folder (a retried call): the old parts are replaced, not mixed in.
+    (source / "model.safetensors").write_bytes(b"small")
+    assert len(script.send_back(source, tmp_path / "out", "train-export.tar.gz", limit=16_384)) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train-export.tar.gz.part00"]
 
 
 def rows(path: Path) -> list[dict]:
@@ -90,9 +118,15 @@ def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script,
     stopped_at = json.loads((work / "stages.json").read_text())["train"]["steps_done"]
     assert 0 < stopped_at < 80 and not (work / "run" / "export").exists()
     answers = (work / "answers.jsonl").read_bytes()
+    # The call that finished regenerate sent the answers back with its other files.
+    restored = restore_parts(tmp_path / "json", "regenerate-answers.jsonl.tar.gz", tmp_path / "back1")
+    assert (restored / "answers.jsonl").read_bytes() == answers
 
     assert script.main(args) == 0
     out = capsys.readouterr().out
+    export = restore_parts(tmp_path / "json", "train-export.tar.gz", tmp_path / "back2") / "export"
+    assert sorted(f.name for f in export.iterdir()) == sorted(f.name for f in (work / "run" / "export").iterdir())
+    assert all(f.read_bytes() == (work / "run" / "export" / f.name).read_bytes() for f in export.iterdir())
     assert "regenerate: done in an earlier call" in out
     assert f"resuming from step {stopped_at}" in out and "train: done: 80 steps" in out
     results = json.loads((work / "results.json").read_text())
