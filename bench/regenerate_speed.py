@@ -209,7 +209,9 @@ def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSe
            "attention_used": engine.state.attention if engine.state else None,
            "attention_ms": engine.state.attention_ms if engine.state else {},
            "step_shapes": sorted(engine.state.steps) if engine.state else [],  # (rows, attention span)
-           "graphs": sum(step.graph is not None for step in engine.state.steps.values()) if engine.state else 0}
+           "graphs": sum(step.graph is not None for step in engine.state.steps.values()) if engine.state else 0,
+           "prefill_shapes": sorted(engine.state.prefills) if engine.state else [],  # (rows, width) buckets
+           "prefill_graphs": sum(p.step.graph is not None for p in engine.state.prefills.values()) if engine.state else 0}
     out["replay_ms"] = replay_ms(engine, target.device)
     host = out["host"]
     log(f"  ours[{attention}]: {host['steps']} steps, occupancy {host['occupancy']:.2f}, {host['prefills']} prefills; host s: "

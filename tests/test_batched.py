@@ -69,11 +69,12 @@ def early_stop_token(target, prompts: list[list[int]], max_new: int) -> int:
     return max((t for t, n in counts.items() if n < len(prompts)), key=lambda t: counts[t])
 
 
-@pytest.mark.parametrize("family,read_every,overlap,attention", [
-    ("llama", 4, False, "sdpa"), ("qwen2", 1, True, "sdpa"), ("qwen3", 3, True, "sdpa"), ("mistral", 4, False, "sdpa"),
-    ("llama", 3, True, "matmul"), ("qwen3", 4, False, "matmul"),
+@pytest.mark.parametrize("family,read_every,overlap,attention,bucketed", [
+    ("llama", 4, False, "sdpa", False), ("qwen2", 1, True, "sdpa", False), ("qwen3", 3, True, "sdpa", False),
+    ("mistral", 4, False, "sdpa", False), ("llama", 3, True, "matmul", False), ("qwen3", 4, False, "matmul", False),
+    ("llama", 4, True, "sdpa", True), ("qwen3", 2, False, "matmul", True),
 ])
-def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, overlap, attention, monkeypatch):
+def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, overlap, attention, bucketed, monkeypatch):
     attended = []
     step = BatchState.step
 
@@ -92,7 +93,10 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
     stop = early_stop_token(target, prompts, max_new)
     settings = GenerationSettings(max_new_tokens=max_new)
     # overlap: the host acts on each round's finished flags one round late, as on CUDA.
-    engine = StaticBatchEngine(target, settings, [stop], slots=3, read_every=read_every, overlap=overlap, attention=attention)
+    # bucketed: prefills padded to (power-of-two rows, multiple-of-64 width) buckets, the padding
+    # rows written to a scratch cache row (what CUDA graphs replay), here run eagerly.
+    engine = StaticBatchEngine(target, settings, [stop], slots=3, read_every=read_every, overlap=overlap, attention=attention,
+                               bucket_prefills=bucketed)
     got = by_id(engine.generated(make_jobs(prompts)))
     expected = {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
     assert got == expected
@@ -101,6 +105,13 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
     assert engine.state.slots == 3 and engine.state.capacity == 512
     assert sorted(span for _, span in engine.state.steps) == [ATTENTION_STEP, 2 * ATTENTION_STEP]  # the long row needed the second
     assert attended and all(attended)
+    if bucketed:
+        buckets = set(engine.state.prefills)
+        assert buckets and all(rows & (rows - 1) == 0 and width % 64 == 0 for rows, width in buckets), buckets
+        assert (4, 64) in buckets or (2, 64) in buckets  # 3 slots, short prompts: padded to a power of two
+        assert engine.state.model.keys.shape[1] == 4  # the scratch row
+    else:
+        assert not engine.state.prefills and engine.state.model.keys.shape[1] == 3
 
 
 def test_the_last_rows_move_together_into_fewer_slots():
@@ -278,10 +289,12 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype, a
         # float32 rows run long enough to be compacted into fewer slots: a third step shape.
         shapes = 3 if dtype == torch.float32 else 2
         assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= shapes
+        assert graphed.state.prefills and all(p.step.graph is not None for p in graphed.state.prefills.values())
         if attention == "auto":  # both timed once, the faster one kept
             assert set(graphed.state.attention_ms) == {"sdpa", "matmul"} and graphed.state.attention in ("sdpa", "matmul")
-        eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False,
-                                        attention=graphed.state.attention).generated(jobs))
+        # The eager engine pads its prefills as the graphed one does (the same GEMM shapes).
+        eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False, attention=graphed.state.attention,
+                                        bucket_prefills=True).generated(jobs))
         assert got == eager
         if dtype == torch.float32 and temperature == 0:
             assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}

@@ -102,7 +102,7 @@ def test_smollm2_answers_match_hf_generate_and_stop_at_end_of_turn(smollm2, tmp_
     rows = {row["id"]: row for row in _rows(out)}
     assert sorted(rows) == ["p0", "p1", "p2"] and report.new == 3 and report.stats.skipped == 0
     # The engine's account: 3 prompts admitted (2, then 1 when a slot freed) in 2 prefills.
-    assert re.search(r"engine      2 slots, attention sdpa: [\d,]+ decode steps at occupancy 0\.\d\d, 2 prefills for 3 prompts",
+    assert re.search(r"engine      2 slots, attention sdpa, \d+ step and 0 prefill shapes: [\d,]+ decode steps at occupancy 0\.\d\d, 2 prefills for 3 prompts",
                      report.summary()), report.summary()
     paris = rows["p0"]
     assert paris["messages"] == prompts[0].messages + [{"role": "assistant", "content": "The capital of France is Paris."}]

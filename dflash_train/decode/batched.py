@@ -4,24 +4,27 @@ Hugging Face eager fallback for targets the static forward cannot run.
 Static generator (`StaticBatchEngine`). `slots` rows decode at once over preallocated KV caches
 (`decode.static.StaticTarget` with one cache row per slot; the batch-1 static decoder uses the
 same class). Prompts are taken shortest first. When rows finish, waiting prompts take their
-slots: once 1/`admit_fraction` of the slots are free (prefills run eagerly, so a few large ones
-cost the host far less than one per finished row), the admitted prompts are prefilled together,
-right-padded, straight into their cache rows (at most `prefill_tokens` tokens per forward). Each row has its own position, stop
-flag, token count and seed in device tensors, so one decode step serves rows at any point of
-their answers, and has one shape per (rows, attention span): the span is the number of cache
-positions attended, a multiple of ATTENTION_STEP that covers the furthest row, so short rows do
-not pay for a long capacity; rows is the slot count, until no prompt waits and at most a quarter
-of the slots are busy: then the last rows are moved into the lowest slots and the steps run over
-fewer rows (a power of two, at least MIN_ROWS). Each shape's step is captured in a CUDA graph
-(never on CPU): the all-slots steps of every span before the first prompt starts, the tail's
-when first needed; the graphs of one cache share a memory pool. The attention over the cache is
-SDPA or two batched matrix products (`decode.static.ATTENTION`, the same result to rounding);
-with `attention="auto"` both all-slots, full-span steps are captured and timed once, and the
-faster one is used for every step of that cache. Nothing inside a step waits for the host: a row that stops keeps its slot, frozen, until
-the host reads the finished flags, which it does every `read_every` steps with a small
-non-blocking copy and acts on one round later, so the GPU runs the next steps meanwhile.
-Greedy takes the argmax; sampling draws on the device from a counter-based hash of (row seed,
-token index) (`decode.sampling`), so a row's answer never depends on its neighbours.
+slots: once 1/`admit_fraction` of the slots are free (a few large prefills cost the host far less
+than one per finished row), the admitted prompts are prefilled together, right-padded, straight
+into their cache rows (at most `prefill_tokens` tokens per forward); with CUDA graphs the prefill
+is captured too, one graph per (rows, width) bucket (rows a power of two, width a multiple of
+PREFILL_WIDTH_STEP), its padding rows written to one scratch cache row that no step reads. Each
+row has its own position, stop flag, token count and seed in device tensors, so one decode step
+serves rows at any point of their answers, and has one shape per (rows, attention span): the span
+is the number of cache positions attended, a multiple of ATTENTION_STEP that covers the furthest
+row, so short rows do not pay for a long capacity; rows is the slot count, until no prompt waits
+and at most a quarter of the slots are busy: then the last rows are moved into the lowest slots
+and the steps run over fewer rows (a power of two, at least MIN_ROWS). Each shape's step is
+captured in a CUDA graph (never on CPU): the all-slots steps of every span before the first
+prompt starts, the tail's when first needed; the graphs of one cache share a memory pool. The
+attention over the cache is SDPA or two batched matrix products (`decode.static.ATTENTION`, the
+same result to rounding); with `attention="auto"` both all-slots, full-span steps are captured
+and timed once, and the faster one is used for every step of that cache. Nothing inside a step
+waits for the host: a row that stops keeps its slot, frozen, until the host reads the finished
+flags, which it does every `read_every` steps with a small non-blocking copy and acts on one
+round later, so the GPU runs the next steps meanwhile. Greedy takes the argmax; sampling draws on
+the device from a counter-based hash of (row seed, token index) (`decode.sampling`), so a row's
+answer never depends on its neighbours.
 
 Memory. On CUDA the slot count is capped so the caches fit in 3/4 of the memory free when the
 engine starts; when even that cannot hold the longest prompts, they run after the others in a
@@ -60,6 +63,7 @@ MIN_ROWS = 8  # once no prompt waits, the last rows are moved together into this
 PREFILL_TOKENS = 16384  # prompt tokens (padding included) per prefill forward
 ADMIT_FRACTION = 16  # free slots are refilled once 1/ADMIT_FRACTION of them are free (prefills are eager: few, large ones)
 MEMORY_FRACTION = 0.75  # of the CUDA memory free at start that the caches may take
+PREFILL_WIDTH_STEP = 64  # captured prefills pad their prompts to a multiple of this many positions
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class BatchState:
     packs rows into other slots."""
 
     def __init__(self, target: Target, slots: int, capacity: int, settings: GenerationSettings, stop_ids: Sequence[int],
-                 *, graphs: bool = True, attention: str = "auto"):
+                 *, graphs: bool = True, attention: str = "auto", bucket_prefills: bool | None = None):
         if attention != "auto" and attention not in ATTENTION:
             raise ValueError(f"attention must be auto or one of {', '.join(ATTENTION)}, not {attention!r}")
         self.device, self.slots, self.capacity, self.settings = target.device, slots, capacity, settings
@@ -155,7 +159,17 @@ class BatchState:
         self.attention = "sdpa" if attention == "auto" else attention
         self.attention_ms: dict[str, float] = {}  # what the choice measured (ms per replayed step)
         self.choose_attention = attention == "auto"
-        self.model = StaticTarget(target, capacity, batch=slots, attention=self.attention)
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and graphs else None
+        # Captured prefills (CUDA graphs; on request elsewhere, for tests): one graph per (rows,
+        # width) bucket, padding rows write to one extra cache row that no step reads.
+        self.bucket_prefills = self.pool is not None if bucket_prefills is None else bucket_prefills
+        self.scratch = slots
+        self.prefills: dict[tuple[int, int], _Prefill] = {}
+        # The prefill graphs share a pool of their own: each one's logits are consumed (in stream
+        # order) before the next prefill replays, so a later graph may reuse an earlier one's memory.
+        self.prefill_pool = torch.cuda.graph_pool_handle() if self.pool is not None else None
+        self.model = StaticTarget(target, capacity, batch=slots + 1 if self.bucket_prefills else slots,
+                                  attention=self.attention)
         long = dict(dtype=torch.long, device=self.device)
         self.tokens = torch.zeros(slots, **long)
         self.positions = torch.zeros(slots, **long)
@@ -165,16 +179,18 @@ class BatchState:
         self.generated = torch.zeros(slots, self.max_new, **long)
         self.stops = torch.tensor(list(stop_ids), **long)
         self.steps: dict[int, CapturedStep[None]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and graphs else None
 
     def admit(self, slots: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
         """Prefill `prompts` (right-padded) into cache rows `slots` and take each one's first token."""
-        width = max(len(p) for p in prompts)
-        ids = _to_device([p + [0] * (width - len(p)) for p in prompts], torch.long, self.device)
         lengths = _to_device([len(p) for p in prompts], torch.long, self.device)
         rows = _to_device(slots, torch.long, self.device)
         row_seeds = _to_device(seeds, torch.long, self.device)
-        logits = self.model.prefill_rows(ids, lengths, rows, float_logits=False)
+        if self.bucket_prefills:
+            logits = self._bucketed_prefill(slots, prompts)
+        else:
+            width = max(len(p) for p in prompts)
+            ids = _to_device([p + [0] * (width - len(p)) for p in prompts], torch.long, self.device)
+            logits = self.model.prefill_rows(ids, lengths, rows, float_logits=False)
         first = choose_tokens(logits, self.settings.temperature, self.settings.top_p, row_seeds, torch.zeros_like(row_seeds))
         done = self._is_stop(first) | (self.max_new <= 1)
         self.tokens.index_copy_(0, rows, first)
@@ -183,6 +199,24 @@ class BatchState:
         self.seeds.index_copy_(0, rows, row_seeds)
         self.generated[:, 0].index_copy_(0, rows, first)
         self.finished.index_copy_(0, rows, done)
+
+    def _bucketed_prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """`prefill_rows` through the captured graph of the (rows, width) bucket that holds these
+        prompts: rows a power of two, width a multiple of PREFILL_WIDTH_STEP (at most the
+        capacity); the padding rows are one-token prompts into the scratch row. Returns the
+        logits of the real rows (the graph's own buffer: consumed before the next prefill)."""
+        count, width = len(prompts), max(len(p) for p in prompts)
+        key = (1 << (count - 1).bit_length(), min(self.capacity, -(-width // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP))
+        prefill = self.prefills.get(key)
+        if prefill is None:
+            prefill = self.prefills[key] = _Prefill(self, *key)
+        rows, width = key
+        padding = rows - count
+        ids = [p + [0] * (width - len(p)) for p in prompts] + [[0] * width] * padding
+        prefill.ids.copy_(_to_device(ids, torch.long, self.device))
+        prefill.lengths.copy_(_to_device([len(p) for p in prompts] + [1] * padding, torch.long, self.device))
+        prefill.rows.copy_(_to_device(slots + [self.scratch] * padding, torch.long, self.device))
+        return prefill.step()[:count]
 
     def capture_steps(self) -> int:
         """Capture the steps of all slots at every attention span (the multiples of
@@ -270,6 +304,21 @@ class BatchState:
         return HostCopy(self.generated.index_select(0, _to_device(slots, torch.long, self.device)))
 
 
+class _Prefill:
+    """The static inputs and the captured prefill of one (rows, width) bucket."""
+
+    def __init__(self, state: BatchState, rows: int, width: int):
+        long = dict(dtype=torch.long, device=state.device)
+        self.ids = torch.zeros(rows, width, **long)
+        self.lengths = torch.ones(rows, **long)
+        self.rows = torch.full((rows,), state.scratch, **long)
+        model = state.model
+        self.step = CapturedStep(
+            lambda: model.prefill_rows(self.ids, self.lengths, self.rows, float_logits=False), state.device,
+            f"prefill ({rows} prompts of up to {width} tokens)", graphs=state.graphs, pool=state.prefill_pool,
+        )
+
+
 @dataclass
 class EngineStats:
     """Where the static generator's host time went, and how full its steps were."""
@@ -310,13 +359,13 @@ class StaticBatchEngine:
 
     def __init__(self, target: Target, settings: GenerationSettings, stop_ids: Sequence[int], *, slots: int,
                  read_every: int = READ_EVERY, prefill_tokens: int = PREFILL_TOKENS, graphs: bool = True,
-                 admit_fraction: int = ADMIT_FRACTION, attention: str = "auto", memory_budget: int | None = None,
-                 overlap: bool | None = None, log: TextIO | None = None):
+                 admit_fraction: int = ADMIT_FRACTION, attention: str = "auto", bucket_prefills: bool | None = None,
+                 memory_budget: int | None = None, overlap: bool | None = None, log: TextIO | None = None):
         if slots < 1 or read_every < 1 or admit_fraction < 1:
             raise ValueError("slots, read_every and admit_fraction must be at least 1")
         self.target, self.settings, self.stop_ids = target, settings, list(stop_ids)
         self.slots, self.read_every, self.prefill_tokens, self.graphs = slots, read_every, prefill_tokens, graphs
-        self.admit_fraction, self.attention = admit_fraction, attention
+        self.admit_fraction, self.attention, self.bucket_prefills = admit_fraction, attention, bucket_prefills
         self.stats = EngineStats()
         self.log = log or sys.stdout
         self.device = target.device
@@ -340,7 +389,9 @@ class StaticBatchEngine:
     def run_note(self) -> str:
         """One line for the run's summary: how full the steps were and where the host's time went."""
         stats = self.stats
-        attention = f", attention {self.state.attention}" if self.state is not None else ""
+        state = self.state
+        attention = (f", attention {state.attention}, {len(state.steps)} step and {len(state.prefills)} prefill shapes"
+                     if state is not None else "")
         return (f"{self.slots} slots{attention}: {stats.steps:,} decode steps at occupancy {stats.as_dict()['occupancy']:.2f}, "
                 f"{stats.prefills:,} prefills for {stats.admitted:,} prompts; host seconds: prefill {stats.admit_s:.1f}, "
                 f"steps {stats.step_s:.1f}, waiting for the GPU {stats.wait_s:.1f}, captures up front {stats.capture_s:.1f}")
@@ -411,7 +462,7 @@ class StaticBatchEngine:
         if self.state is None or (self.state.slots, self.state.capacity) != (slots, capacity):
             self._release()
             self.state = BatchState(self.target, slots, capacity, self.settings, self.stop_ids, graphs=self.graphs,
-                                    attention=self.attention)
+                                    attention=self.attention, bucket_prefills=self.bucket_prefills)
         state = self.state
         state.finished.fill_(True)  # every slot empty
         started = time.perf_counter()
