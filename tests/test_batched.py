@@ -252,6 +252,11 @@ def test_caches_that_do_not_fit_run_the_longest_prompts_later_with_fewer_slots()
     engine = StaticBatchEngine(target, settings, [95], slots=4, memory_budget=2 * per_slot(512), log=log)
     assert by_id(engine.generated(make_jobs(prompts[:3]))) == {k: got[k] for k in ("row0", "row1", "row2")}
     assert "3 prompts run with 2 slots of 512 positions first" in log.getvalue()
+    # Captured prefills' scratch cache row counts against the budget: room for 3 rows is 2 slots.
+    log = io.StringIO()
+    engine = StaticBatchEngine(target, settings, [95], slots=4, memory_budget=3 * per_slot(512), bucket_prefills=True, log=log)
+    assert by_id(engine.generated(make_jobs(prompts[:3]))) == {k: got[k] for k in ("row0", "row1", "row2")}
+    assert "3 prompts run with 2 slots of 512 positions first" in log.getvalue(), log.getvalue()
 
 
 def test_rows_the_engine_cannot_start_fail_alone():

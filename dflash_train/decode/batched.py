@@ -433,6 +433,11 @@ class StaticBatchEngine:
             self.budget = int(free * MEMORY_FRACTION)
         return self.budget
 
+    def _scratch_rows(self) -> int:
+        """Cache rows beside the slots: the scratch row of captured prefills (BatchState)."""
+        bucketed = self.bucket_prefills if self.bucket_prefills is not None else self.device.type == "cuda" and self.graphs
+        return 1 if bucketed else 0
+
     def _slot_bytes(self, capacity: int) -> int:
         # The cache row, its answer buffer, and room for the step's logits and sampling buffers.
         return capacity * self.bytes_per_position + 8 * self.settings.max_new_tokens + 16 * self.vocab_rows
@@ -443,16 +448,17 @@ class StaticBatchEngine:
         need = [len(job.ids) + self.settings.max_new_tokens for job in queue]
         capacity = cache_capacity(need[-1])
         budget = self._cache_budget()
-        if budget is None or self.slots * self._slot_bytes(capacity) <= budget:
+        rows = self.slots + self._scratch_rows()
+        if budget is None or rows * self._slot_bytes(capacity) <= budget:
             return min(self.slots, len(queue)), capacity, len(queue)
-        fitting = (budget // self.slots - self._slot_bytes(0)) // self.bytes_per_position // CAPACITY_STEP * CAPACITY_STEP
+        fitting = (budget // rows - self._slot_bytes(0)) // self.bytes_per_position // CAPACITY_STEP * CAPACITY_STEP
         if fitting >= need[0]:
             count = bisect.bisect_right(need, fitting)
             slots = self.slots
         else:  # even the shortest needs fewer slots
             fitting = cache_capacity(need[0])
             count = bisect.bisect_right(need, fitting)
-            slots = max(1, budget // self._slot_bytes(fitting))
+            slots = max(1, budget // self._slot_bytes(fitting) - self._scratch_rows())
         capacity = cache_capacity(need[count - 1])
         print(f"note: caches for {self.slots} slots of {cache_capacity(need[-1])} positions do not fit in "
               f"{budget / 2**30:.1f} GiB: {count} prompts run with {slots} slots of {capacity} positions first", file=self.log)
