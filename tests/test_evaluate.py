@@ -13,11 +13,11 @@ Agreement with the reference is exact in float32. In bfloat16 it holds up to the
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import itertools
 import json
 import random
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -970,16 +970,8 @@ def test_eval_offset_is_validated(chat_pair, capsys):
     assert "no prompts left after --offset 3" in capsys.readouterr().err
 
 
-def load_quality_script():
-    spec = importlib.util.spec_from_file_location("quality_smollm2", REPO / "bench" / "quality_smollm2.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_quality_script_reports_a_failing_shard_and_merges_the_others(chat_pair, tmp_path, capsys):
-    script = load_quality_script()
+    script = importlib.import_module("bench.quality_smollm2")
     eval_args = ["--target", str(chat_pair / "target"), "--bench", "mtbench", "--max-new-tokens", "6"]
     runner = script.ShardRunner(["cpu", "cpu"], eval_args, deadline=time.monotonic() + 300)
     good = script.shard_jobs("final", str(chat_pair / "drafter"), 3, 2, baseline=True, priority=0, shard_dir=tmp_path)
@@ -1015,9 +1007,7 @@ def test_in_training_evaluator_from_a_benchmark(chat_pair):
 
 
 def test_bench_script_runs_on_cpu(chat_pair, tmp_path, reference_module):
-    spec = importlib.util.spec_from_file_location("spec_decode", REPO / "bench" / "spec_decode.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("bench.spec_decode")
     out = tmp_path / "bench.json"
     code = script.main([
         "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"), "--bench", "mtbench",

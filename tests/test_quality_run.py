@@ -2,11 +2,10 @@
 and chat template: its stages really regenerate, train, export and decode, stop at their time
 boxes and resume on the next call; bad arguments fail in one line before any model loads."""
 
-import importlib.util
+import importlib
 import io
 import json
 import os
-import sys
 import tarfile
 from pathlib import Path
 
@@ -14,20 +13,10 @@ import pytest
 
 from test_regenerate import tiny_smollm_dir
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("quality_run", REPO / "bench" / "quality_run.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(script)
-    return script
-
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script()
+    return importlib.import_module("bench.quality_run")
 
 
 @pytest.fixture(scope="module")
