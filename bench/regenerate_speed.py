@@ -145,13 +145,7 @@ def replay_ms(engine: StaticBatchEngine, device: torch.device, repeats: int = 20
         if rows != state.slots or step.graph is None:
             continue
         step()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            step()
-        end.record()
-        end.synchronize()
-        out[f"{rows}x{span}"] = round(start.elapsed_time(end) / repeats, 3)
+        out[f"{rows}x{span}"] = round(step.milliseconds_per_call(repeats), 3)
     return out
 
 
@@ -213,9 +207,7 @@ def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSe
            "prefill_shapes": sorted(engine.state.prefills) if engine.state else [],  # (rows, width) buckets
            "prefill_graphs": sum(p.step.graph is not None for p in engine.state.prefills.values()) if engine.state else 0}
     out["replay_ms"] = replay_ms(engine, target.device)
-    host = out["host"]
-    log(f"  ours[{attention}]: {host['steps']} steps, occupancy {host['occupancy']:.2f}, {host['prefills']} prefills; host s: "
-        f"admit {host['admit_s']:.2f}, steps {host['step_s']:.2f}, waits {host['wait_s']:.2f}; replay ms/step {out['replay_ms']}")
+    log(f"  ours[{attention}]: {engine.run_note()}; replay ms/step {out['replay_ms']}")
     if args.profile_s and target.device.type == "cuda":
         profile_ours(engine, jobs, args.profile_s, Path(args.json or "regenerate_speed.json").with_suffix(f".{batch}.{attention}.prof.txt"))
     del engine

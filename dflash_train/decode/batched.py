@@ -132,6 +132,18 @@ class HostCopy:
         return self.host
 
 
+def _copy_into(buffer: torch.Tensor, values: list) -> None:
+    """`values` written into `buffer` (a captured graph's static input) without waiting."""
+    host = torch.tensor(values, dtype=buffer.dtype)
+    buffer.copy_(host.pin_memory() if buffer.device.type == "cuda" else host, non_blocking=True)
+
+
+def prefills_bucketed(device: torch.device, graphs: bool, requested: bool | None) -> bool:
+    """Whether prefills run as captured (rows, width) buckets with a scratch cache row: with
+    CUDA graphs, unless `requested` says otherwise (tests ask for the padding on CPU)."""
+    return device.type == "cuda" and graphs if requested is None else requested
+
+
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":  # pageable memory would make the copy wait for the stream
@@ -162,7 +174,7 @@ class BatchState:
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and graphs else None
         # Captured prefills (CUDA graphs; on request elsewhere, for tests): one graph per (rows,
         # width) bucket, padding rows write to one extra cache row that no step reads.
-        self.bucket_prefills = self.pool is not None if bucket_prefills is None else bucket_prefills
+        self.bucket_prefills = prefills_bucketed(self.device, graphs, bucket_prefills)
         self.scratch = slots
         self.prefills: dict[tuple[int, int], _Prefill] = {}
         # The prefill graphs share a pool of their own: each one's logits are consumed (in stream
@@ -213,9 +225,9 @@ class BatchState:
         rows, width = key
         padding = rows - count
         ids = [p + [0] * (width - len(p)) for p in prompts] + [[0] * width] * padding
-        prefill.ids.copy_(_to_device(ids, torch.long, self.device))
-        prefill.lengths.copy_(_to_device([len(p) for p in prompts] + [1] * padding, torch.long, self.device))
-        prefill.rows.copy_(_to_device(slots + [self.scratch] * padding, torch.long, self.device))
+        _copy_into(prefill.ids, ids)
+        _copy_into(prefill.lengths, [len(p) for p in prompts] + [1] * padding)
+        _copy_into(prefill.rows, slots + [self.scratch] * padding)
         return prefill.step()[:count]
 
     def capture_steps(self) -> int:
@@ -242,17 +254,10 @@ class BatchState:
         for name, attend in ATTENTION.items():
             self.model.attend_cache = attend
             step = self._captured(self.capacity, self.slots)
-            step()
-            for _ in range(3):
+            for _ in range(4):  # the capture, then warm replays
                 step()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                step()
-            end.record()
-            end.synchronize()
             candidates[name] = step
-            self.attention_ms[name] = round(start.elapsed_time(end) / 10, 3)
+            self.attention_ms[name] = round(step.milliseconds_per_call(10), 3)
         self.attention = min(self.attention_ms, key=self.attention_ms.get)
         self.model.attend_cache = ATTENTION[self.attention]
         self.steps[(self.slots, self.capacity)] = candidates[self.attention]
@@ -435,8 +440,7 @@ class StaticBatchEngine:
 
     def _scratch_rows(self) -> int:
         """Cache rows beside the slots: the scratch row of captured prefills (BatchState)."""
-        bucketed = self.bucket_prefills if self.bucket_prefills is not None else self.device.type == "cuda" and self.graphs
-        return 1 if bucketed else 0
+        return 1 if prefills_bucketed(self.device, self.graphs, self.bucket_prefills) else 0
 
     def _slot_bytes(self, capacity: int) -> int:
         # The cache row, its answer buffer, and room for the step's logits and sampling buffers.

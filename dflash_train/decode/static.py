@@ -156,6 +156,17 @@ class CapturedStep(Generic[Outputs]):
                 return self.outputs  # type: ignore[return-value]
             return self._capture()
 
+    def milliseconds_per_call(self, repeats: int) -> float:
+        """GPU milliseconds per call over `repeats` calls, timed with CUDA events (CUDA only)."""
+        with torch.cuda.device(self.device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                self()
+            end.record()
+            end.synchronize()
+        return start.elapsed_time(end) / repeats
+
     def _capture(self) -> Outputs:
         saved = [t.clone() for t in self.restore]
         stream = torch.cuda.Stream(self.device)
