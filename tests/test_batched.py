@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import threading
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from dflash_train.data.readers import Prompt
 from dflash_train.data.regenerate import GenerationSettings, Job
 from dflash_train.decode.batched import ATTENTION_STEP, BatchState, EagerBatchEngine, Generated, StaticBatchEngine
 from dflash_train.decode.static import StaticTarget
+from threads import run_in_threads
 from tiny import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -315,21 +315,13 @@ def test_graphed_generators_in_worker_threads():
     jobs = make_jobs(varied_prompts(30, seed=7))
     expected = by_id(StaticBatchEngine(target, settings, [95], slots=8, graphs=False).generated(jobs))
     results: dict[int, dict] = {}
-    problems: list[str] = []
 
     def worker(index: int) -> None:
-        try:
-            engine = StaticBatchEngine(target, settings, [95], slots=8)  # its own caches and graphs, captured in both threads
-            for _ in range(2):
-                results[index] = by_id(engine.generated(jobs))
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
-            problems.append(repr(error))
+        engine = StaticBatchEngine(target, settings, [95], slots=8)  # its own caches and graphs, captured in both threads
+        for _ in range(2):
+            results[index] = by_id(engine.generated(jobs))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    problems = run_in_threads(worker, range(2), timeout=300)
     assert not problems, problems
     assert results == {0: expected, 1: expected}
 

@@ -21,6 +21,7 @@ from dflash_train.decode.loop import generate, make_decoder
 from dflash_train.decode.static import StaticDrafter, StaticTarget, static_state, static_unsupported
 from dflash_train.target import Target
 from test_evaluate import random_drafter
+from threads import run_in_threads
 from tiny import tiny_target
 
 
@@ -188,22 +189,15 @@ def test_states_are_shared_per_capacity_and_never_between_threads():
     problems: list[str] = []
 
     def worker(index: int) -> None:
-        try:
-            states.add(id(static_state(target, drafter, 512)))
-            for round_ in range(3):
-                for i, prompt in enumerate(prompts):
-                    out = generate(target, drafter, prompt, 20, decoder="static")
-                    if out.tokens != expected[i]:
-                        problems.append(f"thread {index} prompt {i} round {round_}")
-                    results[(index, i)] = out.tokens
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
-            problems.append(repr(error))
+        states.add(id(static_state(target, drafter, 512)))
+        for round_ in range(3):
+            for i, prompt in enumerate(prompts):
+                out = generate(target, drafter, prompt, 20, decoder="static")
+                if out.tokens != expected[i]:
+                    problems.append(f"thread {index} prompt {i} round {round_}")
+                results[(index, i)] = out.tokens
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    problems += [repr(error) for error in run_in_threads(worker, range(2), timeout=120)]
     assert not problems, problems[:3]
     assert len(states) == 2 and len(results) == 6
 

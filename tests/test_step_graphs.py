@@ -6,7 +6,6 @@ configuration errors. Capture and replay themselves need a GPU: tests/test_step_
 import copy
 import json
 import os
-import threading
 import time
 import warnings
 
@@ -30,6 +29,7 @@ from dflash_train.static_step import (
 )
 from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss, training_step, warmup_cosine
 from dflash_train.target import Target
+from threads import run_in_threads
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
 LAYERS = [1, 3]
@@ -219,21 +219,12 @@ def test_replicas_gradient_sum_through_the_static_step(target):
     graphed = [_graphed(target, objective, d, *_trainer(target, objective, d)) for d in replicas]
     reducer = GradientReducer(replicas, StopSignal())
     results: dict[int, list] = {0: [], 1: []}
-    errors = []
 
     def run(rank):
-        try:
-            for micro in steps:
-                results[rank].append(graphed[rank].step([micro[rank]], lambda: reducer.sync(rank)))
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-            reducer.abort()
+        for micro in steps:
+            results[rank].append(graphed[rank].step([micro[rank]], lambda: reducer.sync(rank)))
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    errors = run_in_threads(run, (0, 1), timeout=60, on_error=lambda _: reducer.abort())
     assert not errors, errors
     frozen = _frozen(target)
     expected = [training_step(reference, ref_opt, ref_sched, micro, frozen, objective, attention_backend="sdpa",

@@ -22,6 +22,7 @@ from dflash_train.pipeline.trainer import train
 from dflash_train.pipeline.workers import GradientReducer
 from dflash_train.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
 from dflash_train.target import Target
+from threads import run_in_threads
 from tiny import pattern_samples, tiny_hf_model, tiny_train_config
 
 pytestmark = pytest.mark.gpu
@@ -219,27 +220,18 @@ def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
         drafters.append(drafter)
     reducer = GradientReducer(drafters, StopSignal())
     results: dict[int, list] = {0: [], 1: []}
-    errors = []
 
     def run(rank):
-        try:
-            torch.cuda.set_device(devices[rank])
-            for micro in steps:
-                batch = micro[rank]
-                moved = DrafterBatch(*(t.to(devices[rank]) for t in (batch.target_features, batch.input_ids,
-                                                                      batch.loss_mask, batch.anchors, batch.anchor_valid)),
-                                     batch.loss_normalizer, batch.scored_rows)
-                results[rank].append(graphed[rank].step([moved], lambda: reducer.sync(rank)))
-            torch.cuda.synchronize(devices[rank])
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-            reducer.abort()
+        torch.cuda.set_device(devices[rank])
+        for micro in steps:
+            batch = micro[rank]
+            moved = DrafterBatch(*(t.to(devices[rank]) for t in (batch.target_features, batch.input_ids,
+                                                                  batch.loss_mask, batch.anchors, batch.anchor_valid)),
+                                 batch.loss_normalizer, batch.scored_rows)
+            results[rank].append(graphed[rank].step([moved], lambda: reducer.sync(rank)))
+        torch.cuda.synchronize(devices[rank])
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
+    errors = run_in_threads(run, (0, 1), timeout=300, on_error=lambda _: reducer.abort())
     assert not errors, errors
     for step, exp in enumerate(expected):
         assert results[0][step].loss + results[1][step].loss == pytest.approx(exp.loss, rel=1e-5), step
@@ -262,22 +254,14 @@ def test_a_target_thread_and_two_drafter_threads_capture_at_once():
     twins = [_compiled(_drafter(target, seed)) for seed in (0, 1)]  # same seed: the same weights
     graphed = [_graphed(target, objective, d, *_trainer(d), None, torch.float32) for d in drafters]
     start = threading.Barrier(3)
-    errors = []
 
     def warm(prepare):
-        try:
-            torch.cuda.set_device(DEVICE)
-            configure_worker_thread()
-            start.wait()
-            prepare(lambda line: None)
-        except Exception as error:  # noqa: BLE001
-            errors.append(error)
+        torch.cuda.set_device(DEVICE)
+        configure_worker_thread()
+        start.wait()
+        prepare(lambda line: None)
 
-    threads = [threading.Thread(target=warm, args=(p,)) for p in (features.prepare, graphed[0].prepare, graphed[1].prepare)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
+    errors = run_in_threads(warm, (features.prepare, graphed[0].prepare, graphed[1].prepare), timeout=600)
     assert not errors, errors
     assert sorted(features.graphs) == BUCKETS and not features.eager_reasons, features.eager_reasons
     for g in graphed:
