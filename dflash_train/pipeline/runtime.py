@@ -14,6 +14,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .streams import WorkerStream
 from .utilisation import WorkerMeter
 
 POLL_SECONDS = 0.2
@@ -155,22 +158,25 @@ class WorkerTimes:
 
 
 class Worker(threading.Thread):
-    """A pipeline thread: runs `work()`, turns any exception into a pipeline-wide stop."""
+    """A pipeline thread: runs `work()` on its own CUDA stream (streams.py; nothing off CUDA),
+    turns any exception into a pipeline-wide stop."""
 
     role = "worker"  # "target" or "drafter": how utilisation.bottleneck names it
 
-    def __init__(self, name: str, stop: StopSignal):
+    def __init__(self, name: str, stop: StopSignal, device: torch.device):
         super().__init__(name=name, daemon=True)
         self.stop_signal = stop
         self.times = WorkerTimes()
         self.meter = WorkerMeter()  # host and GPU busy fractions (utilisation.py)
+        self.stream = WorkerStream(device)  # made here, in the building thread (see WorkerStream)
 
     def work(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def run(self) -> None:
         try:
-            self.work()
+            with self.stream.running():
+                self.work()
         except PipelineStopped:
             pass
         except BaseException as error:  # noqa: BLE001 - every failure must reach the coordinator

@@ -9,7 +9,8 @@ Per replica, on top of `static_step.StaticStep`:
 A step copies each micro-batch into its length bucket's buffers and replays its graph (micro-batches
 of one step may fall into different buckets); with replicas, the `GradientReducer` sums the
 persistent gradients between the micro-batches and the update, as it does eagerly. Replays run on
-the worker's current stream, the one every eager step and the reducer use. The host never waits
+the worker's current stream (its own: pipeline/streams.py), the one its eager steps, the copies
+into the graphs' input buffers and the reducer's load and store of its gradients use. The host never waits
 for the GPU inside a step: the step's numbers are copied into pinned host memory and read when
 someone asks (`DeferredStepResult`, normally the coordinator, a step or two later); the host runs
 at most `MAX_AHEAD` steps ahead of the GPU (the wait is counted as waiting for the GPU).

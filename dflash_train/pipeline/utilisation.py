@@ -2,11 +2,13 @@
 
 Host busy: the share of wall time a worker thread spends neither waiting on a queue nor waiting
 for its GPU to catch up. GPU busy: the share of wall time its GPU spent on its work, from CUDA
-events recorded around each item on the worker's stream (start before, end after) and read only
-once both have completed (`query`, never a wait), so measuring costs no synchronisation. For a
-graphed step (one launch) the span between the events is kernel time; for eager work it also
-holds the GPU's idle gaps between launches, and, where workers share a device's stream, kernels
-another thread enqueued meanwhile: an upper bound there.
+events recorded around each item on the worker's own stream (every worker thread runs on a stream
+of its own: streams.py; start before, end after) and read only once both have completed (`query`,
+never a wait), so measuring costs no synchronisation. Another worker's kernels on the same GPU are
+on another stream, so they are not in this worker's span; they can still slow its kernels down
+(the two share the GPU's SMs), which a saturated device's sum then shows. For a graphed step (one
+launch) the span between the events is kernel time; for eager work it also holds the GPU's idle
+gaps between launches: an upper bound there.
 
 `bottleneck` turns those fractions and the mean queue depth into one label: a saturated GPU
 first (its biggest user, "target GPU" / "drafter GPU"), then a saturated host ("target host",

@@ -33,6 +33,7 @@ from .batches import BatchPlanner, HostBatch
 from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
 from .distributed import FlatGradients, NodeStep
 from .runtime import POLL_SECONDS, PipelineStopped, StopBarrier, StopSignal, Worker, get, put
+from .streams import mark, receive, wait_for
 
 if TYPE_CHECKING:
     from .startup import Warmup
@@ -52,7 +53,7 @@ class FeatureSource(Protocol):
 class FeatureBatch:
     host: HostBatch
     features: torch.Tensor  # [b, S, len(layer_ids) · hidden] on the producing device
-    ready: Any  # torch.cuda.Event recorded after the features were written, or None on CPU
+    ready: Any  # an event on the target worker's stream after the features were written (None on CPU)
     layer_ids: list[int]
 
 
@@ -68,14 +69,6 @@ class StepRange:
 
     def __len__(self) -> int:
         return max(0, self.end - self.start)
-
-
-def record_ready(tensor: torch.Tensor):
-    if tensor.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
 
 
 class BatchRouter:
@@ -152,7 +145,7 @@ class TargetWorker(Worker):
     role = "target"
 
     def __init__(self, setup: TargetSetup):
-        super().__init__(setup.thread_name, setup.stop)
+        super().__init__(setup.thread_name, setup.stop, setup.source.device)
         self.setup = setup
         self.tokens = 0
 
@@ -180,7 +173,7 @@ class TargetWorker(Worker):
                 span = self.meter.begin(self.device)
                 features = setup.source.features(batch)
                 self.meter.end(span, self.device)
-                item = FeatureBatch(batch, features, record_ready(features), setup.source.layer_ids)
+                item = FeatureBatch(batch, features, mark(features.device), setup.source.layer_ids)
                 self.times.computing += time.perf_counter() - started
                 self.times.items += 1
                 self.tokens += int(batch.lengths.sum())
@@ -189,39 +182,44 @@ class TargetWorker(Worker):
                 started = time.perf_counter()
 
 
-def move_features(item: FeatureBatch, device: torch.device, streams: dict) -> torch.Tensor:
-    """The features on `device`, ordered after the producer's event; GPU to GPU as a peer copy
-    on side streams of both devices so it overlaps the drafter's compute."""
-    source = item.features
-    if source.device == device:
-        if item.ready is not None:
-            torch.cuda.current_stream(device).wait_event(item.ready)
-        return source
-    if source.device.type == "cuda" and device.type == "cuda":
-        send = streams.setdefault(source.device, torch.cuda.Stream(source.device))
-        receive = streams.setdefault(device, torch.cuda.Stream(device))
-        with torch.cuda.stream(send), torch.cuda.stream(receive):
-            send.wait_event(item.ready)
-            moved = source.to(device, non_blocking=True)
-        source.record_stream(send)  # the producer may free it; keep it until the copy ran
-        compute = torch.cuda.current_stream(device)
-        compute.wait_stream(receive)
-        moved.record_stream(compute)
-        return moved
-    if item.ready is not None:
-        item.ready.synchronize()
-    return source.to(device)
+def move_features(item: FeatureBatch, device: torch.device, streams: dict) -> tuple[torch.Tensor, Any]:
+    """The features on `device` for this drafter thread's stream, and the event that stream must
+    wait for before reading them (streams.receive: GPU to GPU as a peer copy on side streams)."""
+    return receive(item.features, item.ready, device, streams)
+
+
+@dataclass
+class ReceivedStep:
+    """One step's micro-batches as a drafter thread took them from its inbox."""
+
+    batches: list[DrafterBatch]
+    ready: list[Any]  # events this thread's stream waits for before the step reads the features
+    waited: float  # seconds the thread waited for them
+    samples: int
+    tokens: int
+
+    def wait_until_ready(self, device: torch.device) -> None:
+        for event in self.ready:
+            wait_for(event, device)
 
 
 class GradientReducer:
     """Sums gradients across this node's replicas after every backward, and across nodes.
 
-    All replicas meet at a barrier; replica 0 copies every replica's gradients into its persistent
-    flat buffers and sums them into its own (NCCL when every replica has its own GPU, else
-    copy-add); on several nodes it then votes and all-reduces that sum across nodes (`NodeStep`);
-    it hands the total back to every replica, and all meet again. The first barrier is aborted
-    when the pipeline stops, so no replica waits forever for a dead peer; the second only when
-    replica 0 fails: once it is passed, every replica finishes the step.
+    Every replica copies its gradients into its own persistent flat buffers, on its own stream;
+    all meet at a barrier; replica 0 sums the buffers into its own (NCCL when every replica has its
+    own GPU, else copy-add); on several nodes it then votes and all-reduces that sum across nodes
+    (`NodeStep`); it hands the total back into every buffer, and all meet again; each replica then
+    copies the total back into its gradients, on its own stream. The first barrier is aborted when
+    the pipeline stops, so no replica waits forever for a dead peer; the second only when replica 0
+    fails: once it is passed, every replica finishes the step.
+
+    On CUDA each replica's thread runs on its own stream (streams.py), and the barriers order only
+    the hosts, so the GPU order is explicit: replica 0's streams wait for an event each replica
+    recorded after loading its buffer (`loaded`), and each replica's stream waits for the event
+    replica 0 recorded on its device after the sum (`summed`) before it reads its buffer back; its
+    next step's gradients come after that read on its stream, so they cannot overwrite a gradient
+    the sum has not read yet.
     """
 
     def __init__(self, replicas: list[torch.nn.Module], stop: StopSignal, across: NodeStep | None = None):
@@ -230,7 +228,7 @@ class GradientReducer:
         # StopBarrier: a stop never reaches a replica its generation already released.
         self.gather = StopBarrier(len(replicas))
         self.release = StopBarrier(len(replicas))
-        devices = [ps[0].device for ps in self.params]
+        self.devices = devices = [ps[0].device for ps in self.params]
         self.use_nccl = (
             len(devices) > 1
             and all(d.type == "cuda" for d in devices)
@@ -238,12 +236,17 @@ class GradientReducer:
             and hasattr(torch.cuda, "nccl")
             and torch.cuda.nccl.is_available([torch.empty(1, device=d) for d in devices])
         )
+        self.loaded: list[Any] = [None] * len(replicas)  # per replica: its buffer is written (an event, or None)
+        self.summed: dict[torch.device, Any] = {}  # per device: every buffer there holds the total
         stop.on_stop(self.gather.abort)
         self.stop = stop
         self.across = across
         self.seconds = 0.0
 
     def sync(self, rank: int) -> None:
+        device = self.devices[rank]
+        self.flats[rank].load()
+        self.loaded[rank] = mark(device)
         self.gather.wait()
         if rank == 0:
             try:
@@ -256,6 +259,8 @@ class GradientReducer:
                 self.release.abort()
                 raise
         self.release.wait()
+        wait_for(self.summed.get(device), device)
+        self.flats[rank].store()
 
     def abort(self) -> None:
         """A replica failed outside a pipeline (no StopSignal to stop): release every peer waiting
@@ -276,8 +281,9 @@ class GradientReducer:
 
     @torch.no_grad()
     def _reduce(self) -> None:
-        for flat in self.flats:
-            flat.load()
+        """In replica 0's thread, on its current stream of each device, after every replica's load."""
+        for event, device in zip(self.loaded, self.devices):
+            wait_for(event, device)
         for group in range(len(self.flats[0].buffers)):
             buffers = [flat.buffers[group] for flat in self.flats]
             total = buffers[0]
@@ -296,8 +302,7 @@ class GradientReducer:
             else:
                 for buffer in buffers[1:]:
                     buffer.copy_(total)
-        for flat in self.flats:
-            flat.store()
+        self.summed = {device: mark(device) for device in set(self.devices)}
 
 
 @dataclass
@@ -445,7 +450,7 @@ class DrafterWorker(Worker):
     role = "drafter"
 
     def __init__(self, setup: DrafterSetup):
-        super().__init__(setup.thread_name, setup.stop)
+        super().__init__(setup.thread_name, setup.stop, setup.replica.device)
         self.setup = setup
         self.replica = setup.replica
         self.completed_step = setup.steps.start
@@ -459,16 +464,18 @@ class DrafterWorker(Worker):
     def last_checkpoint(self) -> Path | None:
         return self.setup.checkpointer.last if self.setup.checkpointer is not None else None
 
-    def _to_drafter_batch(self, item: FeatureBatch) -> DrafterBatch:
+    def _to_drafter_batch(self, item: FeatureBatch) -> tuple[DrafterBatch, Any]:
         device, key = self.replica.device, self.replica.name
-        features = move_features(item, device, self._streams)
+        features, ready = move_features(item, device, self._streams)
         if item.layer_ids != self.replica.layer_ids:
+            wait_for(ready, device)  # the column selection reads them now
+            ready = None
             b, s, _ = features.shape
             per_layer = features.view(b, s, len(item.layer_ids), -1)
             columns = torch.tensor([item.layer_ids.index(k) for k in self.replica.layer_ids], device=device)
             features = per_layer.index_select(2, columns).flatten(2)
         anchors, anchor_valid = item.host.anchors[key]
-        return DrafterBatch(
+        batch = DrafterBatch(
             target_features=features,
             input_ids=item.host.input_ids.to(device, non_blocking=True),
             loss_mask=item.host.loss_mask.to(device, non_blocking=True),
@@ -477,13 +484,16 @@ class DrafterWorker(Worker):
             loss_normalizer=item.host.normalizers[key],
             scored_rows=item.host.scored_rows.get(key),
         )
+        return batch, ready
 
-    def _receive(self, step: int) -> tuple[list[DrafterBatch], float, int, int]:
+    def _receive(self, step: int) -> ReceivedStep:
         items, waited = self.setup.inbox.receive(step)
-        batches = [self._to_drafter_batch(item) for item in items]
-        samples = sum(len(item.host.sample_ids) for item in items)
-        tokens = sum(int(item.host.lengths.sum()) for item in items)
-        return batches, waited, samples, tokens
+        moved = [self._to_drafter_batch(item) for item in items]
+        return ReceivedStep(
+            batches=[batch for batch, _ in moved], ready=[ready for _, ready in moved if ready is not None],
+            waited=waited, samples=sum(len(item.host.sample_ids) for item in items),
+            tokens=sum(int(item.host.lengths.sum()) for item in items),
+        )
 
     def work(self) -> None:
         setup, replica = self.setup, self.replica
@@ -499,13 +509,16 @@ class DrafterWorker(Worker):
         try:
             incoming = self._receive(setup.steps.start) if len(setup.steps) else None
             for step in setup.steps:
-                micro_batches, waited, samples, tokens = incoming
+                current = incoming
+                micro_batches, waited, samples, tokens = current.batches, current.waited, current.samples, current.tokens
                 # Take the next step's batches now: their GPU-to-GPU copies then overlap
-                # this step's compute instead of following it.
+                # this step's compute instead of following it (this stream waits for them
+                # only when that step starts).
                 incoming = self._receive(step + 1) if step + 1 < end else None
                 started = time.perf_counter()
                 shape = tuple(tuple(b.input_ids.shape) for b in micro_batches)
                 compiles_before = setup.compile_watch.count() if setup.compile_watch is not None else 0
+                current.wait_until_ready(replica.device)  # before the span: waiting for the target is not drafter time
                 span = self.meter.begin(replica.device)
                 result = replica.step(micro_batches, sync)
                 self.meter.end(span, replica.device)
