@@ -267,6 +267,8 @@ class DFlashDrafter(nn.Module):
         block_positions [b, N·B]; mask: the DFlash mask for (anchors, S, B).
         Returns the final hidden states [b, N·B, hidden] (before the LM head).
         """
+        if target_features.dtype != self.fc.weight.dtype and not torch.is_autocast_enabled(target_features.device.type):
+            target_features = target_features.to(self.fc.weight.dtype)  # e.g. a float32 drafter on a bf16 target
         context = self.hidden_norm(self.fc(target_features))
         b, context_len, _ = context.shape
         context_positions = torch.arange(context_len, device=context.device).expand(b, context_len)

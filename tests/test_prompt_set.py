@@ -82,7 +82,7 @@ def test_default_set_has_100k_unique_capped_clean_prompts(default_set, benchmark
     tasks = set(open_evals)
     assert len(tasks) >= 100 and len(set(open_evals[:len(tasks)])) == len(tasks)
     open_part = prompt_set.prompts[:kinds.index(True)]
-    for source in ("python-stdlib", "reasoning-gym"):
+    for source in ("python-stdlib", "python-packages", "reasoning-gym"):
         share = sum(prompt_set.source_of[p.id] == source for p in open_part) / len(open_part)
         assert abs(sum(prompt_set.source_of[p.id] == source for p in open_part[:10_000]) / 10_000 - share) < 0.002
     # Nothing left overlaps a benchmark (every 20th prompt: the filter is checked in full elsewhere).

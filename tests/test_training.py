@@ -39,6 +39,19 @@ def test_tiny_overfit_loss_falls(tmp_path, target):
     assert summary["drafters"]["drafter"]["export"]
 
 
+def test_a_bf16_target_trains_a_float32_drafter(tmp_path):
+    """--precision fp32 with a bf16 target: the frozen embedding and head are copied in the
+    drafter's compute dtype (float32), not the target's; a bf16 head met float32 hidden states
+    in the loss's matmul and failed the first step (found on the GPU, where the head was always
+    made bf16)."""
+    target = tiny_target("llama", layers=6, head_scale=20)
+    target.model.to(torch.bfloat16)
+    summary = _run(tmp_path, pattern_samples(8, max_len=60), target, steps=3, precision="fp32", log_every=1)
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    assert summary["drafters"]["drafter"]["export"]
+
+
 def test_resume_continues_exactly(tmp_path, target):
     samples = pattern_samples(24)
     _run(tmp_path / "straight", samples, target, steps=30, save_every=10)

@@ -7,6 +7,12 @@ target's own completions of other functions in the same format:
     standard library (read with `ast`, never imported), whose docstring says what they do (at
     least 40 characters) and whose body does more than `pass`, `...` or `raise`. A method keeps
     its class line above it. The set depends on the Python version (about 4,400 with 3.11).
+  - `python-packages`: the same rule over the source of the Python packages that dflash-train's
+    own requirements install (torch and transformers and what they pull in: sympy, networkx,
+    numpy, mpmath, jinja2, ...; `PACKAGE_SOURCES`), at most `MAX_PER_PACKAGE_FILE` functions of a
+    file and `MAX_PER_PACKAGE` of a package (evenly spaced over its files), and one prompt per
+    (function name, docstring), since transformers copies a method into dozens of model files.
+    Without these the coding share of 100k prompts is 6 %; with them about 15 %.
   - `reasoning-gym`: the CodeI/O tasks shipped in the `reasoning-gym` package (data/codeio*.jsonl.gz,
     about 3,200 distinct tasks): the task description and its input/output specification become
     the docstring of the task's `main_solution` signature, after the module's imports. The code
@@ -20,11 +26,12 @@ from __future__ import annotations
 import ast
 import copy
 import gzip
+import importlib.util
 import json
 import sysconfig
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ..assets import package_path
 from .decontaminate import normalized_key
@@ -35,8 +42,14 @@ CODEIO_FILES = ("data/codeio.jsonl.gz", "data/codeio-hq.jsonl.gz")
 HUMANEVAL_HEADER = "Complete the following Python function:\n```python\n"
 MAX_CODE_PROMPT_CHARS = 2000
 MIN_DOCSTRING_CHARS = 40
-# Folders of the standard library that hold tests, demos, bundled wheels or third-party code.
-_SKIPPED_DIRS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "site-packages", "dist-packages", "ensurepip", "lib2to3"}
+# Installed with dflash-train's requirements on every machine (a missing one gives no prompts).
+PACKAGE_SOURCES = ("sympy", "transformers", "torch", "networkx", "numpy", "mpmath", "jinja2", "huggingface_hub",
+                   "fsspec", "setuptools", "packaging", "tqdm")
+MAX_PER_PACKAGE = 3000
+MAX_PER_PACKAGE_FILE = 20
+# Folders that hold tests, demos, bundled wheels, third-party or vendored code.
+_SKIPPED_DIRS = {"test", "tests", "testing", "idle_test", "idlelib", "turtledemo", "site-packages", "dist-packages",
+                 "ensurepip", "lib2to3", "_vendor", "vendor", "benchmarks"}
 
 
 def humaneval_style_prompt(code: str) -> str:
@@ -66,17 +79,43 @@ def _documented(function: ast.AST) -> bool:
     return docstring is not None and len(docstring) >= MIN_DOCSTRING_CHARS and _does_work(function)
 
 
-def _module_stubs(tree: ast.Module) -> Iterator[tuple[str, int, str]]:
-    """(qualified name, line, code) of each documented public function and method."""
+def _module_stubs(tree: ast.Module) -> Iterator[tuple[str, int, str, str]]:
+    """(qualified name, line, code, docstring) of each documented public function and method; of
+    two with one name (a property and its setter, a function defined per platform) the first."""
+    named: set[str] = set()
     for node in tree.body:
-        if _documented(node):
-            yield node.name, node.lineno, ast.unparse(_stub(node, node.body[0]))
+        if _documented(node) and node.name not in named:
+            named.add(node.name)
+            yield node.name, node.lineno, ast.unparse(_stub(node, node.body[0])), ast.get_docstring(node)
         elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             for method in node.body:
-                if _documented(method):
+                name = f"{node.name}.{method.name}" if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) else ""
+                if _documented(method) and name not in named:
+                    named.add(name)
                     holder = copy.copy(node)
                     holder.body, holder.decorator_list = [_stub(method, method.body[0])], []
-                    yield f"{node.name}.{method.name}", method.lineno, ast.unparse(holder)
+                    yield name, method.lineno, ast.unparse(holder), ast.get_docstring(method)
+
+
+def _source_files(root: Path) -> Iterator[tuple[Path, ast.Module]]:
+    """Each public, parseable module under `root` (sorted), without tests, demos and vendored code."""
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if any(part in _SKIPPED_DIRS or part.startswith(("_", ".")) for part in relative.parts):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield relative, ast.parse(path.read_bytes(), filename=str(path))
+        except (SyntaxError, ValueError):
+            continue  # a template or a file for another Python version
+
+
+def _function_prompt(where: str, name: str, line: int, code: str) -> Prompt | None:
+    text = humaneval_style_prompt(code)
+    if len(text) > MAX_CODE_PROMPT_CHARS:
+        return None
+    return Prompt(f"{where}:{name}", [{"role": "user", "content": text}], f"{where}:{line}")
 
 
 def stdlib_root() -> Path:
@@ -87,21 +126,56 @@ def stdlib_prompts(root: str | Path | None = None) -> list[Prompt]:
     """HumanEval-format prompts from the standard library's documented functions, in file order."""
     root = Path(root) if root is not None else stdlib_root()
     prompts = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if any(part in _SKIPPED_DIRS or part.startswith(("_", ".")) for part in relative.parts):
+    for relative, tree in _source_files(root):
+        for name, line, code, _ in _module_stubs(tree):
+            prompt = _function_prompt(f"python-stdlib/{relative.as_posix()}", name, line, code)
+            if prompt is not None:
+                prompts.append(prompt)
+    return prompts
+
+
+def package_root(package: str) -> Path | None:
+    """The folder of an installed top-level package, found without importing it (None if absent)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _evenly_spaced(items: list, count: int) -> list:
+    if len(items) <= count:
+        return items
+    return [items[(k * len(items)) // count] for k in range(count)]
+
+
+def package_prompts(packages: Sequence[str] = PACKAGE_SOURCES, *, roots: dict[str, Path] | None = None,
+                    max_per_package: int = MAX_PER_PACKAGE, max_per_file: int = MAX_PER_PACKAGE_FILE) -> list[Prompt]:
+    """HumanEval-format prompts from installed packages' documented functions (see the module doc).
+
+    `roots` (package -> folder) replaces the installed packages' folders (tests)."""
+    prompts, seen = [], set()
+    for package in packages:
+        root = roots[package] if roots is not None else package_root(package)
+        if root is None:
             continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError):
-            continue  # a template or a file for another Python version
-        for name, line, code in _module_stubs(tree):
-            text = humaneval_style_prompt(code)
-            if len(text) <= MAX_CODE_PROMPT_CHARS:
-                where = f"python-stdlib/{relative.as_posix()}"
-                prompts.append(Prompt(f"{where}:{name}", [{"role": "user", "content": text}], f"{where}:{line}"))
+        taken = []
+        for relative, tree in _source_files(root):
+            in_file = 0
+            for name, line, code, docstring in _module_stubs(tree):
+                key = normalized_key(f"{name.rsplit('.', 1)[-1]}\0{docstring}")
+                prompt = None if key in seen else _function_prompt(f"python-packages/{package}/{relative.as_posix()}",
+                                                                   name, line, code)
+                if prompt is None:
+                    continue
+                seen.add(key)
+                taken.append(prompt)
+                in_file += 1
+                if in_file == max_per_file:
+                    break
+        prompts += _evenly_spaced(taken, max_per_package)
     return prompts
 
 

@@ -6,6 +6,8 @@ Sources (see data/prompts.py and data/code_prompts.py):
     evals-short-answer    registry prompts that ask for a short answer (a letter, a number, yes/no):
                           SmolLM2 still writes >= 31 tokens to 55 % of them (77 % for open ones)
     python-stdlib         HumanEval-format "complete this function" prompts from the standard library
+    python-packages       the same from the installed packages of dflash-train's requirements (sympy,
+                          transformers, torch, networkx, numpy, ...), capped per file and package
     reasoning-gym         HumanEval-format prompts from reasoning-gym's CodeI/O tasks
 
 Caps. The registry is very uneven: 780k distinct chat prompts, but one file holds 215k and eight
@@ -53,15 +55,15 @@ from typing import Callable, Iterable, Mapping, Sequence, TextIO
 from ..errors import ConfigError
 from ..files import write_bytes_atomic
 from ..progress import Progress
-from .code_prompts import codeio_prompts, stdlib_prompts
+from .code_prompts import PACKAGE_SOURCES, codeio_prompts, package_prompts, stdlib_prompts
 from .decontaminate import Decontaminator, normalized_key
 from .prompts import capped_registry_prompts
 from .readers import Prompt, RowStats
 
-PROMPT_SET_VERSION = 3  # bump when a rule changes what the set holds: old caches are then ignored
+PROMPT_SET_VERSION = 4  # bump when a rule changes what the set holds: old caches are then ignored
 DEV_PER_MILLE = 10
 SPLITS = ("train", "dev", "all")
-SOURCES = ("evals", "evals-short-answer", "python-stdlib", "reasoning-gym")
+SOURCES = ("evals", "evals-short-answer", "python-stdlib", "python-packages", "reasoning-gym")
 OVERLAP = "overlaps a benchmark prompt"
 
 
@@ -164,7 +166,7 @@ def cache_key(settings: PromptSetSettings, benchmarks: Mapping[str, Sequence[str
     material = {
         "version": PROMPT_SET_VERSION,
         "settings": asdict(settings),
-        "packages": {name: _version(name) for name in ("evals", "reasoning-gym")},
+        "packages": {name: _version(name) for name in ("evals", "reasoning-gym", *PACKAGE_SOURCES)},
         "python": sys.version,
         "benchmarks": _benchmark_fingerprint(benchmarks),
     }
@@ -229,6 +231,7 @@ def _advance(progress: Progress, done: int, total: int) -> None:
 
 CODE_SOURCES: tuple[tuple[str, Callable[[], list[Prompt]]], ...] = (
     ("python-stdlib", stdlib_prompts),
+    ("python-packages", package_prompts),
     ("reasoning-gym", codeio_prompts),
 )
 
@@ -276,8 +279,8 @@ def build_prompt_set(
             else:
                 prompt_set.seconds = time.monotonic() - started
                 return prompt_set
-    print("building the default prompt set from the evals registry, the standard library and reasoning-gym "
-          "(about 40 s of CPU, once: it is cached)", file=log, flush=True)
+    print("building the default prompt set from the evals registry, Python source and reasoning-gym "
+          "(about 70 s of CPU, once: it is cached)", file=log, flush=True)
     stats = RowStats()
     seen: set[str] = set()
     progress = Progress(0, "evals registry tasks", stream=log)

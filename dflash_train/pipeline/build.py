@@ -404,20 +404,24 @@ def init_drafter(config: DrafterConfig, seed: int) -> DFlashDrafter:
 
 
 class FrozenPartsByDevice:
-    """The target's embedding and head on each drafter device, copied once per device (once if tied)."""
+    """The target's embedding and head on each drafter device, copied once per device (once if
+    tied), in the drafter's compute dtype there (`compute_dtype`): the head multiplies the
+    drafter's hidden states, so a float32 run (`--precision fp32`) needs a float32 head even
+    when the target is bf16."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, config: TrainConfig):
         self.target = target
+        self.config = config
         self._on: dict[torch.device, FrozenTargetParts] = {}
 
     def on(self, device: torch.device) -> FrozenTargetParts:
         if device not in self._on:
-            dtype = torch.bfloat16 if device.type == "cuda" else None
+            dtype = compute_dtype(self.config, device)
             embed = self.target.embed_weight.detach()
             head = self.target.head_weight.detach()
             tied = embed.data_ptr() == head.data_ptr()
-            embed = embed.to(device=device, dtype=dtype or embed.dtype)
-            head = embed if tied else head.to(device=device, dtype=dtype or head.dtype)
+            embed = embed.to(device=device, dtype=dtype)
+            head = embed if tied else head.to(device=device, dtype=dtype)
             spec = self.target.spec
             self._on[device] = FrozenTargetParts(embed, head, spec.input_embedding_scale, spec.final_logit_softcapping)
         return self._on[device]
@@ -426,6 +430,11 @@ class FrozenPartsByDevice:
 def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
     use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if use_bf16 else None
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype the drafter computes in on `device`: bf16 under autocast, else float32."""
+    return autocast_dtype(config, device) or torch.float32
 
 
 def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
@@ -536,7 +545,7 @@ def build_pipeline(
                          every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
     union = layer_union(plans)
     backends = attention_backends(config, layout)
-    frozen = FrozenPartsByDevice(supply.first)
+    frozen = FrozenPartsByDevice(supply.first, config)
 
     drafter_workers, reducers = [], []
     for plan in plans:
