@@ -249,12 +249,12 @@ def sample_requests(
                 progress.update(0, note=f"round {report.rounds}: {len(finished)}/{size} sampled, "
                                         f"{report.tokens / max(report.seconds, 1e-9):.0f} tok/s")
             report.stats.count_read(size)
-            kept_before = len(report.kept)
+            kept_before, failed = len(report.kept), 0
             for n in range(start, start + size):
                 result = finished.get(n, RuntimeError("the engine returned no answer for this row"))
                 row_id = f"self/{settings.seed}/{n}"
                 if isinstance(result, BaseException):
-                    first_failure = first_failure or result
+                    first_failure, failed = first_failure or result, failed + 1
                     report.stats.skip(f"{GENERATION_FAILED}: {type(result).__name__}", f"{row_id}: {result}")
                     continue
                 text = result.text.strip()
@@ -267,8 +267,8 @@ def sample_requests(
                 report.kept.append(request_prompt(row_id, text))
                 progress.update(1)
             if len(report.kept) == kept_before:
-                if first_failure is not None and kept_before == 0:
-                    raise first_failure  # nothing ever worked: a setup problem, not bad rows
+                if first_failure is not None and kept_before == 0 and failed == size:
+                    raise first_failure  # every row failed and nothing ever worked: a setup problem, not bad rows
                 report.short = f"round {report.rounds} kept no new request"
                 break
     finally:
