@@ -4,6 +4,13 @@ A lent GPU machine gives calls of at most ~10 minutes, so the work is split into
 each stop cleanly inside a wall-clock box; running the same command again continues where the
 last call stopped (WORK keeps everything between calls):
 
+    self-prompts  (only with --self-prompts N > 0) `dflash-train self-prompts` writes N requests in
+                the target's own words into WORK/self-prompts.jsonl (open chat prompts, the MT-Bench
+                kind the offline set lacks), then WORK/prompts-mixed.jsonl holds them spread evenly
+                through the first --samples - N prompts of --prompts: still --samples prompts, the
+                self-written ones taking the place of the tail (the short-answer registry prompts of
+                the default set); regenerate answers that file. A stop at the box loses the
+                sampling of this call (the next one samples again, the same seeded requests)
     regenerate  the target answers the first --samples prompts of --prompts (greedy) into
                 WORK/answers.jsonl, through `dflash-train regenerate` in a subprocess (resumed
                 from the rows already written; a stop loses at most the last second of rows)
@@ -55,7 +62,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments, from_args, option  # noqa: E402
 from dflash_train.files import write_json_atomic, write_text_atomic  # noqa: E402
 
-STAGES = ("regenerate", "train", "eval", "curve")
+STAGES = ("self-prompts", "regenerate", "train", "eval", "curve")
 NOT_FINISHED = 3  # exit status: time ran out before every requested stage was done
 EXPORT_RESERVE_SECONDS = 30.0  # left after a training box: the graceful stop's checkpoint and the export
 STOP_GRACE_SECONDS = 10.0  # a stopped regenerate subprocess gets this long to flush before SIGKILL
@@ -86,6 +93,10 @@ class QualityRunConfig:
                                   "tau there is what a recipe is chosen by; needed by eval and curve")
     work: str = option("", "work folder, kept between calls: answers, runs, eval shards, stages.json, results")
     samples: int = option(100000, "answer the first N prompts and train on their rows")
+    self_prompts: int = option(0, "of the --samples prompts, N written by the target itself (`dflash-train "
+                                  "self-prompts`), spread evenly through the first --samples - N of --prompts; "
+                                  "adds the self-prompts stage before regenerate (0 = none)")
+    self_prompt_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)")
     stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
     max_prompt_tokens: int = option(512, "regenerate skips longer prompts (512 + 256 new tokens = the recipe's "
@@ -153,7 +164,11 @@ class QualityRunConfig:
                 raise ConfigError("--dev-prompts is required by the eval and curve stages")
             if not Path(self.dev_prompts).is_file():
                 raise ConfigError(f"--dev-prompts {self.dev_prompts}: no such file")
-        for name in ("samples", "max_new_tokens", "max_prompt_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
+        if not 0 <= self.self_prompts <= self.samples:
+            raise ConfigError(f"--self-prompts must be in 0..--samples {self.samples}, got {self.self_prompts}")
+        if "self-prompts" in self.stages and not self.self_prompts:
+            raise ConfigError("the self-prompts stage needs --self-prompts N > 0")
+        for name in ("samples", "self_prompt_tokens", "max_new_tokens", "max_prompt_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
                      "eval_procs_per_device", "curve_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -188,11 +203,21 @@ class QualityRunConfig:
     def answers(self) -> Path:
         return self.work_dir / "answers.jsonl"
 
+    @property
+    def self_prompt_file(self) -> Path:
+        return self.work_dir / "self-prompts.jsonl"
+
+    @property
+    def training_prompts(self) -> str:
+        """What regenerate answers: --prompts, or the mix the self-prompts stage writes."""
+        return str(self.work_dir / "prompts-mixed.jsonl") if self.self_prompts else self.prompts
+
 
 # What each stage's result depends on: a stage started with some values refuses others later.
 SOURCE_KEYS = ("target", "prompts", "samples", "max_new_tokens", "max_prompt_tokens", "smoke")
 RECIPE_KEYS = ("lr", "num_layers", "num_anchors", "block_size", "loss", "gamma", "buckets")
 STAGE_KEYS = {
+    "self-prompts": ("target", "self_prompts", "self_prompt_tokens", "smoke"),
     "regenerate": SOURCE_KEYS,
     "train": (*SOURCE_KEYS, *RECIPE_KEYS, "steps"),
     "eval": (*SOURCE_KEYS, *RECIPE_KEYS, "steps", "dev_prompts", "dev_limit", "eval_limit", "speed_limit", "math500",
@@ -204,6 +229,9 @@ STAGE_KEYS = {
 
 def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
     values = {key: getattr(config, key) for key in STAGE_KEYS[stage]}
+    if config.self_prompts and stage != "self-prompts":
+        # Only where used: work folders of runs without self-written prompts stay resumable.
+        values.update(self_prompts=config.self_prompts, self_prompt_tokens=config.self_prompt_tokens)
     for key in ("target", "prompts", "dev_prompts"):
         if key in values and values[key] and values[key] != "default":
             values[key] = str(Path(values[key]).resolve())
@@ -306,9 +334,19 @@ class AnswerTally:
 def regenerate_command(call: Call) -> list[str]:
     config = call.config
     command = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", config.target, "--prompts",
-               config.prompts, "--limit", str(config.samples), "--max-new-tokens", str(call.new_tokens),
+               config.training_prompts, "--limit", str(config.samples), "--max-new-tokens", str(call.new_tokens),
                "--out", str(config.answers), "--device", config.device,
                "--max-prompt-tokens", str(config.max_prompt_tokens)]
+    if config.regen_batch_size:
+        command += ["--batch-size", str(config.regen_batch_size)]
+    return command
+
+
+def self_prompts_command(call: Call) -> list[str]:
+    config = call.config
+    command = [sys.executable, "-m", "dflash_train.cli", "self-prompts", "--target", config.target, "--count",
+               str(config.self_prompts), "--out", str(config.self_prompt_file), "--max-new-tokens",
+               str(config.self_prompt_tokens), "--device", config.device]
     if config.regen_batch_size:
         command += ["--batch-size", str(config.regen_batch_size)]
     return command
@@ -332,66 +370,135 @@ def stop_process(process: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -
         process.wait()
 
 
-def regenerate_summary(log_text: str) -> str:
-    """The last `regenerate summary` block of a log (the accounting lines after it included)."""
+def summary_block(log_text: str, title: str) -> str:
+    """The last `<title>` summary block of a log (the accounting lines after it included)."""
     lines = log_text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("regenerate summary")]
+    starts = [i for i, line in enumerate(lines) if line.startswith(title)]
     return "\n".join(lines[starts[-1] - 1:]) if starts else ""
 
 
-def stage_regenerate(call: Call) -> str:
-    config, entry = call.config, call.book.entry("regenerate", call.config)
-    box = call.box(config.regen_seconds)
-    if box < config.min_stage_seconds:
-        return f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
-    config.work_dir.mkdir(parents=True, exist_ok=True)
-    logs = config.work_dir / "logs"
-    logs.mkdir(exist_ok=True)
+def regenerate_summary(log_text: str) -> str:
+    return summary_block(log_text, "regenerate summary")
+
+
+@dataclasses.dataclass
+class Boxed:
+    """A stage's subprocess run to its end or to its box."""
+
+    returncode: int
+    stopped: bool  # the box ended it
+    seconds: float
+    log_path: Path
+
+    def failure(self, stage: str) -> StageFailed:
+        tail = "\n    ".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
+        return StageFailed(f"{stage} exited with {self.returncode}; end of {self.log_path}:\n    {tail}")
+
+
+def run_boxed(call: Call, stage: str, command: list[str], box: float, tick=None) -> Boxed:
+    """`command` with its output in WORK/logs/<stage>-NNN.log, stopped (SIGINT, then SIGKILL) at
+    `box` seconds; `tick(seconds)` every PROGRESS_SECONDS while it runs, and the stage's seconds
+    in the book kept current."""
+    entry = call.book.entry(stage, call.config)
+    logs = call.config.work_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     entry["calls"] += 1
-    log_path = logs / f"regenerate-{entry['calls']:03d}.log"
-    tally = AnswerTally(config.answers)
-    tally.read()
-    before_rows, before_tokens = tally.rows, tally.tokens
-    say(f"regenerate: {before_rows} of {config.samples} rows already in {config.answers}; box {box:.0f}s; "
-        f"log {log_path}")
+    log_path = logs / f"{stage}-{entry['calls']:03d}.log"
+    say(f"{stage}: box {box:.0f}s; log {log_path}")
     started = time.monotonic()
     seconds_before = entry["seconds"]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(regenerate_command(call), cwd=REPO, env=child_env(), stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     stopped, last_report = False, started
     while process.poll() is None:
         time.sleep(0.2)
         now = time.monotonic()
         if now - started > box and not stopped:
-            say(f"regenerate: box of {box:.0f}s reached, stopping it (SIGINT, SIGKILL after {STOP_GRACE_SECONDS:.0f}s)")
+            say(f"{stage}: box of {box:.0f}s reached, stopping it (SIGINT, SIGKILL after {STOP_GRACE_SECONDS:.0f}s)")
             stop_process(process)
             stopped = True
         if now - last_report >= PROGRESS_SECONDS:
             last_report = now
-            tally.read()
-            spent = now - started
-            say(f"regenerate: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
-                f"{(tally.tokens - before_tokens) / spent:.0f} tok/s)")
-            entry["seconds"] = seconds_before + spent
+            if tick is not None:
+                tick(now - started)
+            entry["seconds"] = seconds_before + now - started
             call.book.save()
     spent = time.monotonic() - started
     entry["seconds"] = seconds_before + spent
+    call.book.save()
+    return Boxed(process.returncode, stopped, spent, log_path)
+
+
+def stage_self_prompts(call: Call) -> str:
+    config = call.config
+    entry = call.book.entry("self-prompts", config)
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    if not config.self_prompt_file.is_file():  # written whole at the end of a run (atomically), or not at all
+        box = call.box(config.regen_seconds)
+        if box < config.min_stage_seconds:
+            return f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+        boxed = run_boxed(call, "self-prompts", self_prompts_command(call), box)
+        if boxed.stopped:
+            return "stopped at its box (nothing kept); the next call samples the same seeded requests again"
+        if boxed.returncode != 0:
+            raise boxed.failure("self-prompts")
+        entry["summary"] = summary_block(boxed.log_path.read_text(errors="replace"), "self-prompts summary")
+        print(entry["summary"], flush=True)
+    mixed = write_mixed_prompts(config)
+    entry.update(done=True, rows=count_rows(config.self_prompt_file), mixed=mixed)
+    call.book.save()
+    return (f"done: {entry['rows']} self-written requests in {config.self_prompt_file}, spread through "
+            f"{mixed['from_prompts']} of --prompts into {config.training_prompts}")
+
+
+def write_mixed_prompts(config: QualityRunConfig) -> dict[str, Any]:
+    """WORK/prompts-mixed.jsonl: the first --samples - N prompts of --prompts (as regenerate picks
+    them) with the N self-written ones spread evenly through them (data/prompt_set.py `spread`)."""
+    from dflash_train.commands.regenerate import RegenerateConfig, read_input_prompts
+    from dflash_train.data.prompt_set import spread
+    from dflash_train.data.readers import RowStats, read_prompts
+
+    wanted = config.samples - config.self_prompts
+    base = read_input_prompts(RegenerateConfig(prompts=config.prompts, limit=wanted))[0][:wanted] if wanted else []
+    own = list(read_prompts(str(config.self_prompt_file), RowStats()))
+    mixed = spread([base, own])
+    write_text_atomic(config.training_prompts, "".join(json.dumps({"id": p.id, "messages": p.messages}, ensure_ascii=False)
+                                                       + "\n" for p in mixed))
+    return {"file": config.training_prompts, "rows": len(mixed), "from_prompts": len(base), "self_written": len(own)}
+
+
+def stage_regenerate(call: Call) -> str:
+    config = call.config
+    if config.self_prompts and not call.book.done("self-prompts"):
+        return "waiting: self-prompts is not done yet"
+    box = call.box(config.regen_seconds)
+    if box < config.min_stage_seconds:
+        return f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    tally = AnswerTally(config.answers)
+    tally.read()
+    before_rows, before_tokens = tally.rows, tally.tokens
+    say(f"regenerate: {before_rows} of {config.samples} rows already in {config.answers}")
+
+    def tick(spent: float) -> None:
+        tally.read()
+        say(f"regenerate: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
+            f"{(tally.tokens - before_tokens) / spent:.0f} tok/s)")
+
+    boxed = run_boxed(call, "regenerate", regenerate_command(call), box, tick)
+    entry, spent = call.book.entry("regenerate", config), boxed.seconds
     tally.read()
     rate = (tally.tokens - before_tokens) / spent if spent > 0 else 0.0
-    log_text = log_path.read_text(errors="replace")
-    summary = regenerate_summary(log_text)
-    if process.returncode == 0:
+    if boxed.returncode == 0:
+        summary = regenerate_summary(boxed.log_path.read_text(errors="replace"))
         entry.update(done=True, rows=tally.rows, summary=summary)
         call.book.save()
         print(summary, flush=True)
         return f"done: {tally.rows} rows (+{tally.rows - before_rows} in {spent:.0f}s, {rate:.0f} tok/s)"
-    call.book.save()
-    if stopped:
+    if boxed.stopped:
         return (f"stopped at its box: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
                 f"{rate:.0f} tok/s); the next call resumes")
-    tail = "\n    ".join(log_text.splitlines()[-15:])
-    raise StageFailed(f"regenerate exited with {process.returncode}; end of {log_path}:\n    {tail}")
+    raise boxed.failure("regenerate")
 
 
 class StageFailed(RuntimeError):
@@ -659,7 +766,7 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
     line = (f"quality SmolLM2 {thousands(rows)}: tau humaneval {number(taus['humaneval']['tau_mean'])}, "
             f"mtbench {number(taus['mtbench_odd']['tau_mean'])}, "
             f"speed-up humaneval {number(speeds['humaneval']['speedup'], 'x')}")
-    seconds = {stage: round(book.seconds(stage), 1) for stage in ("regenerate", "train", "eval")}
+    seconds = {stage: round(book.seconds(stage), 1) for stage in ("self-prompts", "regenerate", "train", "eval")}
     train = book.data["train"]
     return {
         "line": line,
@@ -671,7 +778,8 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
         "tau": taus,
         "speed": speeds,
         "stage_seconds": seconds,
-        "budget": {"regenerate_plus_train_s": round(seconds["regenerate"] + seconds["train"], 1),
+        # Writing the prompts is part of making the data: self-prompts counts with regenerate.
+        "budget": {"regenerate_plus_train_s": round(seconds["self-prompts"] + seconds["regenerate"] + seconds["train"], 1),
                    "allowed_s": BUDGET_SECONDS},
     }
 
@@ -698,7 +806,8 @@ def results_screen(results: dict[str, Any]) -> list[str]:
                      + (f"  {s['errors']} FAILED" if s["errors"] else ""))
     seconds, budget = results["stage_seconds"], results["budget"]
     verdict = "within" if budget["regenerate_plus_train_s"] <= budget["allowed_s"] else "OVER"
-    lines += [f"stage seconds: regenerate {seconds['regenerate']:.0f} / train {seconds['train']:.0f} / eval "
+    own = f"self-prompts {seconds['self-prompts']:.0f} / " if seconds.get("self-prompts") else ""
+    lines += [f"stage seconds: {own}regenerate {seconds['regenerate']:.0f} / train {seconds['train']:.0f} / eval "
               f"{seconds['eval']:.0f}; regenerate + train {budget['regenerate_plus_train_s']:.0f}s, {verdict} the "
               f"{budget['allowed_s'] // 60} min budget", results["line"], "=" * 96]
     return lines
@@ -874,7 +983,7 @@ def plot_curve(curve_path: Path, png: Path, table: Path | None = None) -> list[s
 # Entry points
 # ---------------------------------------------------------------------------------------------
 
-STAGE_FUNCTIONS = {"regenerate": stage_regenerate, "train": stage_train, "eval": stage_eval, "curve": stage_curve}
+STAGE_FUNCTIONS = {"self-prompts": stage_self_prompts, "regenerate": stage_regenerate, "train": stage_train, "eval": stage_eval, "curve": stage_curve}
 
 
 def parse_run(argv: list[str]) -> QualityRunConfig:
@@ -884,6 +993,8 @@ def parse_run(argv: list[str]) -> QualityRunConfig:
     if unknown:
         raise ConfigError(f"unknown argument {unknown[0]!r}; see `quality_run.py run --help`")
     config = from_args(QualityRunConfig, args)
+    if config.self_prompts and "regenerate" in config.stages:
+        config.stages.append("self-prompts")  # what regenerate answers needs them (kept once below)
     config.stages = [s for s in STAGES if s in config.stages]  # always in pipeline order
     return config
 
@@ -933,7 +1044,7 @@ def run(config: QualityRunConfig) -> int:
 
 
 PART_BYTES = 15 * 2**20  # a lent machine returns files of at most 16 MiB
-SENT_BACK = {"regenerate": lambda config: config.answers, "train": lambda config: config.work_dir / "run" / "export"}
+SENT_BACK = {"self-prompts": lambda config: config.self_prompt_file, "regenerate": lambda config: config.answers, "train": lambda config: config.work_dir / "run" / "export"}
 
 
 class _PartWriter(io.RawIOBase):

@@ -35,6 +35,8 @@ COMMANDS: dict[str, Command] = {
                           "answer prompts with the target itself (resumable) to make training data"),
     "prompts": Command("prompts", "PromptsConfig", "run_prompts",
                        "build the default training prompts (decontaminated; train/dev split): counts, or a .jsonl file"),
+    "self-prompts": Command("self_prompts", "SelfPromptsConfig", "run_self_prompts",
+                            "let the target write user requests itself (open chat prompts, decontaminated) as a prompts .jsonl"),
     "cache-features": Command("cache_features", "CacheFeaturesConfig", "run_cache_features",
                               "store the target's hidden states for a data set (sharded, resumable) to train without running it"),
     "train": Command("train", "TrainConfig", "run_train", "train a drafter (or several) against a frozen target"),

@@ -139,6 +139,48 @@ def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script,
     assert "loading target" not in out and (work / "answers.jsonl").read_bytes() == answers
 
 
+def test_self_prompts_stage_spreads_the_targets_own_requests_through_the_prompts_regenerate_answers(
+        script, files, smollm2_dir, tmp_path, capsys, monkeypatch):
+    """The real SmolLM2 target (a random one writes no request that ends): 2 of the 6 prompts are
+    its own, in place of the last 2 of --prompts, spread evenly; a rerun redoes nothing."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the stages' subprocesses: see conftest's one_thread
+    work = tmp_path / "work"
+    args = ["run", "--target", str(smollm2_dir), "--prompts", str(files["prompts"]), "--work", str(work),
+            "--device", "cpu", "--min-stage-seconds", "0", "--samples", "6", "--smoke", "--stages", "regenerate",
+            "--self-prompts", "2", "--self-prompt-tokens", "40", "--json-dir", str(tmp_path / "json")]
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "self-prompts: done: 2 self-written requests" in out and "regenerate: done: 6 rows" in out
+    own = rows(work / "self-prompts.jsonl")
+    assert [r["source"] for r in own] == ["self-prompts"] * 2
+    mixed = [r["id"] for r in rows(work / "prompts-mixed.jsonl")]
+    # spread: the 4 prompts at (k + 0.5) / 4, the 2 own ones at (k + 0.5) / 2
+    assert mixed == ["p00", own[0]["id"], "p01", "p02", own[1]["id"], "p03"]
+    assert sorted(r["id"] for r in rows(work / "answers.jsonl")) == sorted(mixed)
+    book = json.loads((work / "stages.json").read_text())
+    assert book["self-prompts"]["done"] and book["self-prompts"]["rows"] == 2
+    assert book["self-prompts"]["mixed"] == {"file": str(work / "prompts-mixed.jsonl"), "rows": 6, "from_prompts": 4,
+                                             "self_written": 2}
+    assert "accounting  generated" in book["self-prompts"]["summary"]
+    assert book["regenerate"]["settings"]["self_prompts"] == 2
+    restored = restore_parts(tmp_path / "json", "self-prompts-self-prompts.jsonl.tar.gz", tmp_path / "back")
+    assert (restored / "self-prompts.jsonl").read_bytes() == (work / "self-prompts.jsonl").read_bytes()
+
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "self-prompts: done in an earlier call" in out and "regenerate: done in an earlier call" in out
+    # Another number of self-written prompts would change what was answered: refused.
+    assert script.main([*args[:-4], "--self-prompts", "3"]) == 2
+    assert "stage self-prompts was started with other settings" in capsys.readouterr().err
+
+
+def test_without_self_prompts_the_stages_record_what_they_did_before(script, files, tmp_path):
+    config = script.parse_run([*base_args(files, tmp_path / "work")[1:], "--samples", "6"])
+    assert config.stages == ["regenerate", "train", "eval"] and config.training_prompts == str(files["prompts"])
+    assert "self_prompts" not in script.stage_settings(config, "regenerate")  # old work folders stay resumable
+    assert "--prompts" in script.regenerate_command(script.Call(config, script.StageBook(tmp_path / "s.json"), 0.0))
+
+
 def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp_path, capsys):
     work = tmp_path / "work"
     bad_dev = tmp_path / "bad_dev.jsonl"
@@ -153,6 +195,8 @@ def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp
         "unknown flag": (["--sampels", "3"], "unknown argument '--sampels'"),
         "recipe": (["--lr", "-1"], "--lr must be > 0 (got -1.0)"),
         "bad dev row": (["--dev-prompts", str(bad_dev)], "bad_dev.jsonl:2: invalid JSON"),
+        "self prompts": (["--samples", "4", "--self-prompts", "5"], "--self-prompts must be in 0..--samples 4"),
+        "self-prompts stage": (["--stages", "self-prompts"], "the self-prompts stage needs --self-prompts N > 0"),
     }
     for name, (extra, message) in cases.items():
         assert script.main([*base_args(files, work), *extra]) == 2, name

@@ -218,7 +218,7 @@ def _round_robin(prompts: list[Prompt], rng: random.Random) -> list[Prompt]:
     return ordered
 
 
-def _spread(streams: list[list[Prompt]]) -> list[Prompt]:
+def spread(streams: list[list[Prompt]]) -> list[Prompt]:
     """The streams merged so that any prefix holds the same fraction of each."""
     keyed = [((k + 0.5) / len(stream), i, k) for i, stream in enumerate(streams) for k in range(len(stream))]
     return [streams[i][k] for _, i, k in sorted(keyed)]
@@ -312,7 +312,7 @@ def build_prompt_set(
     for source, _ in code_sources:
         streams.append([p for p in open_part if source_of[p.id] == source])
         rng.shuffle(streams[-1])
-    prompts = _spread(streams) + _round_robin(short_part, rng)
+    prompts = spread(streams) + _round_robin(short_part, rng)
     dev_ids = {p.id for p in prompts if in_dev_split(p)}
     prompt_set = PromptSet(prompts, source_of, dev_ids, stats, overlaps, settings, cache_file=cache_file)
     prompt_set.seconds = time.monotonic() - started

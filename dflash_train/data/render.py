@@ -83,7 +83,8 @@ def _special_token_ids(tokenizer: Any) -> frozenset[int]:
     return cached[1]
 
 
-def _render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool, enable_thinking: bool | None) -> str:
+def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool, enable_thinking: bool | None) -> str:
+    """The chat template's text for `messages`: the one place a template is applied."""
     if tokenizer.chat_template is None:
         raise RenderError(f"{type(tokenizer).__name__} has no chat template; set tokenizer.chat_template")
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
@@ -116,10 +117,10 @@ def _token_aligned_common_prefix(tokenizer: Any, generation_prompt: str, rest: s
 
 def _assistant_start(tokenizer: Any, messages: Messages, index: int, full: str, enable_thinking: bool | None) -> int:
     """Character of `full` where the assistant's own text of message `index` begins."""
-    history = _render_text(tokenizer, messages[:index], False, enable_thinking)
+    history = render_text(tokenizer, messages[:index], False, enable_thinking)
     if not full.startswith(history):
         raise _not_a_prefix(f"rendering messages[:{index}]", history, full)
-    with_prompt = _render_text(tokenizer, messages[:index], True, enable_thinking)
+    with_prompt = render_text(tokenizer, messages[:index], True, enable_thinking)
     if not with_prompt.startswith(history):
         raise _not_a_prefix(f"messages[:{index}] with the generation prompt (without it)", history, with_prompt)
     generation_prompt, rest = with_prompt[len(history) :], full[len(history) :]
@@ -129,7 +130,7 @@ def _assistant_start(tokenizer: Any, messages: Messages, index: int, full: str, 
     # begin with the generation prompt and the template rewrote it once later messages followed
     # (Qwen3 drops the empty think block of earlier turns). Otherwise the data does not fit this
     # prompt, e.g. reasoning rendered with enable_thinking=False.
-    as_written = _render_text(tokenizer, messages[: index + 1], False, enable_thinking)
+    as_written = render_text(tokenizer, messages[: index + 1], False, enable_thinking)
     if not as_written.startswith(history + generation_prompt):
         raise RenderError(
             f"assistant message {index} does not begin with the generation prompt {generation_prompt!r} "
@@ -151,7 +152,7 @@ def render_conversation(
     `max_length` keeps the first `max_length` tokens. Raises RenderError when the template does not
     allow the assistant's tokens to be located.
     """
-    full = _render_text(tokenizer, messages, False, enable_thinking)
+    full = render_text(tokenizer, messages, False, enable_thinking)
     # An assistant message that opens the conversation answers no prompt: it stays context.
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant" and i > 0]
     starts = [_assistant_start(tokenizer, messages, i, full, enable_thinking) for i in turns]
@@ -195,7 +196,7 @@ def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool | No
         raise RenderError("render_prompt needs messages ending with a user turn (drop the assistant answer to regenerate it)")
     if getattr(tokenizer, "chat_template", None) is None:
         return list(tokenizer.encode("\n\n".join(m["content"] for m in messages if m["role"] == "user")))
-    text = _render_text(tokenizer, messages, True, enable_thinking)
+    text = render_text(tokenizer, messages, True, enable_thinking)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -1,0 +1,85 @@
+"""`dflash-train self-prompts`: the target writes user requests itself (data/self_prompts.py), kept
+when they end properly, look like text, are new and overlap no benchmark; written as a prompts
+.jsonl ({id, source, messages}) that `regenerate --prompts FILE` answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import ConfigError, option
+from ._common import check_target_flags, load_target_for
+
+SPLITS = ("train", "dev", "all")
+
+
+@dataclasses.dataclass
+class SelfPromptsConfig:
+    """Sample open chat prompts from the target's own chat template (the Magpie technique)."""
+
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file (a chat model: its template's "
+                             "user turn is what it continues)")
+    count: int = option(0, "requests to keep (sampled in rounds until reached)")
+    out: str = option("", "the prompts .jsonl to write ({id, source, messages} rows); never overwrites a file")
+    split: str = option("train", "keep requests of the train split, the dev split (1 in 100 texts, the rule of "
+                                 "`dflash-train prompts`) or all")
+    seed: int = option(0, "sampling seed: request n is drawn from its own seed (seed, n), whatever the batch")
+    temperature: float = option(1.0, "sampling temperature (> 0)")
+    top_p: float = option(0.99, "nucleus sampling mass")
+    max_new_tokens: int = option(128, "length cap of a request; a request cut by it is dropped")
+    batch_size: int = option(0, "requests decoded at once (as `regenerate --batch-size`; 0 = the device's default)")
+    device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
+    dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+
+    def settings(self):
+        from ..data.self_prompts import SelfPromptSettings
+
+        return SelfPromptSettings(count=self.count, seed=self.seed, temperature=self.temperature, top_p=self.top_p,
+                                  max_new_tokens=self.max_new_tokens, split=self.split)
+
+    def validate(self) -> None:
+        check_target_flags(self.target, self.out, "auto", self.dtype, self.batch_size)
+        if not Path(self.target).exists():
+            raise ConfigError(f"--target {self.target}: no such file or folder")
+        if not self.out.endswith(".jsonl"):
+            raise ConfigError(f"--out {self.out}: use a .jsonl file")
+        if Path(self.out).exists():
+            raise ConfigError(f"--out {self.out} already exists; choose another file (it is never overwritten)")
+        if self.count < 1:
+            raise ConfigError(f"--count must be at least 1, got {self.count}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"--split {self.split!r}: use {', '.join(SPLITS)}")
+        self.settings().validate()
+
+
+def run_self_prompts(config: SelfPromptsConfig) -> int:
+    from ..data.regenerate import GenerationSettings
+    from ..data.self_prompts import SOURCE, sample_requests, user_request_prefix
+    from ..decode.batched import local_engine
+    from ..errors import RunFailed
+    from ..files import write_text_atomic
+    from ..target import resolve_device
+    from ._common import benchmark_prompt_texts
+
+    settings = config.settings()
+    benchmarks = benchmark_prompt_texts()
+    target = load_target_for(config.target, resolve_device(config.device), config.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{target.path}: no tokenizer next to the model; its chat template is what it continues")
+    prefix_tokens = len(target.tokenizer(user_request_prefix(target.tokenizer), add_special_tokens=False)["input_ids"])
+    generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                    top_p=settings.top_p, seed=settings.seed)
+    engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
+    report = sample_requests(engine, target.tokenizer, settings, benchmarks)
+    if report.kept:
+        if Path(config.out).exists():  # appeared while the requests were sampled
+            raise ConfigError(f"--out {config.out} already exists; choose another file (it is never overwritten)")
+        lines = (json.dumps({"id": p.id, "source": SOURCE, "messages": p.messages}, ensure_ascii=False) for p in report.kept)
+        write_text_atomic(config.out, "".join(line + "\n" for line in lines))
+    print(report.summary(config.out if report.kept else ""))
+    if report.short:
+        kept = f"the {len(report.kept)} kept are in {config.out}" if report.kept else "nothing was written"
+        raise RunFailed(f"only {len(report.kept)} of {config.count} requests kept ({report.short}); {kept}")
+    print(f"wrote {len(report.kept)} self-written {config.split} prompts to {config.out}")
+    return 0
