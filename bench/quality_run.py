@@ -48,6 +48,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments, from_args, option  # noqa: E402
-from dflash_train.files import write_json_atomic, write_text_atomic  # noqa: E402
+from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 
 STAGES = ("self-prompts", "regenerate", "train", "eval", "curve")
 NOT_FINISHED = 3  # exit status: time ran out before every requested stage was done
@@ -97,6 +98,10 @@ class QualityRunConfig:
                                   "self-prompts`), spread evenly through the first --samples - N of --prompts; "
                                   "adds the self-prompts stage before regenerate (0 = none)")
     self_prompt_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)")
+    answers_from: str = option("", "answers regenerated before, imported by the regenerate stage instead of "
+                                   "generating: a regenerate .jsonl, or the first part of the "
+                                   "regenerate-answers.jsonl.tar.gz.partNN files a call sent back (the others are "
+                                   "read beside it); --prompts is then optional")
     stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
     max_prompt_tokens: int = option(512, "regenerate skips longer prompts (512 + 256 new tokens = the recipe's "
@@ -146,11 +151,18 @@ class QualityRunConfig:
 
     def validate(self) -> None:
         for name in ("target", "prompts", "work"):
-            if not getattr(self, name):
+            if not getattr(self, name) and not (name == "prompts" and self.answers_from):
                 raise ConfigError(f"--{name} is required")
+        if self.answers_from:
+            if not Path(self.answers_from).is_file():
+                raise ConfigError(f"--answers-from {self.answers_from}: no such file")
+            if self.self_prompts:
+                raise ConfigError("--answers-from and --self-prompts: imported answers were written to their own prompts")
+            if not re.fullmatch(r".+\.(jsonl|tar\.gz|tar\.gz\.part\d+)", Path(self.answers_from).name):
+                raise ConfigError(f"--answers-from {self.answers_from}: a .jsonl, a .tar.gz or a .tar.gz.partNN file")
         if not Path(self.target).exists():
             raise ConfigError(f"--target {self.target}: no such file or folder")
-        if self.prompts != "default" and not Path(self.prompts).is_file():
+        if self.prompts and self.prompts != "default" and not Path(self.prompts).is_file():
             raise ConfigError(f"--prompts {self.prompts}: no such file (or use 'default')")
         if Path(self.work).exists() and not Path(self.work).is_dir():
             raise ConfigError(f"--work {self.work}: not a folder")
@@ -232,7 +244,9 @@ def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
     if config.self_prompts and stage != "self-prompts":
         # Only where used: work folders of runs without self-written prompts stay resumable.
         values.update(self_prompts=config.self_prompts, self_prompt_tokens=config.self_prompt_tokens)
-    for key in ("target", "prompts", "dev_prompts"):
+    if config.answers_from and stage != "self-prompts":
+        values["answers_from"] = config.answers_from  # only where used, as above
+    for key in ("target", "prompts", "dev_prompts", "answers_from"):
         if key in values and values[key] and values[key] != "default":
             values[key] = str(Path(values[key]).resolve())
     return values
@@ -467,8 +481,44 @@ def write_mixed_prompts(config: QualityRunConfig) -> dict[str, Any]:
     return {"file": config.training_prompts, "rows": len(mixed), "from_prompts": len(base), "self_written": len(own)}
 
 
+def import_answers(source: Path, destination: Path) -> None:
+    """`source` (a .jsonl; a .tar.gz `send_back` wrote; or the first of its .partNN files, the
+    others read beside it) written as `destination`, atomically."""
+    if source.name.endswith(".jsonl"):
+        data = source.read_bytes()
+    else:
+        archive_name = re.sub(r"\.part\d+$", "", source.name)
+        parts = sorted(source.parent.glob(f"{archive_name}.part*")) if archive_name != source.name else [source]
+        try:
+            with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:gz") as archive:
+                member = next((m for m in archive.getmembers() if m.isfile() and m.name.endswith(".jsonl")), None)
+                if member is None:
+                    raise StageFailed(f"--answers-from {source}: no .jsonl inside the archive")
+                data = archive.extractfile(member).read()
+        except (tarfile.TarError, OSError, EOFError) as error:
+            raise StageFailed(f"--answers-from {source}: not a readable archive of {len(parts)} part(s) ({error})") from None
+    write_bytes_atomic(destination, data)
+
+
+def stage_import_answers(call: Call) -> str:
+    config = call.config
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    import_answers(Path(config.answers_from), config.answers)
+    tally = AnswerTally(config.answers)
+    tally.read()
+    entry = call.book.entry("regenerate", config)
+    entry.update(done=True, rows=tally.rows, imported=str(Path(config.answers_from).resolve()),
+                 summary=f"imported {tally.rows} rows ({tally.tokens} generated tokens) from {config.answers_from}",
+                 seconds=entry["seconds"] + time.monotonic() - started)
+    call.book.save()
+    return f"done: {entry['summary']} (regenerated in an earlier run: its seconds are in that run's stages.json)"
+
+
 def stage_regenerate(call: Call) -> str:
     config = call.config
+    if config.answers_from:
+        return stage_import_answers(call)
     if config.self_prompts and not call.book.done("self-prompts"):
         return "waiting: self-prompts is not done yet"
     box = call.box(config.regen_seconds)
@@ -781,6 +831,8 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
         # Writing the prompts is part of making the data: self-prompts counts with regenerate.
         "budget": {"regenerate_plus_train_s": round(seconds["self-prompts"] + seconds["regenerate"] + seconds["train"], 1),
                    "allowed_s": BUDGET_SECONDS},
+        # Answers made by an earlier run: their regeneration's seconds are that run's, not counted here.
+        "answers_imported_from": book.data["regenerate"].get("imported"),
     }
 
 
@@ -806,6 +858,8 @@ def results_screen(results: dict[str, Any]) -> list[str]:
                      + (f"  {s['errors']} FAILED" if s["errors"] else ""))
     seconds, budget = results["stage_seconds"], results["budget"]
     verdict = "within" if budget["regenerate_plus_train_s"] <= budget["allowed_s"] else "OVER"
+    if results.get("answers_imported_from"):
+        verdict = f"answers imported from {results['answers_imported_from']} (their regeneration not counted); {verdict}"
     own = f"self-prompts {seconds['self-prompts']:.0f} / " if seconds.get("self-prompts") else ""
     lines += [f"stage seconds: {own}regenerate {seconds['regenerate']:.0f} / train {seconds['train']:.0f} / eval "
               f"{seconds['eval']:.0f}; regenerate + train {budget['regenerate_plus_train_s']:.0f}s, {verdict} the "
@@ -1028,7 +1082,8 @@ def run(config: QualityRunConfig) -> int:
             say(f"{stage}: {outcome} ({time.monotonic() - started:.0f}s in this call)")
             if not book.done(stage):
                 status = NOT_FINISHED
-            elif config.json_dir and config.send_back and stage in SENT_BACK:
+            elif config.json_dir and config.send_back and stage in SENT_BACK and not (stage == "regenerate"
+                                                                                    and config.answers_from):
                 source = SENT_BACK[stage](config)
                 parts = send_back(source, Path(config.json_dir), f"{stage}-{source.name}.tar.gz")
                 say(f"{stage}: {source} sent back as {len(parts)} part(s) in {config.json_dir} "

@@ -95,6 +95,38 @@ def test_regenerate_stopped_at_its_box_resumes_without_losing_or_repeating_a_row
     assert "accounting  input 40 = ok 40 + failed 0 + skipped 0" in book["summary"]
 
 
+def test_answers_from_an_earlier_run_are_imported_from_its_sent_back_parts(script, files, tmp_path, capsys):
+    """The parts an earlier call sent back (several, by a small part size) are the regenerate
+    stage: WORK/answers.jsonl is their file byte for byte, --prompts is not needed, nothing is
+    generated or sent back again, and a rerun skips the stage. A broken archive fails the stage."""
+    earlier = tmp_path / "earlier" / "answers.jsonl"
+    earlier.parent.mkdir()
+    earlier.write_text("".join(json.dumps({"id": f"p{i:02d}", "messages": [
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": os.urandom(900).hex()}],
+        "finish_reason": "stop", "completion_tokens": 300 + i}) + "\n" for i in range(12)))
+    parts = script.send_back(earlier, tmp_path / "back", "regenerate-answers.jsonl.tar.gz", limit=8_192)
+    assert len(parts) >= 2
+    work = tmp_path / "work"
+    args = ["run", "--target", str(files["target"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0",
+            "--samples", "12", "--stages", "regenerate", "--answers-from", str(parts[0]), "--json-dir", str(tmp_path / "json")]
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "regenerate: done: imported 12 rows (3666 generated tokens)" in out
+    assert (work / "answers.jsonl").read_bytes() == earlier.read_bytes()
+    book = json.loads((work / "stages.json").read_text())["regenerate"]
+    assert book["done"] and book["rows"] == 12 and book["imported"] == str(parts[0].resolve())
+    assert not list((tmp_path / "json").glob("regenerate-answers*"))  # not sent back a second time
+    assert script.main(args) == 0 and "regenerate: done in an earlier call" in capsys.readouterr().out
+
+    parts[-1].write_bytes(parts[-1].read_bytes()[:-100])  # a part cut short
+    args[args.index(str(work))] = str(tmp_path / "work2")
+    assert script.main(args) == 1
+    assert "not a readable archive of" in capsys.readouterr().out
+    (tmp_path / "earlier" / "notes.txt").write_text("not answers")
+    assert script.main([*args[:-4], "--answers-from", str(tmp_path / "earlier" / "notes.txt")]) == 2
+    assert "a .jsonl, a .tar.gz or a .tar.gz.partNN file" in capsys.readouterr().err
+
+
 def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script, files, tmp_path, capsys):
     work = tmp_path / "work"
     args = base_args(files, work, "--samples", "6", "--smoke", "--steps", "80", "--dev-limit", "2", "--eval-limit", "2",

@@ -117,7 +117,8 @@ def test_each_request_is_the_decoded_sample_of_its_own_seed_ending_at_the_end_of
     tokenizer = target.tokenizer
     prefix_ids = tokenizer(user_request_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     stops = stop_token_ids(target.model, tokenizer)
-    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.99)
+    defaults = SelfPromptSettings(count=1)  # what the command samples with (no flags given)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, temperature=defaults.temperature, top_p=defaults.top_p)
     engine = StaticBatchEngine(target, settings, stops, slots=2)  # another batch than the command's 8
     jobs = [Job(Prompt(row["id"], [], ""), list(prefix_ids), row_seed(0, row["id"])) for row in rows]
     by_id = {job.prompt.id: generated for job, generated in engine.generated(jobs)}

@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, option
-
-SPLITS = ("train", "dev", "all")
+from ..data.prompt_set import SPLITS
 
 
 @dataclasses.dataclass

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, option
+from ..data.prompt_set import SPLITS
+from ..data.self_prompts import SelfPromptSettings
 from ._common import check_target_flags, load_target_for
 
-SPLITS = ("train", "dev", "all")
+DEFAULTS = SelfPromptSettings(count=1)  # the flags' defaults are the settings' own (light imports: no torch)
 
 
 @dataclasses.dataclass
@@ -25,16 +27,14 @@ class SelfPromptsConfig:
     split: str = option("train", "keep requests of the train split, the dev split (1 in 100 texts, the rule of "
                                  "`dflash-train prompts`) or all")
     seed: int = option(0, "sampling seed: request n is drawn from its own seed (seed, n), whatever the batch")
-    temperature: float = option(1.0, "sampling temperature (> 0)")
-    top_p: float = option(0.99, "nucleus sampling mass")
-    max_new_tokens: int = option(128, "length cap of a request; a request cut by it is dropped")
+    temperature: float = option(DEFAULTS.temperature, "sampling temperature (> 0)")
+    top_p: float = option(DEFAULTS.top_p, "nucleus sampling mass")
+    max_new_tokens: int = option(DEFAULTS.max_new_tokens, "length cap of a request; a request cut by it is dropped")
     batch_size: int = option(0, "requests decoded at once (as `regenerate --batch-size`; 0 = the device's default)")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
 
-    def settings(self):
-        from ..data.self_prompts import SelfPromptSettings
-
+    def settings(self) -> SelfPromptSettings:
         return SelfPromptSettings(count=self.count, seed=self.seed, temperature=self.temperature, top_p=self.top_p,
                                   max_new_tokens=self.max_new_tokens, split=self.split)
 
