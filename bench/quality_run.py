@@ -476,8 +476,7 @@ def write_mixed_prompts(config: QualityRunConfig) -> dict[str, Any]:
     base = read_input_prompts(RegenerateConfig(prompts=config.prompts, limit=wanted))[0][:wanted] if wanted else []
     own = list(read_prompts(str(config.self_prompt_file), RowStats()))
     mixed = spread([base, own])
-    write_text_atomic(config.training_prompts, "".join(json.dumps({"id": p.id, "messages": p.messages}, ensure_ascii=False)
-                                                       + "\n" for p in mixed))
+    write_prompt_file(Path(config.training_prompts), mixed)
     return {"file": config.training_prompts, "rows": len(mixed), "from_prompts": len(base), "self_written": len(own)}
 
 
@@ -674,7 +673,8 @@ def count_rows(path: Path) -> int:
 
 
 def write_prompt_file(path: Path, prompts: list) -> Path:
-    """A benchmark as a prompts file: `eval` labels it by the file name."""
+    """Prompts as a file `regenerate` and `eval` read ({id, messages} rows; `eval` labels a
+    benchmark by the file name)."""
     write_text_atomic(path, "".join(json.dumps({"id": p.id, "messages": p.messages}) + "\n" for p in prompts))
     return path
 

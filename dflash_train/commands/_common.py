@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..config import DTYPE_NAMES, THINKING, ConfigError
 
@@ -46,3 +47,14 @@ def default_prompt_set(settings: Any) -> Any:
     from ..gguf import default_cache_dir
 
     return build_prompt_set(benchmark_prompt_texts(), settings, cache_dir=default_cache_dir())
+
+
+def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[[Any], str]) -> None:
+    """`prompts` as a .jsonl of {id, source, messages} rows (what `regenerate --prompts FILE`
+    reads), written atomically; never over a file that appeared since the flags were checked."""
+    from ..files import write_text_atomic
+
+    if Path(out).exists():
+        raise ConfigError(f"--out {out} already exists; choose another file (it is never overwritten)")
+    lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
+    write_text_atomic(out, "".join(line + "\n" for line in lines))

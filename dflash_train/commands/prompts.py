@@ -5,7 +5,6 @@ file that `regenerate --prompts FILE` (or anything else) can use."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ..config import ConfigError, option
@@ -40,8 +39,7 @@ class PromptsConfig:
 
 def run_prompts(config: PromptsConfig) -> int:
     from ..data.prompt_set import PromptSetSettings
-    from ..files import write_text_atomic
-    from ._common import default_prompt_set
+    from ._common import default_prompt_set, write_new_prompt_file
 
     prompt_set = default_prompt_set(PromptSetSettings(
         seed=config.seed, max_per_file=config.max_per_file, max_short_per_file=config.max_short_per_file,
@@ -51,10 +49,6 @@ def run_prompts(config: PromptsConfig) -> int:
     print(prompt_set.summary(taken, config.split))
     print(prompt_set.stats.summary())
     if config.out:
-        if Path(config.out).exists():  # appeared while the set was built
-            raise ConfigError(f"--out {config.out} already exists; choose another file (it is never overwritten)")
-        lines = (json.dumps({"id": p.id, "source": prompt_set.source_of[p.id], "messages": p.messages}, ensure_ascii=False)
-                 for p in taken)
-        write_text_atomic(config.out, "".join(line + "\n" for line in lines))
+        write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id])  # checked again: the build is long
         print(f"wrote {len(taken)} {config.split} prompts to {config.out}")
     return 0

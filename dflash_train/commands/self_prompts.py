@@ -5,7 +5,6 @@ when they end properly, look like text, are new and overlap no benchmark; writte
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ..config import ConfigError, option
@@ -58,7 +57,7 @@ def run_self_prompts(config: SelfPromptsConfig) -> int:
     from ..data.self_prompts import SOURCE, sample_requests, user_request_prefix
     from ..decode.batched import local_engine
     from ..errors import RunFailed
-    from ..files import write_text_atomic
+    from ._common import write_new_prompt_file
     from ..target import resolve_device
     from ._common import benchmark_prompt_texts
 
@@ -73,10 +72,7 @@ def run_self_prompts(config: SelfPromptsConfig) -> int:
     engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
     report = sample_requests(engine, target.tokenizer, settings, benchmarks)
     if report.kept:
-        if Path(config.out).exists():  # appeared while the requests were sampled
-            raise ConfigError(f"--out {config.out} already exists; choose another file (it is never overwritten)")
-        lines = (json.dumps({"id": p.id, "source": SOURCE, "messages": p.messages}, ensure_ascii=False) for p in report.kept)
-        write_text_atomic(config.out, "".join(line + "\n" for line in lines))
+        write_new_prompt_file(config.out, report.kept, lambda _: SOURCE)  # checked again: sampling is long
     print(report.summary(config.out if report.kept else ""))
     if report.short:
         kept = f"the {len(report.kept)} kept are in {config.out}" if report.kept else "nothing was written"

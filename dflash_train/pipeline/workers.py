@@ -182,12 +182,6 @@ class TargetWorker(Worker):
                 started = time.perf_counter()
 
 
-def move_features(item: FeatureBatch, device: torch.device, streams: dict) -> tuple[torch.Tensor, Any]:
-    """The features on `device` for this drafter thread's stream, and the event that stream must
-    wait for before reading them (streams.receive: GPU to GPU as a peer copy on side streams)."""
-    return receive(item.features, item.ready, device, streams)
-
-
 @dataclass
 class ReceivedStep:
     """One step's micro-batches as a drafter thread took them from its inbox."""
@@ -466,7 +460,7 @@ class DrafterWorker(Worker):
 
     def _to_drafter_batch(self, item: FeatureBatch) -> tuple[DrafterBatch, Any]:
         device, key = self.replica.device, self.replica.name
-        features, ready = move_features(item, device, self._streams)
+        features, ready = receive(item.features, item.ready, device, self._streams)  # and the event to wait for
         if item.layer_ids != self.replica.layer_ids:
             wait_for(ready, device)  # the column selection reads them now
             ready = None
