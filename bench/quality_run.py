@@ -10,10 +10,15 @@ last call stopped (WORK keeps everything between calls):
                 through the first --samples - N prompts of --prompts: still --samples prompts, the
                 self-written ones taking the place of the tail (the short-answer registry prompts of
                 the default set); regenerate answers that file. A stop at the box loses the
-                sampling of this call (the next one samples again, the same seeded requests)
+                sampling of this call (the next one samples again, the same seeded requests).
+                With --answers-from too, nothing is mixed: the N are added to the imported answers
     regenerate  the target answers the first --samples prompts of --prompts (greedy) into
                 WORK/answers.jsonl, through `dflash-train regenerate` in a subprocess (resumed
-                from the rows already written; a stop loses at most the last second of rows)
+                from the rows already written; a stop loses at most the last second of rows).
+                --answers-from FILE: FILE's rows (an earlier run's answers) are imported instead;
+                with --self-prompts N as well, they go to WORK/answers-imported.jsonl, regenerate
+                answers only the N self-written prompts into WORK/self-answers.jsonl (resumable as
+                above), and WORK/answers.jsonl is then written as the imported rows + those
     train       the QUALITY.md recipe (bench/quality_smollm2.py `quality_config`) on those rows
                 into WORK/run, stopped gracefully at its time box and resumed from the last
                 checkpoint by the next call; exported to WORK/run/export when the steps are done
@@ -93,15 +98,18 @@ class QualityRunConfig:
     dev_prompts: str = option("", "the dev split of your own prompts (`dflash-train prompts --split dev --out FILE`): "
                                   "tau there is what a recipe is chosen by; needed by eval and curve")
     work: str = option("", "work folder, kept between calls: answers, runs, eval shards, stages.json, results")
-    samples: int = option(100000, "answer the first N prompts and train on their rows")
+    samples: int = option(100000, "answer the first N prompts and train on their rows (not used with "
+                                  "--answers-from: the imported file holds the rows)")
     self_prompts: int = option(0, "of the --samples prompts, N written by the target itself (`dflash-train "
                                   "self-prompts`), spread evenly through the first --samples - N of --prompts; "
-                                  "adds the self-prompts stage before regenerate (0 = none)")
+                                  "with --answers-from: N more prompts, answered by regenerate and trained on "
+                                  "with the imported rows; adds the self-prompts stage before regenerate (0 = none)")
     self_prompt_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)")
     answers_from: str = option("", "answers regenerated before, imported by the regenerate stage instead of "
                                    "generating: a regenerate .jsonl, or the first part of the "
                                    "regenerate-answers.jsonl.tar.gz.partNN files a call sent back (the others are "
-                                   "read beside it); --prompts is then optional")
+                                   "read beside it); --prompts is then optional; with --self-prompts N, only "
+                                   "the N self-written prompts are answered and added to them")
     stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
     max_prompt_tokens: int = option(512, "regenerate skips longer prompts (512 + 256 new tokens = the recipe's "
@@ -156,10 +164,12 @@ class QualityRunConfig:
         if self.answers_from:
             if not Path(self.answers_from).is_file():
                 raise ConfigError(f"--answers-from {self.answers_from}: no such file")
-            if self.self_prompts:
-                raise ConfigError("--answers-from and --self-prompts: imported answers were written to their own prompts")
             if not re.fullmatch(r".+\.(jsonl|tar\.gz|tar\.gz\.part\d+)", Path(self.answers_from).name):
                 raise ConfigError(f"--answers-from {self.answers_from}: a .jsonl, a .tar.gz or a .tar.gz.partNN file")
+            if self.imported_plus_self and Path(self.answers_from).resolve() in {
+                    p.resolve() for p in (self.answers, self.imported_answers, self.self_answers)}:
+                raise ConfigError(f"--answers-from {self.answers_from}: a file this run writes in --work; "
+                                  "copy it out of the work folder first")
         if not Path(self.target).exists():
             raise ConfigError(f"--target {self.target}: no such file or folder")
         if self.prompts and self.prompts != "default" and not Path(self.prompts).is_file():
@@ -176,7 +186,9 @@ class QualityRunConfig:
                 raise ConfigError("--dev-prompts is required by the eval and curve stages")
             if not Path(self.dev_prompts).is_file():
                 raise ConfigError(f"--dev-prompts {self.dev_prompts}: no such file")
-        if not 0 <= self.self_prompts <= self.samples:
+        if self.answers_from and self.self_prompts < 0:
+            raise ConfigError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+        if not self.answers_from and not 0 <= self.self_prompts <= self.samples:
             raise ConfigError(f"--self-prompts must be in 0..--samples {self.samples}, got {self.self_prompts}")
         if "self-prompts" in self.stages and not self.self_prompts:
             raise ConfigError("the self-prompts stage needs --self-prompts N > 0")
@@ -220,6 +232,19 @@ class QualityRunConfig:
         return self.work_dir / "self-prompts.jsonl"
 
     @property
+    def imported_plus_self(self) -> bool:
+        """--answers-from with --self-prompts: the imported answers plus answers to N self-written prompts."""
+        return bool(self.answers_from and self.self_prompts)
+
+    @property
+    def imported_answers(self) -> Path:
+        return self.work_dir / "answers-imported.jsonl"
+
+    @property
+    def self_answers(self) -> Path:
+        return self.work_dir / "self-answers.jsonl"
+
+    @property
     def training_prompts(self) -> str:
         """What regenerate answers: --prompts, or the mix the self-prompts stage writes."""
         return str(self.work_dir / "prompts-mixed.jsonl") if self.self_prompts else self.prompts
@@ -237,6 +262,9 @@ STAGE_KEYS = {
     # Points are keyed by (rows, steps): other sizes, steps or epochs add points, they change none.
     "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),
 }
+
+
+OPTIONAL_KEYS = ("self_prompts", "self_prompt_tokens", "answers_from")  # recorded only when used (below)
 
 
 def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
@@ -265,6 +293,8 @@ class StageBook:
             if recorded is None:
                 continue
             wanted = json.loads(json.dumps(stage_settings(config, stage)))  # as JSON reads it back
+            # A flag recorded when the stage started but not given now is a change too.
+            wanted.update({k: getattr(config, k) for k in OPTIONAL_KEYS if k in recorded and k not in wanted})
             changed = [f"--{k.replace('_', '-')} {recorded.get(k)!r} then, {v!r} now" for k, v in wanted.items()
                        if recorded.get(k) != v]
             if changed:
@@ -345,11 +375,11 @@ class AnswerTally:
         self.offset += end
 
 
-def regenerate_command(call: Call) -> list[str]:
+def regenerate_command(call: Call, prompts: str, limit: int, out: Path) -> list[str]:
     config = call.config
     command = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", config.target, "--prompts",
-               config.training_prompts, "--limit", str(config.samples), "--max-new-tokens", str(call.new_tokens),
-               "--out", str(config.answers), "--device", config.device,
+               prompts, "--limit", str(limit), "--max-new-tokens", str(call.new_tokens),
+               "--out", str(out), "--device", config.device,
                "--max-prompt-tokens", str(config.max_prompt_tokens)]
     if config.regen_batch_size:
         command += ["--batch-size", str(config.regen_batch_size)]
@@ -458,6 +488,10 @@ def stage_self_prompts(call: Call) -> str:
             raise boxed.failure("self-prompts")
         entry["summary"] = summary_block(boxed.log_path.read_text(errors="replace"), "self-prompts summary")
         print(entry["summary"], flush=True)
+    if config.imported_plus_self:  # added to the imported answers, not mixed into --prompts
+        entry.update(done=True, rows=count_rows(config.self_prompt_file))
+        call.book.save()
+        return f"done: {entry['rows']} self-written requests in {config.self_prompt_file}, regenerate answers them"
     mixed = write_mixed_prompts(config)
     entry.update(done=True, rows=count_rows(config.self_prompt_file), mixed=mixed)
     call.book.save()
@@ -514,40 +548,111 @@ def stage_import_answers(call: Call) -> str:
     return f"done: {entry['summary']} (regenerated in an earlier run: its seconds are in that run's stages.json)"
 
 
-def stage_regenerate(call: Call) -> str:
+def regenerate_into(call: Call, prompts: str, limit: int, out: Path) -> tuple[bool, str, str]:
+    """`dflash-train regenerate` of the first `limit` of `prompts` into `out` (resumed from the rows
+    there) within this call's box: (done, what happened, the summary block when done)."""
     config = call.config
-    if config.answers_from:
-        return stage_import_answers(call)
-    if config.self_prompts and not call.book.done("self-prompts"):
-        return "waiting: self-prompts is not done yet"
     box = call.box(config.regen_seconds)
     if box < config.min_stage_seconds:
-        return f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+        why = f"skipped: {max(box, 0):.0f}s left, less than --min-stage-seconds {config.min_stage_seconds:.0f}"
+        return False, why, ""
     config.work_dir.mkdir(parents=True, exist_ok=True)
-    tally = AnswerTally(config.answers)
+    tally = AnswerTally(out)
     tally.read()
     before_rows, before_tokens = tally.rows, tally.tokens
-    say(f"regenerate: {before_rows} of {config.samples} rows already in {config.answers}")
+    say(f"regenerate: {before_rows} of {limit} rows already in {out}")
 
     def tick(spent: float) -> None:
         tally.read()
-        say(f"regenerate: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
+        say(f"regenerate: {tally.rows}/{limit} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
             f"{(tally.tokens - before_tokens) / spent:.0f} tok/s)")
 
-    boxed = run_boxed(call, "regenerate", regenerate_command(call), box, tick)
-    entry, spent = call.book.entry("regenerate", config), boxed.seconds
+    boxed = run_boxed(call, "regenerate", regenerate_command(call, prompts, limit, out), box, tick)
+    spent = boxed.seconds
     tally.read()
     rate = (tally.tokens - before_tokens) / spent if spent > 0 else 0.0
     if boxed.returncode == 0:
         summary = regenerate_summary(boxed.log_path.read_text(errors="replace"))
-        entry.update(done=True, rows=tally.rows, summary=summary)
-        call.book.save()
         print(summary, flush=True)
-        return f"done: {tally.rows} rows (+{tally.rows - before_rows} in {spent:.0f}s, {rate:.0f} tok/s)"
+        return True, f"{tally.rows} rows (+{tally.rows - before_rows} in {spent:.0f}s, {rate:.0f} tok/s)", summary
     if boxed.stopped:
-        return (f"stopped at its box: {tally.rows}/{config.samples} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
-                f"{rate:.0f} tok/s); the next call resumes")
+        return False, (f"stopped at its box: {tally.rows}/{limit} rows (+{tally.rows - before_rows} in {spent:.0f}s, "
+                       f"{rate:.0f} tok/s); the next call resumes"), ""
     raise boxed.failure("regenerate")
+
+
+def stage_regenerate(call: Call) -> str:
+    config = call.config
+    if config.imported_plus_self:
+        return stage_import_and_answer_self_prompts(call)
+    if config.answers_from:
+        return stage_import_answers(call)
+    if config.self_prompts and not call.book.done("self-prompts"):
+        return "waiting: self-prompts is not done yet"
+    done, what, summary = regenerate_into(call, config.training_prompts, config.samples, config.answers)
+    if not done:
+        return what
+    entry = call.book.entry("regenerate", config)
+    entry.update(done=True, rows=count_rows(config.answers), summary=summary)
+    call.book.save()
+    return f"done: {what}"
+
+
+def row_ids(path: Path) -> list[str]:
+    with open(path, encoding="utf-8") as handle:
+        return [str(json.loads(line)["id"]) for line in handle if line.strip()]
+
+
+def check_distinct_ids(imported: Path, self_prompts: Path, answers_from: str) -> None:
+    """Training keys rows by id: an imported row and a self-written prompt may not share one (an
+    earlier run with self-written prompts of the same seed has them: answer those once)."""
+    own = set(row_ids(self_prompts))
+    clash = next((row_id for row_id in row_ids(imported) if row_id in own), None)
+    if clash is not None:
+        raise StageFailed(f"--answers-from {answers_from}: row id {clash!r} is also the id of a self-written prompt "
+                          f"in {self_prompts} (the earlier run had self-written prompts too?); import answers without "
+                          "them, or leave out --self-prompts")
+
+
+def stage_import_and_answer_self_prompts(call: Call) -> str:
+    """--answers-from + --self-prompts: import the earlier answers (once), answer only the
+    self-written prompts (resumable), then WORK/answers.jsonl = imported rows + those (once)."""
+    config, book = call.config, call.book
+    entry = book.entry("regenerate", config)
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    if not config.imported_answers.is_file():  # written atomically: there means whole
+        started = time.monotonic()
+        import_answers(Path(config.answers_from), config.imported_answers)
+        entry.pop("imported_rows", None)
+        entry["import_seconds"] = round(time.monotonic() - started, 1)  # a copy, not regeneration: not in `seconds`
+    if "imported_rows" not in entry:
+        tally = AnswerTally(config.imported_answers)
+        tally.read()
+        entry.update(imported=str(Path(config.answers_from).resolve()), imported_rows=tally.rows,
+                     imported_tokens=tally.tokens)
+        book.save()
+    if not book.done("self-prompts"):
+        return f"waiting: self-prompts is not done yet ({entry['imported_rows']} earlier answers imported)"
+    if not entry.get("ids_checked"):
+        check_distinct_ids(config.imported_answers, config.self_prompt_file, config.answers_from)
+        entry["ids_checked"] = True
+        book.save()
+    done, what, summary = regenerate_into(call, str(config.self_prompt_file), config.self_prompts, config.self_answers)
+    if not done:
+        return what
+    imported, own = config.imported_answers.read_bytes(), config.self_answers.read_bytes()
+    if imported and not imported.endswith(b"\n"):
+        imported += b"\n"
+    write_bytes_atomic(config.answers, imported + own)
+    self_rows = count_rows(config.self_answers)
+    entry.update(done=True, self_rows=self_rows, rows=entry["imported_rows"] + self_rows, summary=(
+        f"imported {entry['imported_rows']} rows ({entry['imported_tokens']} generated tokens) from "
+        f"{config.answers_from} (regenerated in an earlier run: the rows carry no timing, their seconds are in that "
+        f"run's stages.json) + {self_rows} rows regenerated for the self-written prompts into {config.self_answers} "
+        f"in {entry['seconds']:.0f}s of this run = {entry['imported_rows'] + self_rows} rows in {config.answers}\n"
+        + summary))
+    book.save()
+    return f"done: {entry['imported_rows']} imported + {self_rows} self-answered rows in {config.answers} ({what})"
 
 
 class StageFailed(RuntimeError):
@@ -833,6 +938,7 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
                    "allowed_s": BUDGET_SECONDS},
         # Answers made by an earlier run: their regeneration's seconds are that run's, not counted here.
         "answers_imported_from": book.data["regenerate"].get("imported"),
+        "answers_imported_rows": book.data["regenerate"].get("imported_rows"),
     }
 
 
@@ -1082,8 +1188,8 @@ def run(config: QualityRunConfig) -> int:
             say(f"{stage}: {outcome} ({time.monotonic() - started:.0f}s in this call)")
             if not book.done(stage):
                 status = NOT_FINISHED
-            elif config.json_dir and config.send_back and stage in SENT_BACK and not (stage == "regenerate"
-                                                                                    and config.answers_from):
+            elif config.json_dir and config.send_back and stage in SENT_BACK and not (
+                    stage == "regenerate" and config.answers_from and not config.imported_plus_self):
                 source = SENT_BACK[stage](config)
                 parts = send_back(source, Path(config.json_dir), f"{stage}-{source.name}.tar.gz")
                 say(f"{stage}: {source} sent back as {len(parts)} part(s) in {config.json_dir} "
@@ -1099,7 +1205,10 @@ def run(config: QualityRunConfig) -> int:
 
 
 PART_BYTES = 15 * 2**20  # a lent machine returns files of at most 16 MiB
-SENT_BACK = {"self-prompts": lambda config: config.self_prompt_file, "regenerate": lambda config: config.answers, "train": lambda config: config.work_dir / "run" / "export"}
+SENT_BACK = {"self-prompts": lambda config: config.self_prompt_file,
+             # the answers this run made (imported ones came from where they are kept)
+             "regenerate": lambda config: config.self_answers if config.imported_plus_self else config.answers,
+             "train": lambda config: config.work_dir / "run" / "export"}
 
 
 class _PartWriter(io.RawIOBase):

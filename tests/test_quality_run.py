@@ -206,11 +206,115 @@ def test_self_prompts_stage_spreads_the_targets_own_requests_through_the_prompts
     assert "stage self-prompts was started with other settings" in capsys.readouterr().err
 
 
+def earlier_answers(path: Path, ids: list[str]) -> Path:
+    """Rows as an earlier run's regenerate wrote them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": row_id, "messages": [
+        {"role": "user", "content": f"question {row_id}"}, {"role": "assistant", "content": os.urandom(900).hex()}],
+        "finish_reason": "stop", "completion_tokens": 300}) + "\n" for row_id in ids))
+    return path
+
+
+def test_answers_from_with_self_prompts_answers_only_the_self_written_ones_and_trains_on_both(
+        script, files, smollm2_dir, tmp_path, capsys, monkeypatch):
+    """self-prompts writes 2 requests (the real SmolLM2 target); regenerate imports the 12 earlier
+    answers from their sent-back parts, answers only the 2 self-written prompts (no mixed prompts
+    file, --prompts not needed), and WORK/answers.jsonl is the imported rows + those 2, ids
+    distinct. A call that ends between the answers and that file resumes the answers (none
+    regenerated) and writes the same file; a later call redoes nothing."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the stages' subprocesses: see conftest's one_thread
+    earlier = earlier_answers(tmp_path / "earlier" / "answers.jsonl", [f"p{i:02d}" for i in range(12)])
+    parts = script.send_back(earlier, tmp_path / "back", "regenerate-answers.jsonl.tar.gz", limit=8_192)
+    work, json_dir = tmp_path / "work", tmp_path / "json"
+    args = ["run", "--target", str(smollm2_dir), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0",
+            "--smoke", "--stages", "regenerate", "--answers-from", str(parts[0]), "--self-prompts", "2",
+            "--self-prompt-tokens", "40", "--json-dir", str(json_dir)]
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "self-prompts: done: 2 self-written requests" in out
+    assert "regenerate: done: 12 imported + 2 self-answered rows" in out
+    own = [r["id"] for r in rows(work / "self-prompts.jsonl")]
+    assert sorted(r["id"] for r in rows(work / "self-answers.jsonl")) == sorted(own)
+    assert (work / "answers-imported.jsonl").read_bytes() == earlier.read_bytes()
+    combined = (work / "answers.jsonl").read_bytes()
+    assert combined == earlier.read_bytes() + (work / "self-answers.jsonl").read_bytes()
+    ids = [r["id"] for r in rows(work / "answers.jsonl")]
+    assert len(ids) == 14 == len(set(ids)) and set(own) < set(ids)
+    assert not (work / "prompts-mixed.jsonl").exists()
+    book = json.loads((work / "stages.json").read_text())
+    entry = book["regenerate"]
+    assert entry["done"] and (entry["imported_rows"], entry["self_rows"], entry["rows"]) == (12, 2, 14)
+    assert entry["imported"] == str(parts[0].resolve()) and "import_seconds" in entry
+    assert "imported 12 rows (3600 generated tokens)" in entry["summary"]
+    assert "their seconds are in that run's stages.json" in entry["summary"]
+    assert "accounting  input 2 = ok 2 + failed 0 + skipped 0" in entry["summary"]
+    assert entry["settings"]["self_prompts"] == 2 and entry["settings"]["answers_from"] == str(parts[0].resolve())
+    assert "mixed" not in book["self-prompts"]
+    # The new answers go back with the call (the imported ones came from there already).
+    restored = restore_parts(json_dir, "regenerate-self-answers.jsonl.tar.gz", tmp_path / "restored")
+    assert (restored / "self-answers.jsonl").read_bytes() == (work / "self-answers.jsonl").read_bytes()
+    assert not list(json_dir.glob("regenerate-answers*"))
+
+    # As if the call had ended after regenerate finished but before the training file was written.
+    entry["done"] = False
+    (work / "stages.json").write_text(json.dumps(book))
+    (work / "answers.jsonl").unlink()
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "self-prompts: done in an earlier call" in out and "resumed     2 rows were already in the output" in out
+    assert "rows (+0 in" in out and (work / "answers.jsonl").read_bytes() == combined
+    assert script.main(args) == 0 and "regenerate: done in an earlier call" in capsys.readouterr().out
+
+
+def test_an_imported_row_with_the_id_of_a_self_written_prompt_fails_before_regenerate(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "self-prompts.jsonl").write_text("".join(json.dumps({"id": f"self/0/{n}", "source": "self-prompts", "messages": [
+        {"role": "user", "content": f"Write a poem about lake {n}."}]}) + "\n" for n in range(2)))
+    earlier = earlier_answers(tmp_path / "earlier.jsonl", ["p00", "self/0/1", "p01"])
+    args = ["run", "--target", str(files["target"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0",
+            "--stages", "regenerate", "--answers-from", str(earlier), "--self-prompts", "2"]
+    assert script.main(args) == 1
+    out = capsys.readouterr().out
+    assert "row id 'self/0/1' is also the id of a self-written prompt" in out
+    assert not (work / "self-answers.jsonl").exists() and not (work / "answers.jsonl").exists()
+
+
 def test_without_self_prompts_the_stages_record_what_they_did_before(script, files, tmp_path):
     config = script.parse_run([*base_args(files, tmp_path / "work")[1:], "--samples", "6"])
     assert config.stages == ["regenerate", "train", "eval"] and config.training_prompts == str(files["prompts"])
     assert "self_prompts" not in script.stage_settings(config, "regenerate")  # old work folders stay resumable
-    assert "--prompts" in script.regenerate_command(script.Call(config, script.StageBook(tmp_path / "s.json"), 0.0))
+    command = script.regenerate_command(script.Call(config, script.StageBook(tmp_path / "s.json"), 0.0),
+                                        config.training_prompts, config.samples, config.answers)
+    assert command[command.index("--prompts") + 1] == str(files["prompts"])
+    # A book an older version wrote (no optional settings recorded) is resumed with the same flags.
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "stages.json").write_text(json.dumps({stage: {"settings": script.stage_settings(config, stage), "done": False,
+                                                          "calls": 1, "seconds": 3.0} for stage in config.stages}))
+    assert script.main([*base_args(files, work), "--samples", "6", "--stages", "train,eval"]) == script.NOT_FINISHED
+
+
+def test_a_work_folder_of_imported_plus_self_written_answers_refuses_other_flags(script, files, tmp_path):
+    """Both flags are recorded with the stages they shape; giving either one alone later (or a
+    new --self-prompts alone on an old imported folder) is refused, as any other changed flag."""
+    answers = tmp_path / "earlier.jsonl"
+    answers.write_text('{"id": "a0", "messages": []}\n')
+    work = tmp_path / "work"
+    both = [*base_args(files, work)[1:], "--answers-from", str(answers), "--self-prompts", "2", "--stages", "regenerate"]
+    book = script.StageBook(work / "stages.json")
+    for stage in ("self-prompts", "regenerate"):
+        book.entry(stage, script.parse_run(both))
+    work.mkdir()
+    book.save()
+    script.StageBook(work / "stages.json").check(script.parse_run(both))  # the same flags resume
+    import_only = [a for a in both if a not in ("--self-prompts", "2")]
+    with pytest.raises(script.ConfigError, match=r"stage regenerate was started with other settings \(--self-prompts 2 "
+                                                  r"then, 0 now\)"):
+        script.StageBook(work / "stages.json").check(script.parse_run(import_only))
+    self_only = both[:both.index("--answers-from")] + both[both.index("--self-prompts"):]
+    with pytest.raises(script.ConfigError, match=r"--answers-from '.*earlier.jsonl' then, '' now"):
+        script.StageBook(work / "stages.json").check(script.parse_run(self_only))
 
 
 def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp_path, capsys):
@@ -237,6 +341,18 @@ def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp
     assert not work.exists()  # nothing was started
     no_dev = [a for a in base_args(files, work) if a not in ("--dev-prompts", str(files["dev"]))]
     assert script.main(no_dev) == 2 and "--dev-prompts is required" in capsys.readouterr().err
+    # --answers-from with --self-prompts: N is not bounded by --samples, but not negative; and the
+    # imported file may not be one this run writes in the work folder.
+    earlier = earlier_answers(tmp_path / "other" / "answers.jsonl", ["a0"])
+    for extra, message in ((["--self-prompts", "-1"], "--self-prompts must be >= 0, got -1"),
+                           (["--self-prompts", "2", "--work", str(earlier.parent)], "a file this run writes in --work")):
+        assert script.main([*base_args(files, work), "--answers-from", str(earlier), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (extra, err)
+    config = script.parse_run([*base_args(files, work)[1:], "--answers-from", str(earlier), "--samples", "3",
+                               "--self-prompts", "5"])
+    assert config.stages == ["self-prompts", "regenerate", "train", "eval"] and config.imported_plus_self
+    assert not work.exists()
     # A stage started with some settings refuses others (its results would mix the two).
     work.mkdir()
     started = script.parse_run([*base_args(files, work)[1:], "--samples", "6", "--stages", "regenerate"])
