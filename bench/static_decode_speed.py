@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -84,9 +85,9 @@ def step_latencies(target, drafter, kind: str, context: int, repeats: int) -> di
     results["target_only_step_ms"] = timed(one_token, device, repeats)
 
     runner = make_decoder(target, drafter, context + 64, kind)
-    _, features = runner.prefill(prompt)
-    runner.draft(features, context, bonus, block)  # the prompt's context goes in once
-    new_rows = features[:, -block:]
+    _, features = runner.prefill(prompt)  # static: the prompt's context goes into the drafter's cache here
+    runner.draft(features, context, bonus, block)  # hf: here
+    new_rows = runner.state.new_features if kind == "static" else features[:, -block:]  # B new context rows
     ids = torch.randint(0, target.spec.vocab_size, (1, block), device=device)
 
     def draft():
@@ -126,6 +127,39 @@ def end_to_end(target, drafter, kind: str, context: int, new_tokens: int) -> dic
     return out
 
 
+@torch.no_grad()
+def varied_prompts(target, drafter, kind: str, lengths: list[int], new_tokens: int) -> dict[str, float]:
+    """Prompts of other lengths one after another, as an eval runs them: median prefill and
+    decode milliseconds per prompt (every length new to the process), target-only and
+    speculative, after `prepare()` captured every shape of the run's cache size. For the static
+    decoder also the eager prefill of the same prompts (what it ran before its prefills were
+    captured per padded width), each at a length it has not seen before."""
+    device = target.device
+    cache_tokens = max(lengths) + new_tokens
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.spec.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    out: dict[str, float] = {}
+    for name, model in (("target_only", None), ("speculative", drafter)):
+        if kind == "static":
+            make_decoder(target, model, 0, kind, cache_tokens).prepare()
+        runs = [generate(target, model, p, new_tokens, decoder=kind, cache_tokens=cache_tokens) for p in prompts]
+        out[f"{name}_prefill_ms"] = 1000 * statistics.median(r.prefill_seconds for r in runs)
+        out[f"{name}_decode_ms_per_step"] = 1000 * statistics.median(
+            r.decode_seconds / max(len(r.acceptance_lengths) or len(r.tokens) - 1, 1) for r in runs)
+    if kind == "static":
+        state = make_decoder(target, drafter, 0, kind, cache_tokens).state
+        eager = []
+        for n in [length + 1 for length in lengths]:  # lengths this process has not run eagerly yet
+            ids = torch.randint(0, target.spec.vocab_size, (1, n), device=device)
+            started = time.perf_counter()
+            state.target.single(ids, state.start.new_zeros(()), last_only=True, features=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            eager.append(time.perf_counter() - started)
+        out["eager_prefill_new_length_ms"] = 1000 * statistics.median(eager)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", choices=sorted(DIMS), default="smollm2")
@@ -136,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256, help="end-to-end: tokens per generate()")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--decoders", default="static,hf")
+    parser.add_argument("--lengths", default="", help="comma-separated prompt lengths: time prefill and decode over "
+                        "prompts of these lengths, one after another (e.g. 57,101,150,211,263,300,347,390,433,480)")
+    parser.add_argument("--length-new-tokens", type=int, default=48, help="new tokens per prompt of --lengths")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -150,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         row = step_latencies(target, drafter, kind, args.context, args.repeats)
         row.update(end_to_end(target, drafter, kind, args.context, args.new_tokens))
+        if args.lengths:
+            row["varied_prompts"] = varied_prompts(target, drafter, kind, [int(n) for n in args.lengths.split(",")],
+                                                   args.length_new_tokens)
+            log(f"{kind:>6}: prompts of {len(args.lengths.split(','))} lengths: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["varied_prompts"].items()))
         row["seconds"] = time.perf_counter() - started
         results[kind] = row
         log(f"{kind:>6}: target-only step {row['target_only_step_ms']:.2f} ms | draft {row['draft_step_ms']:.2f} ms | "

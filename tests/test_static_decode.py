@@ -18,7 +18,8 @@ import transformers
 from dflash_train.config import UserError
 from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
 from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.decode.static import StaticDrafter, StaticTarget, static_state, static_unsupported
+from dflash_train.decode.static import (PREFILL_STEP, StaticDrafter, StaticTarget, prefill_width, static_state,
+                                        static_unsupported)
 from dflash_train.target import Target
 from test_evaluate import random_drafter
 from threads import run_in_threads
@@ -119,6 +120,36 @@ def test_static_and_hugging_face_decoders_give_the_same_tokens_and_steps():
             assert generate(target, None, prompt, max_new, decoder="static").tokens == hf.tokens
 
 
+def test_padded_prefill_fills_the_drafter_context_and_decodes_prompts_across_its_widths():
+    """Prompts are prefilled right-padded to a multiple of PREFILL_STEP, with the drafter's
+    context keys written there; the first step then has no new context rows. Lengths on both
+    sides of a width boundary give Hugging Face's tokens and steps, and the context cache holds
+    exactly the keys the drafter computes from the target's own hidden states."""
+    target = tiny_target("qwen3", head_scale=8)
+    drafter = random_drafter(target, block_size=5)
+    generator = torch.Generator().manual_seed(11)
+    for length in (PREFILL_STEP - 1, PREFILL_STEP, PREFILL_STEP + 1, 2 * PREFILL_STEP + 3):
+        prompt = torch.randint(0, 90, (length,), generator=generator).tolist()
+        static = generate(target, drafter, prompt, 12, decoder="static")
+        hf = generate(target, drafter, prompt, 12, decoder="hf")
+        assert static.tokens == hf.tokens and static.acceptance_lengths == hf.acceptance_lengths, length
+        assert generate(target, None, prompt, 12, decoder="static").tokens == hf.tokens
+
+        runner = make_decoder(target, drafter, length + 12, "static")
+        state = runner.state
+        with torch.no_grad():
+            logits, features = runner.prefill(torch.tensor([prompt]))
+            reference = target.model(torch.tensor([prompt]), output_hidden_states=True)
+            torch.testing.assert_close(logits, reference.logits[0, -1], atol=2e-5, rtol=1e-4)
+            assert features.shape[1] == 0  # no new context rows: the first step is a whole-step one
+            hidden = torch.cat([reference.hidden_states[k + 1] for k in drafter.config.target_layer_ids], dim=-1)
+            expected = StaticDrafter(drafter, target, state.capacity)
+            expected.add_context(hidden, torch.arange(length))
+        torch.testing.assert_close(state.drafter.keys[:, :, :, :length], expected.keys[:, :, :, :length], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(state.drafter.values[:, :, :, :length], expected.values[:, :, :, :length], atol=2e-5, rtol=1e-4)
+        assert prefill_width(length, state.capacity) in state.prefill_steps
+
+
 def test_prepare_builds_every_step_shape_and_leaves_nothing_behind():
     target = tiny_target("qwen3", head_scale=8)
     drafter = random_drafter(target, block_size=5)
@@ -127,6 +158,7 @@ def test_prepare_builds_every_step_shape_and_leaves_nothing_behind():
     runner = make_decoder(target, drafter, len(prompt) + 30, "static")
     runner.prepare()
     assert sorted(runner.state.greedy_steps) == [2, 3, 4, 5]
+    assert sorted(runner.state.prefill_steps) == list(range(PREFILL_STEP, runner.state.capacity + 1, PREFILL_STEP))
     result = generate(target, drafter, prompt, 30, decoder="static")
     assert (result.tokens, result.acceptance_lengths) == (expected.tokens, expected.acceptance_lengths)
     make_decoder(target, None, len(prompt) + 30, "static").prepare()
@@ -224,8 +256,8 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
             assert all(step.graph is not None for step in runner.state.greedy_steps.values())
         static = generate(target, drafter, prompt + extra, 40, decoder="static")
         state = runner.state
-        steps = list(state.greedy_steps.values()) + [state.draft, state.verify]
-        assert state.greedy(4).graph is not None and state.verify.graph is not None  # the first step goes by parts
+        steps = list(state.greedy_steps.values()) + list(state.prefill_steps.values())
+        assert state.greedy(4).graph is not None and state.prefill(PREFILL_STEP).graph is not None
         assert len(state.greedy_steps) >= 2  # full blocks and the shorter ones before max_new_tokens
         for step in steps:
             step.graph, step.eager = None, True

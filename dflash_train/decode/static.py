@@ -47,10 +47,16 @@ from ..target import Target, hidden_state_index
 Outputs = TypeVar("Outputs")
 
 CAPACITY_STEP = 512  # caches are sized in multiples of this, so most prompts share captured graphs
+PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: a few prefill shapes, each captured once
 
 
 def cache_capacity(tokens: int) -> int:
     return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def prefill_width(tokens: int, capacity: int) -> int:
+    """The padded width a prompt of `tokens` is prefilled at (never past the cache)."""
+    return min(-(-tokens // PREFILL_STEP) * PREFILL_STEP, capacity)
 
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +222,8 @@ class StaticTarget:
     `forward(ids [b, q], start)` (the first b ≤ batch cache rows; `start` a scalar or one position
     per row) writes row r's new keys/values at positions start[r]..start[r]+q−1 of cache row r, attends over
     the first `attend` cache positions (default: all of them) and returns float32 logits
-    [b, q, vocab] (the last column only with `last_only`) and, when `layer_ids` were given,
+    [b, q, vocab] (the last column only with `last_only`, column `logits_at` only with that
+    device index) and, when `layer_ids` were given,
     their hidden states concatenated [b, q, n·hidden] (layer id k = output of decoder layer k,
     as Hugging Face's hidden_states[k + 1]). A query sees the positions ≤ its own: whatever a
     cache row holds past that is stale or empty and masked, so nothing has to be cropped after a
@@ -268,7 +275,7 @@ class StaticTarget:
 
     def forward(
         self, ids: torch.Tensor, start: torch.Tensor, *, last_only: bool = False, features: bool = True,
-        attend: int | None = None, float_logits: bool = True,
+        attend: int | None = None, float_logits: bool = True, logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         span = attend or self.capacity
         positions = start.reshape(-1, 1) + torch.arange(ids.shape[1], device=self.device)  # [b or 1, q]
@@ -286,6 +293,8 @@ class StaticTarget:
             return self.attend_cache(query, keys[:, :, :span], values[:, :, :span], bias, scale)
 
         hidden, states = self._run(ids, positions, over_cache, features)
+        if logits_at is not None:  # one column, given as a device index (a right-padded prompt's last token)
+            hidden = hidden.index_select(1, logits_at.reshape(1))
         logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)
         return (logits.float() if float_logits else logits), states
 
@@ -372,21 +381,30 @@ class StaticDrafter:
         self.key_positions = torch.arange(capacity, device=self.device)
         self.scale = config.head_dim**-0.5
 
+    def add_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Every layer's context keys/values of target features [1, R, n·hidden] at `positions` [R].
+        A context position's keys depend only on its own feature row and position, so the prompt's
+        can be written in the prefill and a step's new rows just before its block."""
+        drafter = self.drafter
+        cos, sin = drafter.rope(positions[None])
+        context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))  # the drafter may run in another dtype
+        for i, layer in enumerate(drafter.layers):
+            self._write(i, positions, *layer.self_attn.keys_values(context, cos, sin))
+
     def step(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         drafter, config = self.drafter, self.drafter.config
         length = block_ids.shape[1]
-        context_positions = start - count + torch.arange(features.shape[1], device=self.device)
+        # The context rows first: where padding rows (past `count`) land on the block's slots,
+        # the block's own keys overwrite them below.
+        self.add_context(features, start - count + torch.arange(features.shape[1], device=self.device))
         block_positions = start + torch.arange(length, device=self.device)
-        cos_ctx, sin_ctx = drafter.rope(context_positions[None])
         cos, sin = drafter.rope(block_positions[None])
-        dtype = drafter.fc.weight.dtype  # the drafter may run in another dtype than the target
-        context = drafter.hidden_norm(drafter.fc(features.to(dtype)))
+        dtype = drafter.fc.weight.dtype
         x = embed_block_tokens(block_ids, self.target.embed_weight, config.input_embedding_scale).to(dtype)
         visible = (self.key_positions < start + length)[None, None]
         bias = attention_bias(visible, config.num_attention_heads // config.num_key_value_heads, self.keys.dtype)
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
-            self._write(i, context_positions, *attn.keys_values(context, cos_ctx, sin_ctx))
             h = layer.input_layernorm(x)
             self._write(i, block_positions, *attn.keys_values(h, cos, sin))
             out = grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], bias, self.scale)
@@ -478,6 +496,12 @@ class StaticState:
     """The caches and captured steps of one (target, drafter, capacity) for one thread.
 
     Captured steps (inputs are the device buffers below, filled by `StaticDecoder`):
+        prefill(W)    target forward of `prompt_ids[:, :W]` (a prompt of `prompt_length` tokens,
+                      right-padded to W), the drafter's context keys/values of all W positions
+                      -> logits after the last real token [vocab]. One graph per padded width:
+                      run eagerly, every new prompt length is a new shape, and a new shape
+                      costs tens of milliseconds of library set-up (cuDNN attention plans,
+                      cuBLAS heuristics) on top of hundreds of kernel launches.
         next_token    target forward of `token`                        -> logits [1, vocab]
         next_greedy   the same, argmax included                         -> [0, token]
         draft         drafter over `new_features` (`count` real rows)   -> draft logits [B − 1, vocab]
@@ -486,7 +510,9 @@ class StaticState:
                       -> [accepted, target choices × L]; it leaves the verified features in
                       `new_features` for the next step. One graph per block length: the blocks
                       before max_new_tokens shrink (as the reference's do), and an eager step
-                      there costs as much as several captured ones.
+                      there costs as much as several captured ones. The first step after the
+                      prefill runs it too, with no new context rows (`count` 0): the prompt's
+                      context is in the drafter's cache already.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int):
@@ -495,6 +521,9 @@ class StaticState:
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.prompt_ids = torch.zeros(1, capacity, dtype=torch.long, device=device)
+        self.prompt_length = torch.ones((), dtype=torch.long, device=device)
+        self.prefill_steps: dict[int, CapturedStep[torch.Tensor]] = {}
         self.next_token = CapturedStep(lambda: self.target.single(self.token, self.start, features=False)[0], device, "target-only")
         self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
         self.drafter = None
@@ -513,9 +542,13 @@ class StaticState:
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def capture_all(self) -> None:
-        """Capture every greedy step shape now (the full block and each shorter last block), so
-        no capture lands inside a timed decode. Writes only cache slots 0..B, and a decode
-        writes every slot it reads (prefill, verified context, its own block) before reading."""
+        """Capture every step shape now (each prefill width, the full block and each shorter
+        last block), so no capture lands inside a timed decode. A decode writes every cache slot
+        it reads (prefill, verified context, its own block) before reading it."""
+        self.prompt_ids.zero_()
+        self.prompt_length.fill_(1)
+        for width in range(PREFILL_STEP, self.capacity + 1, PREFILL_STEP):
+            self.prefill(width)()
         self.start.zero_()
         self.token.zero_()
         self.next_greedy()
@@ -525,6 +558,20 @@ class StaticState:
             self.bonus.zero_()
             for length in range(2, self.block.shape[1] + 1):
                 self.greedy(length)()
+
+    def prefill(self, width: int) -> CapturedStep[torch.Tensor]:
+        if width not in self.prefill_steps:
+            self.prefill_steps[width] = CapturedStep(lambda: self._prefill(width), self.device, f"{width}-token prefill")
+        return self.prefill_steps[width]
+
+    def _prefill(self, width: int) -> torch.Tensor:
+        # Padding past the prompt sits at positions ≥ its length: the prompt's own queries never
+        # see it (causal), and later steps mask it until verified tokens overwrite it.
+        logits, features = self.target.single(self.prompt_ids[:, :width], self.start.new_zeros(()),
+                                              features=self.drafter is not None, logits_at=self.prompt_length - 1)
+        if self.drafter is not None:
+            self.drafter.add_context(features, torch.arange(width, device=self.device))
+        return logits[0]
 
     def _next_greedy(self) -> torch.Tensor:
         token = self.target.single(self.token, self.start, features=False)[0].argmax(-1)
@@ -645,10 +692,15 @@ class StaticDecoder:
         self.state, self.block_size = state, block_size
 
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt through the target and, with a drafter, into the drafter's context cache
+        (one captured step per padded width) -> (logits after the prompt, no new context rows:
+        so the first step is a whole-step one too)."""
         state = self.state
-        state.start.fill_(0)
-        logits, features = state.target.single(prompt, state.start, last_only=True, features=state.drafter is not None)
-        return logits[-1], features
+        length = prompt.shape[1]
+        state.prompt_ids[:, :length].copy_(prompt)
+        state.prompt_length.fill_(length)
+        logits = state.prefill(prefill_width(length, state.capacity))()
+        return logits, (state.new_features[:, :0] if state.drafter is not None else None)
 
     def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
         state = self.state
@@ -683,9 +735,10 @@ class StaticDecoder:
             state.start.fill_(start)
             state.token.copy_(bonus[None])
             return state.next_greedy().tolist(), None
-        # One graph for the whole step once the context rows are the last step's verified ones
-        # (views of `new_features`); the first step after the prompt goes by parts.
-        if features.data_ptr() == state.new_features.data_ptr():
+        # One graph for the whole step when the new context rows are the last step's verified
+        # ones (views of `new_features`) or none (the first step: the prefill wrote the prompt's);
+        # other features (a caller's own) go by parts.
+        if features.shape[1] == 0 or features.data_ptr() == state.new_features.data_ptr():
             state.start.fill_(start)
             state.count.fill_(features.shape[1])
             state.bonus.copy_(bonus)
