@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from bench.profiling import write_tables  # noqa: E402
 from bench.pipeline import QWEN3_8B, random_target  # noqa: E402
 from bench.static_decode_speed import SMOLLM2  # noqa: E402
 from dflash_train.data.readers import RowStats, read_prompts  # noqa: E402
@@ -162,9 +163,7 @@ def profile_ours(engine: StaticBatchEngine, jobs: list[Job], seconds: float, pat
                 break
         torch.cuda.synchronize()
     results.close()
-    table = prof.key_averages()
-    path.write_text(table.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
-                    + table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    write_tables(prof, path)
     log(f"  profile written to {path}")
 
 

@@ -17,6 +17,13 @@ with a 5-layer drafter. For each decoder it times, at a context of --context tok
 and prints the break-even acceptance length: τ* = greedy step / target-only step, the τ a
 drafter needs for speculative decoding to beat target-only decoding with that decoder. The
 random drafter accepts nothing (τ = 1), so the end-to-end speculative rate is its floor.
+
+    --lengths 57,101,...   prompts of those lengths one after another, as an eval runs them:
+                           prefill and decode ms per request (and, static, the eager prefill
+                           at a length not seen before: what every request paid before the
+                           prefills were captured)
+    --profile PREFIX       one decode of each kind under torch.profiler: the GPU's idle time
+                           per step (waiting for the host) and the kernel and host tables
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch  # noqa: E402
 
 from bench.flex_tuning import time_ms  # noqa: E402
 from bench.pipeline import QWEN3_8B, TINY, random_target  # noqa: E402
+from bench.profiling import gpu_busy, write_tables  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.decode.loop import generate, make_decoder  # noqa: E402
 from dflash_train.target import Target  # noqa: E402
@@ -160,6 +168,32 @@ def varied_prompts(target, drafter, kind: str, lengths: list[int], new_tokens: i
     return out
 
 
+@torch.no_grad()
+def profile_decoding(target, drafter, kind: str, context: int, new_tokens: int, prefix: str) -> dict[str, float]:
+    """One target-only and one speculative generate() under torch.profiler (after an unprofiled
+    warm-up of the same shapes): how much of each decode the GPU sat idle, waiting for the host,
+    and the kernel and host tables (to PREFIX.<kind>.<name>.txt)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
+    prompt = torch.randint(0, target.spec.vocab_size, (context,)).tolist()
+    found: dict[str, float] = {}
+    for name, model in (("target_only", None), ("speculative", drafter)):
+        generate(target, model, prompt, new_tokens, decoder=kind)
+        with profile(activities=activities) as prof:
+            result = generate(target, model, prompt, new_tokens, decoder=kind)
+        busy, span = gpu_busy(prof)
+        steps = len(result.acceptance_lengths) or len(result.tokens) - 1
+        found[f"{name}_steps"] = steps
+        found[f"{name}_decode_ms_per_step"] = 1000 * result.decode_seconds / max(steps, 1)
+        found[f"{name}_gpu_busy_fraction"] = busy / span if span else float("nan")
+        found[f"{name}_gpu_idle_ms_per_step"] = 1000 * (span - busy) / max(steps, 1)
+        write_tables(prof, Path(f"{prefix}.{kind}.{name}.txt"),
+                     f"{kind} decoder, {name}: {steps} steps, {found[f'{name}_decode_ms_per_step']:.2f} ms per step, "
+                     f"GPU busy {found[f'{name}_gpu_busy_fraction']:.2f} of its span\n\n")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", choices=sorted(DIMS), default="smollm2")
@@ -173,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="", help="comma-separated prompt lengths: time prefill and decode over "
                         "prompts of these lengths, one after another (e.g. 57,101,150,211,263,300,347,390,433,480)")
     parser.add_argument("--length-new-tokens", type=int, default=48, help="new tokens per prompt of --lengths")
+    parser.add_argument("--profile", default="", help="also profile one decode of each kind (torch.profiler): "
+                        "GPU idle time per step, and kernel and host tables in PROFILE.<decoder>.<kind>.txt")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -192,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.length_new_tokens)
             log(f"{kind:>6}: prompts of {len(args.lengths.split(','))} lengths: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in row["varied_prompts"].items()))
+        if args.profile:
+            row["profile"] = profile_decoding(target, drafter, kind, args.context, args.length_new_tokens, args.profile)
+            log(f"{kind:>6}: profiled: " + ", ".join(f"{k} {v:.2f}" for k, v in row["profile"].items()))
         row["seconds"] = time.perf_counter() - started
         results[kind] = row
         log(f"{kind:>6}: target-only step {row['target_only_step_ms']:.2f} ms | draft {row['draft_step_ms']:.2f} ms | "

@@ -1,0 +1,32 @@
+"""torch.profiler helpers shared by the bench scripts: the tables they write, and how busy the GPU was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_tables(prof, path: Path, extra: str = "") -> None:
+    """The kernel table (by GPU time) and the host table (by self CPU time) of a finished
+    `torch.profiler.profile`, to `path` (after `extra`, a header line or two)."""
+    table = prof.key_averages()
+    path.write_text(extra + table.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+                    + table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+
+
+def gpu_busy(prof) -> tuple[float, float]:
+    """(seconds some kernel or copy ran on the GPU, seconds from the first to the last of them)
+    from a profile's device events, overlaps merged: their ratio is the GPU's busy fraction, and
+    the difference is the time it sat idle between them (waiting for the host)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, spans[0]
+    for left, right in spans[1:]:
+        if left > end:
+            busy += end - start
+            start, end = left, right
+        else:
+            end = max(end, right)
+    busy += end - start
+    return busy / 1e6, (max(r for _, r in spans) - spans[0][0]) / 1e6  # profiler times are µs
