@@ -499,9 +499,9 @@ class StaticState:
         prefill(W)    target forward of `prompt_ids[:, :W]` (a prompt of `prompt_length` tokens,
                       right-padded to W), the drafter's context keys/values of all W positions
                       -> logits after the last real token [vocab]. One graph per padded width:
-                      run eagerly, every new prompt length is a new shape, and a new shape
-                      costs tens of milliseconds of library set-up (cuDNN attention plans,
-                      cuBLAS heuristics) on top of hundreds of kernel launches.
+                      run eagerly, every new prompt length is a new shape (SmolLM2 on an H200:
+                      69 ms at a length not seen before, 4.4 ms captured; the difference is
+                      launches and per-shape set-up, not kernel time).
         next_token    target forward of `token`                        -> logits [1, vocab]
         next_greedy   the same, argmax included                         -> [0, token]
         draft         drafter over `new_features` (`count` real rows)   -> draft logits [B − 1, vocab]
@@ -524,6 +524,9 @@ class StaticState:
         self.prompt_ids = torch.zeros(1, capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.ones((), dtype=torch.long, device=device)
         self.prefill_steps: dict[int, CapturedStep[torch.Tensor]] = {}
+        # The prefill graphs share one memory pool (one per width would hold a full forward's
+        # activations each): a prefill's logits are read before any other prefill replays.
+        self.prefill_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.next_token = CapturedStep(lambda: self.target.single(self.token, self.start, features=False)[0], device, "target-only")
         self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
         self.drafter = None
@@ -561,7 +564,8 @@ class StaticState:
 
     def prefill(self, width: int) -> CapturedStep[torch.Tensor]:
         if width not in self.prefill_steps:
-            self.prefill_steps[width] = CapturedStep(lambda: self._prefill(width), self.device, f"{width}-token prefill")
+            self.prefill_steps[width] = CapturedStep(lambda: self._prefill(width), self.device, f"{width}-token prefill",
+                                                     pool=self.prefill_pool)
         return self.prefill_steps[width]
 
     def _prefill(self, width: int) -> torch.Tensor:
