@@ -108,7 +108,8 @@ class QualityRunConfig:
     answers_from: str = option("", "answers regenerated before, imported by the regenerate stage instead of "
                                    "generating: a regenerate .jsonl, or the first part of the "
                                    "regenerate-answers.jsonl.tar.gz.partNN files a call sent back (the others are "
-                                   "read beside it); --prompts is then optional; with --self-prompts N, only "
+                                   "read beside it), or a .tar.xz of a .jsonl (xz packs answers ~2.5x smaller than "
+                                   "gzip, for a carry limit); --prompts is then optional; with --self-prompts N, only "
                                    "the N self-written prompts are answered and added to them")
     stages: list[str] = option(["regenerate", "train", "eval"], f"stages to run, in this order: {', '.join(STAGES)}")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
@@ -164,8 +165,8 @@ class QualityRunConfig:
         if self.answers_from:
             if not Path(self.answers_from).is_file():
                 raise ConfigError(f"--answers-from {self.answers_from}: no such file")
-            if not re.fullmatch(r".+\.(jsonl|tar\.gz|tar\.gz\.part\d+)", Path(self.answers_from).name):
-                raise ConfigError(f"--answers-from {self.answers_from}: a .jsonl, a .tar.gz or a .tar.gz.partNN file")
+            if not re.fullmatch(r".+\.(jsonl|tar\.(gz|xz)(\.part\d+)?)", Path(self.answers_from).name):
+                raise ConfigError(f"--answers-from {self.answers_from}: a .jsonl, a .tar.gz, a .tar.xz or a .partNN file of one")
             if self.imported_plus_self and Path(self.answers_from).resolve() in {
                     p.resolve() for p in (self.answers, self.imported_answers, self.self_answers)}:
                 raise ConfigError(f"--answers-from {self.answers_from}: a file this run writes in --work; "
@@ -515,15 +516,15 @@ def write_mixed_prompts(config: QualityRunConfig) -> dict[str, Any]:
 
 
 def import_answers(source: Path, destination: Path) -> None:
-    """`source` (a .jsonl; a .tar.gz `send_back` wrote; or the first of its .partNN files, the
-    others read beside it) written as `destination`, atomically."""
+    """`source` (a .jsonl; a .tar.gz `send_back` wrote, or a .tar.xz; or the first of its .partNN
+    files, the others read beside it) written as `destination`, atomically."""
     if source.name.endswith(".jsonl"):
         data = source.read_bytes()
     else:
         archive_name = re.sub(r"\.part\d+$", "", source.name)
         parts = sorted(source.parent.glob(f"{archive_name}.part*")) if archive_name != source.name else [source]
         try:
-            with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:gz") as archive:
+            with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:*") as archive:
                 member = next((m for m in archive.getmembers() if m.isfile() and m.name.endswith(".jsonl")), None)
                 if member is None:
                     raise StageFailed(f"--answers-from {source}: no .jsonl inside the archive")

@@ -124,7 +124,14 @@ def test_answers_from_an_earlier_run_are_imported_from_its_sent_back_parts(scrip
     assert "not a readable archive of" in capsys.readouterr().out
     (tmp_path / "earlier" / "notes.txt").write_text("not answers")
     assert script.main([*args[:-4], "--answers-from", str(tmp_path / "earlier" / "notes.txt")]) == 2
-    assert "a .jsonl, a .tar.gz or a .tar.gz.partNN file" in capsys.readouterr().err
+    assert "a .jsonl, a .tar.gz, a .tar.xz or a .partNN file of one" in capsys.readouterr().err
+
+    packed = tmp_path / "earlier" / "answers.tar.xz"  # packed by hand with xz, to fit a carry limit
+    with tarfile.open(packed, "w:xz") as archive:
+        archive.add(earlier, arcname="answers.jsonl")
+    args[args.index(str(tmp_path / "work2"))] = str(tmp_path / "work3")
+    assert script.main([*args[:-4], "--answers-from", str(packed)]) == 0
+    assert (tmp_path / "work3" / "answers.jsonl").read_bytes() == earlier.read_bytes()
 
 
 def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script, files, tmp_path, capsys):
