@@ -928,7 +928,7 @@ def build_results(config: QualityRunConfig, book: StageBook, tau: dict[str, Any]
         "line": line,
         "rows": rows,
         "answers": int(book.data["train"].get("rows") or count_rows(config.answers)),
-        "samples": config.samples,
+        "samples": None if config.answers_from else config.samples,  # --samples is unused when answers are imported
         "train": {k: train.get(k) for k in ("steps_done", "stop_reason", "accuracy", "tau_sim", "export")},
         "settings": stage_settings(config, "eval"),
         "tau": taus,
@@ -948,8 +948,9 @@ def results_screen(results: dict[str, Any]) -> list[str]:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     train = results["train"]
-    lines = ["=" * 96, f"training rows {results['rows']} (of {results.get('answers', '?')} answers to {results['samples']} "
-             f"prompts); training {train['steps_done']} steps "
+    source = (f"of {results.get('answers', '?')} answers, {results.get('answers_imported_rows') or 'all'} of them imported"
+              if results.get("answers_imported_from") else f"of {results.get('answers', '?')} answers to {results['samples']} prompts")
+    lines = ["=" * 96, f"training rows {results['rows']} ({source}); training {train['steps_done']} steps "
              f"({train['stop_reason']}), accuracy {number(train['accuracy'], 3)}, simulated tau {number(train['tau_sim'])}",
              "tau (no baseline, sharded):"]
     for name, s in results["tau"].items():

@@ -170,6 +170,11 @@ def test_stages_train_resume_export_and_evaluate_then_a_rerun_skips_them(script,
     speed = results["speed"]["humaneval"]
     assert speed["compared"] == 1 and speed["identical_to_baseline"] == 1 and speed["baseline_tokens_per_s"] > 0
     assert results["stage_seconds"]["train"] > 3 and "regenerate + train" in out
+    assert f"training rows {trained_on} (of 6 answers to 6 prompts)" in out
+
+    imported = {**results, "samples": None, "answers": 140, "answers_imported_from": "earlier.tar.xz",
+                "answers_imported_rows": 100}  # the screen of a run on imported answers: no prompt count
+    assert f"training rows {trained_on} (of 140 answers, 100 of them imported)" in script.results_screen(imported)[1]
     assert json.loads((tmp_path / "json" / "results.json").read_text()) == results
 
     assert script.main(args) == 0  # a third call finds everything done and redoes nothing
