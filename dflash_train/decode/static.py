@@ -362,13 +362,18 @@ class StaticTarget:
 class StaticDrafter:
     """`DFlashDrafter.draft` over a preallocated context cache: `step(features, count, start,
     block_ids)` appends the first `count` rows of `features` [1, R, n·hidden] as context
-    positions start−count .. start−1 (rows past `count` are padding: they land at ≥ start,
-    masked, and are overwritten later), runs the block `block_ids` [1, L] anchored at `start`
+    positions start−count .. start−1, runs the block `block_ids` [1, L] anchored at `start`
     and returns float32 draft logits [L − 1, vocab] through the target's frozen head.
 
     The block's own keys/values go to cache slots start..start+L−1 too: the block then sees
     slots < start + L, i.e. all verified context and itself (bidirectional), in one attention
-    call with one mask row. The next step's verified context overwrites those slots."""
+    call with one mask row. The next step's verified context overwrites those slots.
+
+    Each layer projects the context rows and the block in one pass and writes them with one
+    copy, so the two sets of slots must not meet: rows past `count` (padding) go past the block,
+    to start+L+i, the last slot at most. Slots ≥ start + L are masked in this step and, as start
+    only grows, written with verified context before any later step can see them; the last slot
+    is never seen (the cache holds B more positions than a decode reaches)."""
 
     def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int):
         self.drafter, self.target = drafter, target
@@ -379,12 +384,13 @@ class StaticDrafter:
         self.keys = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.key_positions = torch.arange(capacity, device=self.device)
+        self.capacity = capacity
         self.scale = config.head_dim**-0.5
 
     def add_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Every layer's context keys/values of target features [1, R, n·hidden] at `positions` [R].
         A context position's keys depend only on its own feature row and position, so the prompt's
-        can be written in the prefill and a step's new rows just before its block."""
+        are written in the prefill (`step` writes a step's new rows with its block's)."""
         drafter = self.drafter
         cos, sin = drafter.rope(positions[None])
         context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))  # the drafter may run in another dtype
@@ -393,20 +399,21 @@ class StaticDrafter:
 
     def step(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         drafter, config = self.drafter, self.drafter.config
-        length = block_ids.shape[1]
-        # The context rows first: where padding rows (past `count`) land on the block's slots,
-        # the block's own keys overwrite them below.
-        self.add_context(features, start - count + torch.arange(features.shape[1], device=self.device))
-        block_positions = start + torch.arange(length, device=self.device)
-        cos, sin = drafter.rope(block_positions[None])
-        dtype = drafter.fc.weight.dtype
+        length, rows = block_ids.shape[1], features.shape[1]
+        row = torch.arange(rows, device=self.device)
+        context_positions = torch.where(row < count, start - count + row, (start + length + row).clamp(max=self.capacity - 1))
+        positions = torch.cat([context_positions, start + torch.arange(length, device=self.device)])  # context, then block
+        cos_all, sin_all = drafter.rope(positions[None])
+        cos, sin = cos_all[:, rows:], sin_all[:, rows:]
+        dtype = drafter.fc.weight.dtype  # the drafter may run in another dtype than the target
+        context = drafter.hidden_norm(drafter.fc(features.to(dtype)))
         x = embed_block_tokens(block_ids, self.target.embed_weight, config.input_embedding_scale).to(dtype)
         visible = (self.key_positions < start + length)[None, None]
         bias = attention_bias(visible, config.num_attention_heads // config.num_key_value_heads, self.keys.dtype)
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            self._write(i, block_positions, *attn.keys_values(h, cos, sin))
+            self._write(i, positions, *attn.keys_values(torch.cat([context, h], dim=1), cos_all, sin_all))
             out = grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], bias, self.scale)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
