@@ -144,3 +144,25 @@ def test_loss_check_catches_labels_shifted_by_one(setup, monkeypatch):
     reference = _loss_from_inference(target, drafter, ids, loss_mask)
     assert abs(correct - reference) < 1e-4
     assert abs(broken - reference) > 0.1, (broken, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_the_references_float32_then_cast_form_eager_and_traced(dtype):
+    """The drafter's RMSNorm runs F.rms_norm eagerly (one kernel on CUDA) and the written-out
+    form under the compiler; both must be the reference's: normalise in float32, round to the
+    input's dtype, then the weight."""
+    from dflash_train.drafter import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 7, 64) * 3).to(dtype)
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), expected)
+        torch._dynamo.reset()
+        traced = torch.compile(norm, backend="eager", fullgraph=True)  # dynamo's trace, run eagerly: the written-out form
+        assert torch.equal(traced(x), expected)

@@ -403,9 +403,10 @@ class StaticDrafter:
         row = torch.arange(rows, device=self.device)
         context_positions = torch.where(row < count, start - count + row, (start + length + row).clamp(max=self.capacity - 1))
         positions = torch.cat([context_positions, start + torch.arange(length, device=self.device)])  # context, then block
-        cos_all, sin_all = drafter.rope(positions[None])
-        cos, sin = cos_all[:, rows:], sin_all[:, rows:]
         dtype = drafter.fc.weight.dtype  # the drafter may run in another dtype than the target
+        # In the drafter's dtype once here, not in each of the 2 × layers rotations (apply_rope casts).
+        cos_all, sin_all = (t.to(dtype) for t in drafter.rope(positions[None]))
+        cos, sin = cos_all[:, rows:], sin_all[:, rows:]
         context = drafter.hidden_norm(drafter.fc(features.to(dtype)))
         x = embed_block_tokens(block_ids, self.target.embed_weight, config.input_embedding_scale).to(dtype)
         visible = (self.key_positions < start + length)[None, None]
