@@ -553,13 +553,14 @@ class StaticState:
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def capture_all(self) -> None:
-        """Capture every step shape now (each prefill width, the full block and each shorter
-        last block), so no capture lands inside a timed decode. A decode writes every cache slot
-        it reads (prefill, verified context, its own block) before reading it."""
-        self.prompt_ids.zero_()
-        self.prompt_length.fill_(1)
-        for width in range(PREFILL_STEP, self.capacity + 1, PREFILL_STEP):
-            self.prefill(width)()
+        """Capture every step shape now (each prefill width on CUDA, the full block and each
+        shorter last block), so no capture lands inside a timed decode. A decode writes every
+        cache slot it reads (prefill, verified context, its own block) before reading it."""
+        if self.device.type == "cuda":  # elsewhere a prefill runs eagerly whatever its width: nothing to capture
+            self.prompt_ids.zero_()
+            self.prompt_length.fill_(1)
+            for width in range(PREFILL_STEP, self.capacity + 1, PREFILL_STEP):
+                self.prefill(width)()
         self.start.zero_()
         self.token.zero_()
         self.next_greedy()
