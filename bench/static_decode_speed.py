@@ -135,6 +135,11 @@ def end_to_end(target, drafter, kind: str, context: int, new_tokens: int) -> dic
     return out
 
 
+def decode_steps(result) -> int:
+    """Decode steps of a Generation: its verify steps, or one per token after the prefill's."""
+    return len(result.acceptance_lengths) or len(result.tokens) - 1
+
+
 @torch.no_grad()
 def varied_prompts(target, drafter, kind: str, lengths: list[int], new_tokens: int) -> dict[str, float]:
     """Prompts of other lengths one after another, as an eval runs them: median prefill and
@@ -153,7 +158,7 @@ def varied_prompts(target, drafter, kind: str, lengths: list[int], new_tokens: i
         runs = [generate(target, model, p, new_tokens, decoder=kind, cache_tokens=cache_tokens) for p in prompts]
         out[f"{name}_prefill_ms"] = 1000 * statistics.median(r.prefill_seconds for r in runs)
         out[f"{name}_decode_ms_per_step"] = 1000 * statistics.median(
-            r.decode_seconds / max(len(r.acceptance_lengths) or len(r.tokens) - 1, 1) for r in runs)
+            r.decode_seconds / max(decode_steps(r), 1) for r in runs)
     if kind == "static":
         state = make_decoder(target, drafter, 0, kind, cache_tokens).state
         eager = []
@@ -183,7 +188,7 @@ def profile_decoding(target, drafter, kind: str, context: int, new_tokens: int, 
         with profile(activities=activities) as prof:
             result = generate(target, model, prompt, new_tokens, decoder=kind)
         busy, span = gpu_busy(prof)
-        steps = len(result.acceptance_lengths) or len(result.tokens) - 1
+        steps = decode_steps(result)
         found[f"{name}_steps"] = steps
         found[f"{name}_decode_ms_per_step"] = 1000 * result.decode_seconds / max(steps, 1)
         found[f"{name}_gpu_busy_fraction"] = busy / span if span else float("nan")
