@@ -19,6 +19,7 @@ invalidating each other:
   and in capture mode meanwhile. Training draws none on the GPU (anchors and shuffles use CPU
   generators).
 - Graphs that share a memory pool belong to one thread and replay on one stream, one at a time.
+  A pool is a `GraphPool`, never a bare `torch.cuda.graph_pool_handle()` (it says why).
 
 `capture` raises on any failure; callers fall back to running the same function eagerly.
 (`CaptureError` is what callers raise when their replay check fails.)
@@ -27,6 +28,7 @@ invalidating each other:
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -38,14 +40,40 @@ class CaptureError(RuntimeError):
     """A captured graph did not reproduce its step (found by the caller's replay check)."""
 
 
+class GraphPool:
+    """The memory pool that graphs captured one after another share; made on first use.
+
+    A pool id from `torch.cuda.graph_pool_handle()` has no lifetime of its own: the allocator's
+    pool lives while some graph captured into it does, and once the last of them is destroyed
+    (the graph of a capture whose replay check failed, graphs a caller dropped) every later
+    capture into that id fails an internal assert of the caching allocator (`use_count > 0`).
+    So a capture gets the current id only while a graph captured into it lives, a fresh one
+    otherwise: one failed capture never turns into eager steps for every later shape."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()
+
+    def handle(self) -> Any:
+        if self._handle is None or not self._graphs:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def adopt(self, graph: "torch.cuda.CUDAGraph") -> None:
+        self._graphs.add(graph)
+
+
 def capture(
-    fn: Callable[[], Any], device: torch.device, stream: "torch.cuda.Stream", pool: Any = None
+    fn: Callable[[], Any], device: torch.device, stream: "torch.cuda.Stream", pool: GraphPool | None = None
 ) -> tuple["torch.cuda.CUDAGraph", Any]:
     """`fn()` recorded into a new CUDA graph on `stream` (of `device`), sharing `pool` if given.
     Returns the graph and what `fn` returned (tensors owned by the graph). The work is recorded,
     not run: replay the graph to run it."""
     graph = torch.cuda.CUDAGraph()
     with CAPTURE_LOCK, torch.cuda.device(device):
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        handle = pool.handle() if pool is not None else None
+        with torch.cuda.graph(graph, pool=handle, stream=stream, capture_error_mode="thread_local"):
             outputs = fn()
+        if pool is not None:
+            pool.adopt(graph)
     return graph, outputs

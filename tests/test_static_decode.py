@@ -17,6 +17,7 @@ import transformers
 
 from dflash_train.config import UserError
 from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from dflash_train.graph_capture import GraphPool, capture
 from dflash_train.decode.loop import generate, make_decoder
 from dflash_train.decode.static import (PREFILL_STEP, StaticDrafter, StaticTarget, prefill_width, static_state,
                                         static_unsupported)
@@ -273,6 +274,31 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
         assert make_decoder(target, None, len(prompt) + len(extra) + 40).state.next_greedy.graph is not None
         if dtype == torch.float32:
             assert static.tokens == base.tokens == generate(target, None, prompt + extra, 40, decoder="hf").tokens
+
+
+@pytest.mark.gpu
+def test_a_graph_pool_is_fresh_once_all_its_graphs_are_gone():
+    """Graphs of one GraphPool share its id while one of them lives; once the last is dropped the
+    next capture gets a new id and succeeds. Into the old id it fails an allocator assert on
+    torch 2.11 (seen: every prefill width of a decoder whose graphs a test had dropped ran eagerly)."""
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream(device)
+    x = torch.arange(8.0, device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        (x * 2).sum()  # the warm-up a capture needs
+    pool = GraphPool()
+    first, _ = capture(lambda: x * 2, device, stream, pool)
+    handle = pool.handle()
+    second, _ = capture(lambda: x * 3, device, stream, pool)
+    assert pool.handle() == handle  # shared while a graph lives
+    del first, second
+    assert pool.handle() != handle
+    for factor in (4.0, 5.0):  # two captures into the fresh id, one after the other is dropped
+        graph, out = capture(lambda: x * factor, device, stream, pool)
+        graph.replay()
+        assert torch.equal(out, x * factor)
+        del graph
 
 
 @pytest.mark.gpu

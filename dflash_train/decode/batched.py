@@ -51,6 +51,7 @@ import torch
 
 from ..data.regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 from ..data.render import stop_token_ids
+from ..graph_capture import GraphPool
 from ..target import Target
 from .sampling import choose_tokens
 from .static import ATTENTION, CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
@@ -171,7 +172,7 @@ class BatchState:
         self.attention = "sdpa" if attention == "auto" else attention
         self.attention_ms: dict[str, float] = {}  # what the choice measured (ms per replayed step)
         self.choose_attention = attention == "auto"
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" and graphs else None
+        self.pool = GraphPool() if self.device.type == "cuda" and graphs else None
         # Captured prefills (CUDA graphs; on request elsewhere, for tests): one graph per (rows,
         # width) bucket, padding rows write to one extra cache row that no step reads.
         self.bucket_prefills = prefills_bucketed(self.device, graphs, bucket_prefills)
@@ -179,7 +180,7 @@ class BatchState:
         self.prefills: dict[tuple[int, int], _Prefill] = {}
         # The prefill graphs share a pool of their own: each one's logits are consumed (in stream
         # order) before the next prefill replays, so a later graph may reuse an earlier one's memory.
-        self.prefill_pool = torch.cuda.graph_pool_handle() if self.pool is not None else None
+        self.prefill_pool = GraphPool() if self.pool is not None else None
         self.model = StaticTarget(target, capacity, batch=slots + 1 if self.bucket_prefills else slots,
                                   attention=self.attention)
         long = dict(dtype=torch.long, device=self.device)

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..drafter import DFlashDrafter, apply_rope, embed_block_tokens
 from ..feature_forward import ProbeVerdicts, float32_replica, sliding_window
-from ..graph_capture import capture
+from ..graph_capture import GraphPool, capture
 from ..target import Target, hidden_state_index
 
 Outputs = TypeVar("Outputs")
@@ -139,12 +139,12 @@ class CapturedStep(Generic[Outputs]):
     overwrites that it also reads, which are put back before the captured graph's first replay.
 
     If capture fails (an operation that syncs with the host, ...), the step runs eagerly from then
-    on, with one warning: slower, never wrong. Steps given one `pool` (torch.cuda.graph_pool_handle)
+    on, with one warning: slower, never wrong. Steps given one `pool` (a GraphPool)
     share their graphs' memory; only do that for steps that return nothing, keep all their state
     in tensors made outside the graphs and are replayed one after the other."""
 
     def __init__(self, fn: Callable[[], Outputs], device: torch.device, name: str, restore: tuple[torch.Tensor, ...] = (),
-                 *, graphs: bool = True, pool: tuple | None = None):
+                 *, graphs: bool = True, pool: GraphPool | None = None):
         self.fn, self.device, self.name, self.restore, self.pool = fn, device, name, restore, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs | None = None
@@ -534,7 +534,7 @@ class StaticState:
         self.prefill_steps: dict[int, CapturedStep[torch.Tensor]] = {}
         # The prefill graphs share one memory pool (one per width would hold a full forward's
         # activations each): a prefill's logits are read before any other prefill replays.
-        self.prefill_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.prefill_pool = GraphPool() if device.type == "cuda" else None
         self.next_token = CapturedStep(lambda: self.target.single(self.token, self.start, features=False)[0], device, "target-only")
         self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
         self.drafter = None

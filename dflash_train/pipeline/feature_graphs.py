@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..feature_forward import FeatureForward, feature_forward_unsupported
-from ..graph_capture import CaptureError, capture
+from ..graph_capture import CaptureError, GraphPool, capture
 from ..target import Target
 from .batches import HostBatch
 
@@ -48,7 +48,7 @@ class GraphedFeatures:
         if self.device.type != "cuda":
             return "eager features (not a CUDA device)"
         started = time.perf_counter()
-        stream, pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        stream, pool = torch.cuda.Stream(self.device), GraphPool()
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -67,7 +67,7 @@ class GraphedFeatures:
             f"in {time.perf_counter() - started:.1f}s")
         return f"{len(self.graphs)}/{len(self.lengths)} feature graphs"
 
-    def _prepare_length(self, length: int, stream: Any, pool: Any) -> None:
+    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> None:
         reason = feature_forward_unsupported(self.target, length)
         if reason is not None:
             raise CaptureError(reason)

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from ..drafter import DFlashDrafter
-from ..graph_capture import CaptureError, capture
+from ..graph_capture import CaptureError, GraphPool, capture
 from ..objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
 from ..static_step import InputShape, StaticInputs, StaticStep, StepOutputs, rows_bucket, rows_buckets, tensor_lr_step
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, clipped_fused_step, drafter_loss, training_step
@@ -243,7 +243,7 @@ class GraphedStep:
         self.classic_reason: str | None = None  # captured updates refused: the classic eager step runs
         self.eager_reasons: dict[str, str] = {}  # bucket -> why it runs eagerly
         self.stream: Any = None
-        self.pool: Any = None
+        self.pool: GraphPool | None = None
         self.ahead: collections.deque = collections.deque()
         self.gpu_wait_s = 0.0  # host time spent waiting for the GPU to catch up (MAX_AHEAD)
         self.compile_s = 0.0
@@ -275,7 +275,7 @@ class GraphedStep:
 
     def _prepare_graphs(self, say: Say) -> str:
         current = torch.cuda.current_stream(self.device)
-        self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        self.stream, self.pool = torch.cuda.Stream(self.device), GraphPool()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self._skipping_update()  # the optimizer's state exists before anything is captured
