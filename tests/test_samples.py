@@ -131,3 +131,60 @@ def test_shared_4000_row_file(tokenizer):
     samples, stats = load_training_samples(REGENERATED_4000, tokenizer, max_length=768, min_supervised_tokens=32)
     assert (stats.read, stats.used) == (4000, 2634) and len(samples) == 2634
     assert sum(1 for s in samples if int(s.loss_mask.sum()) >= 32) == 2634
+
+
+def _samples_and_stats(samples, stats):
+    return ([(s.sample_id, s.source, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples],
+            stats.summary(), dict(stats.first_example))
+
+
+def test_worker_processes_render_what_one_process_renders(tokenizer, tmp_path):
+    """Every kind of row (samples, no anchor, too few tokens, not a conversation, bad JSON) in one
+    file rendered by 3 worker processes: the same samples, order, ids and stats as here."""
+    rows = [json.loads(line) for line in gzip.open(REGENERATED_64, "rt")]
+    extra = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "Hi"}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(row) for row in rows[:20] + extra + rows[20:]]
+    lines.insert(30, "{not json")
+    path.write_text("\n".join(lines) + "\n")
+    here = load_training_samples(path, tokenizer, max_length=768, min_supervised_tokens=32, workers=1)
+    stream = io.StringIO()
+    there = load_training_samples(path, tokenizer, max_length=768, min_supervised_tokens=32, workers=3,
+                                  parallel_min_rows=8, progress_stream=stream)
+    assert "rendering 65 rows in 3 worker processes" in stream.getvalue()
+    assert _samples_and_stats(*there) == _samples_and_stats(*here)
+    assert len(here[0]) == 38 and here[1].skipped == 29  # 26 short + no anchor + no assistant + bad JSON
+
+
+def test_worker_processes_use_the_tokenizer_as_it_was_changed(smollm2_dir, tmp_path):
+    """The tokenizer reaches the workers with its state (here a chat template set after loading),
+    and a template error in a worker is counted like one here."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.chat_template = (TEMPLATES / "qwen3.jinja").read_text()
+    thinking = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\nIt is 4."}]}
+    plain = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4, of course."}]}
+    path = write_jsonl(tmp_path / "thinking.jsonl", [thinking, plain] * 4)
+    here = load_training_samples(path, tokenizer, max_length=64, enable_thinking=False, workers=1)
+    there = load_training_samples(path, tokenizer, max_length=64, enable_thinking=False, workers=2, parallel_min_rows=2)
+    assert _samples_and_stats(*there) == _samples_and_stats(*here)
+    assert [s.sample_id for s in there[0]] == [1, 3, 5, 7] and list(there[1].skipped_by_reason) == ["chat template error"]
+
+
+def _render_defined_in_a_test(tokenizer, row):  # not importable by a worker: tests/ is not on its path
+    return row
+
+
+def test_a_failing_worker_is_reported_and_rendering_falls_back(tokenizer, monkeypatch):
+    from dflash_train.data.render_pool import RenderPoolError, render_in_workers
+
+    with pytest.raises(RenderPoolError, match=r"worker \d exited with 1: ModuleNotFoundError: No module named 'test_samples'"):
+        render_in_workers(_render_defined_in_a_test, None, list(range(4)), 2)
+    here = load_training_samples(REGENERATED_64, tokenizer, max_length=768, min_supervised_tokens=32, workers=1)
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")  # the workers cannot start
+    with pytest.warns(UserWarning, match="rendering in worker processes failed .*; rendering in this process"):
+        there = load_training_samples(REGENERATED_64, tokenizer, max_length=768, min_supervised_tokens=32, workers=2,
+                                      parallel_min_rows=8)
+    assert _samples_and_stats(*there) == _samples_and_stats(*here)

@@ -8,21 +8,28 @@ tokens. Every other row is counted in the returned RowStats with its reason.
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, NamedTuple, Sequence, TextIO, Union
 
 import torch
 
 from ..progress import Progress
-from .readers import RowStats, read_conversations
+from .readers import Conversation, RowStats, read_conversations
 from .render import RenderError, render_conversation
+from .render_pool import RenderPoolError, render_in_workers
 
 NO_VALID_ANCHOR = "no valid anchor"
 # Reads shorter than this print no progress line.
 _QUIET_SECONDS = 2.0
+# Files with fewer rows render faster in this process than worker processes start (~3 s).
+PARALLEL_MIN_ROWS = 8192
+MAX_RENDER_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -45,39 +52,107 @@ def load_training_samples(
     min_supervised_tokens: int = 1,
     enable_thinking: bool | None = None,
     progress_stream: TextIO | None = None,
+    workers: int | None = None,
+    parallel_min_rows: int = PARALLEL_MIN_ROWS,
 ) -> tuple[list[TrainingSample], RowStats]:
-    """Render every conversation of `paths` (in order) with `tokenizer`'s chat template."""
+    """Render every conversation of `paths` (in order) with `tokenizer`'s chat template.
+
+    A file of `parallel_min_rows` rows or more is rendered by `workers` processes (None: one per
+    core, at most MAX_RENDER_WORKERS; see render_pool). Same samples, order and stats either way;
+    if the workers fail, the file is rendered here (with a warning)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and its next token), got {max_length}")
-    too_few = f"fewer than {min_supervised_tokens} supervised tokens (after truncation to {max_length})"
+    workers = min(os.cpu_count() or 1, MAX_RENDER_WORKERS) if workers is None else workers
+    rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking)
     stats = RowStats()
     samples: list[TrainingSample] = []
     for path in paths:
         progress = Progress(0, f"rendering {Path(path).name}", stream=progress_stream or sys.stderr, every_seconds=10.0)
         progress.last_draw = progress.started  # first line after `every_seconds`, not on row 1: short reads stay quiet
-        for conversation in read_conversations(path, stats):
-            sample_id = stats.read - 1  # the reader has counted this row
-            progress.update()
-            try:
-                rendered = render_conversation(tokenizer, conversation.messages, enable_thinking=enable_thinking, max_length=max_length)
-            except RenderError as error:
-                stats.skip("chat template error", f"{conversation.source}: {error}")
-                continue
-            if not has_valid_anchor(rendered.loss_mask):
-                stats.skip(NO_VALID_ANCHOR, conversation.source)
-            elif rendered.num_supervised < min_supervised_tokens:
-                stats.skip(too_few, conversation.source)
+        rows = _read_rows(path, stats)
+        progress.total = len(rows)
+        outcomes = None
+        if workers > 1 and len(rows) >= parallel_min_rows:
+            outcomes = _render_in_workers(tokenizer, rows, rule, workers, progress)
+        if outcomes is None:
+            outcomes = _render_here(tokenizer, rows, rule, progress)
+        for (sample_id, conversation), outcome in zip(rows, outcomes):
+            if isinstance(outcome, Skipped):
+                stats.skip(outcome.reason, outcome.example)
             else:
+                input_ids, loss_mask = outcome
                 samples.append(
                     TrainingSample(
                         sample_id=sample_id,
-                        input_ids=torch.tensor(rendered.input_ids, dtype=torch.long),
-                        loss_mask=torch.tensor(rendered.loss_mask, dtype=torch.bool),
+                        input_ids=torch.tensor(input_ids, dtype=torch.long),
+                        loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
                         source=conversation.source,
                     )
                 )
         if time.monotonic() - progress.started > _QUIET_SECONDS:
             progress.close()
     return samples, stats
+
+
+class Skipped(NamedTuple):
+    """Why a row is not a sample, and the example RowStats keeps for that reason."""
+
+    reason: str
+    example: str
+
+
+Outcome = Union[tuple[list[int], list[bool]], Skipped]  # (input_ids, loss_mask) of a sample, or why not
+
+
+@dataclass(frozen=True)
+class _RenderRule:
+    """What makes a conversation a training sample; picklable, so worker processes apply the same rule."""
+
+    max_length: int
+    min_supervised_tokens: int
+    enable_thinking: bool | None
+
+    def render(self, tokenizer: Any, conversation: Conversation) -> Outcome:
+        try:
+            rendered = render_conversation(tokenizer, conversation.messages, enable_thinking=self.enable_thinking,
+                                           max_length=self.max_length)
+        except RenderError as error:
+            return Skipped("chat template error", f"{conversation.source}: {error}")
+        if not has_valid_anchor(rendered.loss_mask):
+            return Skipped(NO_VALID_ANCHOR, conversation.source)
+        if rendered.num_supervised < self.min_supervised_tokens:
+            return Skipped(f"fewer than {self.min_supervised_tokens} supervised tokens (after truncation to "
+                           f"{self.max_length})", conversation.source)
+        return list(rendered.input_ids), list(rendered.loss_mask)
+
+
+def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversation]]:
+    """(sample_id, conversation) of every valid row of `path`; the reader counts the bad ones."""
+    rows = []
+    for conversation in read_conversations(path, stats):
+        rows.append((stats.read - 1, conversation))  # the reader has counted this row
+    return rows
+
+
+def _render_here(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule,
+                 progress: Progress) -> list[Outcome]:
+    outcomes = []
+    for _, conversation in rows:
+        outcomes.append(rule.render(tokenizer, conversation))
+        progress.update()
+    return outcomes
+
+
+def _render_in_workers(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule, workers: int,
+                       progress: Progress) -> list[Outcome] | None:
+    """Outcomes of `rows` in order, rendered by worker processes; None (with a warning) if they failed."""
+    progress.print(f"rendering {len(rows)} rows in {workers} worker processes")
+    try:
+        outcomes = render_in_workers(rule.render, tokenizer, [conversation for _, conversation in rows], workers)
+    except (RenderPoolError, OSError, pickle.PicklingError) as error:
+        warnings.warn(f"rendering in worker processes failed ({error}); rendering in this process", stacklevel=3)
+        return None
+    progress.update(len(rows))
+    return outcomes

@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Rendering speed of training rows: one process vs worker processes (data/render_pool.py).
+
+    python bench/render_speed.py --target SMOLLM2_DIR_OR_GGUF --data answers.jsonl --workers 1,4,16
+
+Each case renders the same file with `load_training_samples` (the training's own path: chat
+template, tokenizer, loss mask, row filters) and prints rows/s; all cases must give the same
+samples. Prints one line per case:
+
+    render <rows> rows, <W> worker(s): <s> s (<rows/s> rows/s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from dflash_train.data.samples import load_training_samples  # noqa: E402
+
+
+def tokenizer_of(target: str):
+    from transformers import AutoTokenizer
+
+    folder = Path(target)
+    if folder.suffix == ".gguf":
+        from dflash_train.gguf import hf_folder_from_gguf
+
+        folder = hf_folder_from_gguf(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="a Hugging Face folder or .gguf (only its tokenizer is used)")
+    parser.add_argument("--data", required=True, help="a conversation file (.jsonl or .jsonl.gz)")
+    parser.add_argument("--workers", default="1,4,16", help="comma-separated worker counts (1 = this process)")
+    parser.add_argument("--max-length", type=int, default=768)
+    parser.add_argument("--min-supervised-tokens", type=int, default=32)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    tokenizer = tokenizer_of(args.target)
+    results, reference = [], None
+    for workers in [int(w) for w in args.workers.split(",")]:
+        started = time.perf_counter()
+        samples, stats = load_training_samples(args.data, tokenizer, max_length=args.max_length,
+                                               min_supervised_tokens=args.min_supervised_tokens,
+                                               workers=workers, parallel_min_rows=1)
+        seconds = time.perf_counter() - started
+        fingerprint = [(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples]
+        if reference is not None and fingerprint != reference:
+            print(f"render: {workers} worker(s) gave other samples than the first case", file=sys.stderr)
+            return 1
+        reference = fingerprint
+        results.append({"workers": workers, "rows": stats.read, "samples": len(samples), "seconds": round(seconds, 2),
+                        "rows_per_s": round(stats.read / seconds, 1)})
+        print(f"render {stats.read} rows, {workers} worker(s): {seconds:.1f} s ({stats.read / seconds:,.0f} rows/s)", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
