@@ -9,7 +9,6 @@ tokens. Every other row is counted in the returned RowStats with its reason.
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 import warnings
@@ -151,7 +150,7 @@ def _render_in_workers(tokenizer: Any, rows: list[tuple[int, Conversation]], rul
     progress.print(f"rendering {len(rows)} rows in {workers} worker processes")
     try:
         outcomes = render_in_workers(rule.render, tokenizer, [conversation for _, conversation in rows], workers)
-    except (RenderPoolError, OSError, pickle.PicklingError) as error:
+    except RenderPoolError as error:
         warnings.warn(f"rendering in worker processes failed ({error}); rendering in this process", stacklevel=3)
         return None
     progress.update(len(rows))
