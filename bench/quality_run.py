@@ -67,6 +67,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments, from_args, option  # noqa: E402
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
+from dflash_train.gguf import check_gguf_file  # noqa: E402
 
 STAGES = ("self-prompts", "regenerate", "train", "eval", "curve")
 NOT_FINISHED = 3  # exit status: time ran out before every requested stage was done
@@ -173,6 +174,11 @@ class QualityRunConfig:
                                   "copy it out of the work folder first")
         if not Path(self.target).exists():
             raise ConfigError(f"--target {self.target}: no such file or folder")
+        if Path(self.target).suffix == ".gguf":
+            try:
+                check_gguf_file(self.target)
+            except UserError as error:
+                raise ConfigError(f"--target {error}") from None
         if self.prompts and self.prompts != "default" and not Path(self.prompts).is_file():
             raise ConfigError(f"--prompts {self.prompts}: no such file (or use 'default')")
         if Path(self.work).exists() and not Path(self.work).is_dir():

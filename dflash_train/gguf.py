@@ -200,8 +200,8 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
     step("done")
 
 
-def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """The converted Hugging Face folder for `gguf_path`, converting it on first use."""
+def check_gguf_file(gguf_path: str | Path) -> None:
+    """Raise GGUFError unless `gguf_path` is a file that begins with the GGUF magic."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise GGUFError(f"{gguf_path}: no such GGUF file")
@@ -211,6 +211,12 @@ def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = No
         size = gguf_path.stat().st_size
         raise GGUFError(f"{gguf_path}: not a GGUF file ({size} bytes, beginning {magic!r}, not {GGUF_MAGIC!r}); "
                         "an unfinished copy or download?")
+
+
+def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The converted Hugging Face folder for `gguf_path`, converting it on first use."""
+    gguf_path = Path(gguf_path)
+    check_gguf_file(gguf_path)
     cache_root = Path(cache_dir or default_cache_dir())
     sha256 = file_sha256(gguf_path, cache_root)
     final_dir = cache_root / "gguf" / f"{sha256[:16]}-{gguf_path.stem}"

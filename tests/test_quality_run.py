@@ -333,7 +333,9 @@ def test_bad_arguments_fail_in_one_line_before_anything_loads(script, files, tmp
     work = tmp_path / "work"
     bad_dev = tmp_path / "bad_dev.jsonl"
     bad_dev.write_text('{"id": "d0", "prompt": "fine"}\nnot json\n')
+    (tmp_path / "half.gguf").write_bytes(b"")
     cases = {
+        "unfinished gguf": (["--target", str(tmp_path / "half.gguf")], "half.gguf: not a GGUF file (0 bytes"),
         "--stages": (["--stages", "regenerate,trian"], "--stages regenerate,trian: use some of"),
         "missing prompts": (["--prompts", str(tmp_path / "nope.jsonl")], "nope.jsonl: no such file"),
         "samples": (["--samples", "0"], "--samples must be at least 1"),
