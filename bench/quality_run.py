@@ -28,9 +28,14 @@ last call stopped (WORK keeps everything between calls):
                 question) and MATH-500, then the speed-up with the GPU to itself: one process,
                 target-only vs speculative (static decoder), on HumanEval and MT-Bench; writes
                 WORK/results.json and the line `quality SmolLM2 <N>k: tau humaneval ...`
-    curve       tau vs data: one drafter per --curve-sizes K on the first K rows of the answers,
+    curve       tau vs data: one drafter per --curve-sizes K on K rows drawn (seeded, nested) from the answers,
                 at equal steps (--curve-steps) and at equal epochs (--curve-epochs), each point
                 resumable; writes WORK/curve.json (`plot` turns it into a table and a PNG)
+    recipe      the recipe search on the dev split: the recipe unchanged ("base") and one drafter
+                per --recipe-variants KEY=VALUE (e.g. loss=dpace), all trained in one run from one
+                target stream (`train` variants mode) on --recipe-rows answers (drawn as curve's) for
+                --recipe-steps steps: equal data and steps by construction; tau on the dev prompts
+                only; writes WORK/recipe.json and a table
 
     python3 bench/quality_run.py run --target smol.gguf --prompts prompts-train.jsonl.gz \\
         --dev-prompts prompts-dev.jsonl --work ~/stage/q100k --samples 100000 \\
@@ -53,6 +58,7 @@ import io
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -69,7 +75,7 @@ from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments,
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 from dflash_train.gguf import check_gguf_file  # noqa: E402
 
-STAGES = ("self-prompts", "regenerate", "train", "eval", "curve")
+STAGES = ("self-prompts", "regenerate", "train", "eval", "curve", "recipe")
 NOT_FINISHED = 3  # exit status: time ran out before every requested stage was done
 EXPORT_RESERVE_SECONDS = 30.0  # left after a training box: the graceful stop's checkpoint and the export
 STOP_GRACE_SECONDS = 10.0  # a stopped regenerate subprocess gets this long to flush before SIGKILL
@@ -120,7 +126,7 @@ class QualityRunConfig:
     deadline_seconds: float = option(570.0, "this call ends within this many seconds: stages stop cleanly, the "
                                             "next call continues")
     min_stage_seconds: float = option(60.0, "a stage that would start with less time left is left to the next call")
-    json_dir: str = option("", "also copy stages.json, results.json and curve.json here (e.g. $OUT)")
+    json_dir: str = option("", "also copy stages.json, results.json, curve.json and recipe.json here (e.g. $OUT)")
     send_back: bool = option(True, "with --json-dir: the call that finishes regenerate or train also writes the "
                                    "answers / the export there, as .tar.gz parts of <= 15 MiB (a lent machine's "
                                    "files are gone once it goes back)")
@@ -158,6 +164,13 @@ class QualityRunConfig:
     curve_epochs: float = option(0.0, "equal-epochs series: steps = ceil(epochs x rows / batch) (0 = no such series)")
     curve_seconds: float = option(0.0, "box of each curve point's training in this call (0 = until the deadline)")
     curve_limit: int = option(20, "curve tau on the first N dev prompts, HumanEval and MT-Bench odd prompts")
+    # recipe
+    recipe_variants: list[str] = option([], "one-factor changes to the recipe, each KEY=VALUE of a `train` variant "
+                                            "key, e.g. loss=dpace,lr=3e-4,num_layers=3; each trains beside the "
+                                            "unchanged recipe ('base')")
+    recipe_rows: int = option(30000, "the recipe stage trains every variant on N rows drawn from the answers (seeded)")
+    recipe_steps: int = option(2000, "optimizer steps of every recipe variant")
+    recipe_limit: int = option(40, "recipe tau on the first N dev prompts (dev only: a recipe is not chosen on benchmarks)")
 
     def validate(self) -> None:
         for name in ("target", "prompts", "work"):
@@ -188,9 +201,9 @@ class QualityRunConfig:
             raise ConfigError(f"--stages {','.join(self.stages)}: use some of {', '.join(STAGES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError(f"--stages {','.join(self.stages)}: a stage is named twice")
-        if {"eval", "curve"} & set(self.stages):
+        if {"eval", "curve", "recipe"} & set(self.stages):
             if not self.dev_prompts:
-                raise ConfigError("--dev-prompts is required by the eval and curve stages")
+                raise ConfigError("--dev-prompts is required by the eval, curve and recipe stages")
             if not Path(self.dev_prompts).is_file():
                 raise ConfigError(f"--dev-prompts {self.dev_prompts}: no such file")
         if self.answers_from and self.self_prompts < 0:
@@ -200,7 +213,7 @@ class QualityRunConfig:
         if "self-prompts" in self.stages and not self.self_prompts:
             raise ConfigError("the self-prompts stage needs --self-prompts N > 0")
         for name in ("samples", "self_prompt_tokens", "max_new_tokens", "max_prompt_tokens", "steps", "save_every", "dev_limit", "eval_limit", "speed_limit",
-                     "eval_procs_per_device", "curve_limit"):
+                     "eval_procs_per_device", "curve_limit", "recipe_rows", "recipe_steps", "recipe_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("deadline_seconds", "min_stage_seconds", "regen_seconds", "train_seconds", "train_total_seconds",
@@ -225,6 +238,10 @@ class QualityRunConfig:
                 raise ConfigError(f"--curve-sizes: {sizes[-1]} rows is more than --samples {self.samples}")
             if not self.curve_steps and not self.curve_epochs:
                 raise ConfigError("the curve stage needs --curve-steps and/or --curve-epochs")
+        if "recipe" in self.stages:
+            if not self.recipe_variants:
+                raise ConfigError("the recipe stage needs --recipe-variants, e.g. loss=dpace,lr=3e-4")
+            recipe_variants(self.recipe_variants)  # raises on a malformed or unknown one
 
     @property
     def work_dir(self) -> Path:
@@ -268,6 +285,9 @@ STAGE_KEYS = {
              "decoder", "speed_decoder"),
     # Points are keyed by (rows, steps): other sizes, steps or epochs add points, they change none.
     "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),
+    # One variants run: another set of variants, rows or steps is another run (another --work).
+    "recipe": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "decoder", "recipe_variants", "recipe_rows", "recipe_steps",
+               "recipe_limit"),
 }
 
 
@@ -697,6 +717,7 @@ class TrainOutcome:
     accuracy: float | None = None
     tau_sim: float | None = None
     training_rows: int | None = None  # samples after the trainer's filters
+    drafters: dict[str, dict[str, Any]] | None = None  # every drafter's summary entry (variants: one per variant)
 
 
 def train_boxed(config, box: float, *, stop_early: bool) -> TrainOutcome:
@@ -721,7 +742,8 @@ def train_boxed(config, box: float, *, stop_early: bool) -> TrainOutcome:
     if export is None and stop_early and steps_done > 0:
         export = export_last_checkpoint(out)
     return TrainOutcome(steps_done, export, time.monotonic() - started, str(summary["stop_reason"]),
-                        entry.get("accuracy"), entry.get("tau_sim"), int(summary["data"]["samples"]))
+                        entry.get("accuracy"), entry.get("tau_sim"), int(summary["data"]["samples"]),
+                        {name: dict(e) for name, e in summary["drafters"].items()})
 
 
 def export_last_checkpoint(run_dir: Path) -> Path:
@@ -813,7 +835,7 @@ def check_prompt_sources(config: QualityRunConfig) -> None:
         names |= {"humaneval", "mtbench"}
     for name in sorted(names):
         load_benchmark(name)
-    if names:
+    if names or "recipe" in config.stages:
         load_benchmark(config.dev_prompts)
 
 
@@ -998,18 +1020,17 @@ def curve_points(config: QualityRunConfig, batch_size: int) -> list[dict[str, An
     return points
 
 
-def first_rows(source: Path, rows: int, out: Path) -> Path:
-    """The first `rows` rows of the answers (nested subsets: each size holds the smaller ones)."""
+def sampled_rows(source: Path, rows: int, out: Path, seed: int = 0) -> Path:
+    """`rows` rows of the answers drawn at random (seeded), written in file order. The answers are
+    grouped by prompt source (a registry's short answers come first), so the first K rows are no
+    sample of them. Every size takes the front of one permutation: each holds the smaller ones."""
     if out.is_file():
         return out
-    lines = []
     with open(source, encoding="utf-8") as handle:
-        for line in handle:
-            if len(lines) == rows:
-                break
-            if line.strip():
-                lines.append(line)
-    write_text_atomic(out, "".join(lines))
+        lines = [line for line in handle if line.strip()]
+    order = list(range(len(lines)))
+    random.Random(seed).shuffle(order)
+    write_text_atomic(out, "".join(lines[i] for i in sorted(order[:rows])))
     return out
 
 
@@ -1047,7 +1068,7 @@ def stage_curve(call: Call) -> str:
                 box = call.box(config.curve_seconds, reserve=EXPORT_RESERVE_SECONDS)
                 if box < config.min_stage_seconds:
                     return f"{point['series']} {point['rows']} rows left to the next call ({max(box, 0):.0f}s of box)"
-                data = first_rows(config.answers, point["rows"], folder / f"data-{point['rows']}.jsonl")
+                data = sampled_rows(config.answers, point["rows"], folder / f"data-{point['rows']}.jsonl")
                 say(f"curve: {point['series']}, {point['rows']} rows, {point['steps']} steps into {run_dir}; "
                     f"box {box:.0f}s")
                 outcome = train_boxed(train_config(call, data, run_dir, point["steps"]), box, stop_early=False)
@@ -1073,6 +1094,112 @@ def stage_curve(call: Call) -> str:
     book.save()
     print("\n".join(curve_table(json.loads((config.work_dir / "curve.json").read_text()))), flush=True)
     return f"done: {len(points)} point(s) in {config.work_dir / 'curve.json'}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 5: recipe (one-factor variants, chosen by tau on the dev split)
+# ---------------------------------------------------------------------------------------------
+
+
+def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
+    """`train` variants: the recipe unchanged ("base"), then one per KEY=VALUE, named KEY-VALUE."""
+    from dflash_train.config import VARIANT_KEYS, TrainConfig, convert_values
+
+    allowed = [key for key in VARIANT_KEYS if key != "name"]
+    variants: list[dict[str, Any]] = [{"name": "base"}]
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not text.strip():
+            raise ConfigError(f"--recipe-variants {item!r}: write KEY=VALUE, e.g. loss=dpace")
+        if key not in allowed:
+            raise ConfigError(f"--recipe-variants {item!r}: {key!r} is not a variant key; use one of {', '.join(allowed)}")
+        value = convert_values(TrainConfig, {key: text.strip()}, f"--recipe-variants {item!r}")[key]  # the field's type
+        name = f"{key}-{text.strip()}"
+        if any(v["name"] == name for v in variants):
+            raise ConfigError(f"--recipe-variants {item!r}: named twice")
+        variants.append({"name": name, key: value})
+    return variants
+
+
+def recipe_table(recipe: dict[str, Any]) -> list[str]:
+    lines = [f"recipe variants: {recipe['rows']:,} rows, {recipe['steps']:,} steps each, one target stream; "
+             f"tau on {recipe['dev_prompts']} dev prompts",
+             "| variant | dev τ mean | median | pooled | train accuracy | simulated τ |", "|---|---:|---:|---:|---:|---:|"]
+    for variant in recipe["variants"]:
+        tau = variant.get("tau") or {}
+
+        def cell(value: Any) -> str:
+            return f"{value:.2f}" if isinstance(value, (int, float)) else "–"
+        lines.append(f"| {variant['name']} | {cell(tau.get('tau_mean'))} | {cell(tau.get('tau_median'))} | "
+                     f"{cell(tau.get('tau_pooled'))} | {cell(variant.get('accuracy'))} | {cell(variant.get('tau_sim'))} |")
+    measured = [v for v in recipe["variants"] if (v.get("tau") or {}).get("tau_mean") is not None]
+    if measured:
+        best = max(measured, key=lambda v: v["tau"]["tau_mean"])
+        lines.append(f"best on dev: {best['name']} (tau mean {best['tau']['tau_mean']:.2f})")
+    return lines
+
+
+def stage_recipe(call: Call) -> str:
+    config, book = call.config, call.book
+    if not book.done("regenerate"):
+        return "waiting: regenerate is not done yet"
+    entry = book.entry("recipe", config)
+    entry["calls"] += 1
+    folder = config.work_dir / "recipe"
+    run_dir = folder / "run"
+    variants = recipe_variants(config.recipe_variants)
+    trained_path = folder / "trained.json"
+    recipe: dict[str, Any] = {"settings": stage_settings(config, "recipe"), "rows": config.recipe_rows,
+                              "steps": config.recipe_steps, "dev_prompts": config.recipe_limit,
+                              "variants": [{"name": v["name"], "overrides": {k: x for k, x in v.items() if k != "name"}}
+                                           for v in variants]}
+    started, spent_before = time.monotonic(), entry["seconds"]
+    try:
+        if not trained_path.is_file():
+            rows_there = count_rows(config.answers)
+            if rows_there < config.recipe_rows:
+                raise StageFailed(f"recipe: {config.answers} holds {rows_there} rows, fewer than --recipe-rows "
+                                  f"{config.recipe_rows}")
+            box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
+            if box < config.min_stage_seconds:
+                return f"training left to the next call ({max(box, 0):.0f}s of box)"
+            data = sampled_rows(config.answers, config.recipe_rows, folder / f"data-{config.recipe_rows}.jsonl")
+            train = dataclasses.replace(train_config(call, data, run_dir, config.recipe_steps), mode="variants",
+                                        variants=variants)
+            train.validate()
+            say(f"recipe: {len(variants)} variant(s) ({', '.join(v['name'] for v in variants)}), "
+                f"{config.recipe_rows} rows, {config.recipe_steps} steps into {run_dir}; box {box:.0f}s")
+            outcome = train_boxed(train, box, stop_early=False)
+            exports = {v["name"]: run_dir / v["name"] / "export" for v in variants}
+            if outcome.steps_done < config.recipe_steps or not all(path.is_dir() for path in exports.values()):
+                return f"stopped at step {outcome.steps_done} of {config.recipe_steps}; the next call resumes"
+            write_json_atomic(trained_path, {"steps_done": outcome.steps_done, "drafters": outcome.drafters or {}})
+        drafters = json.loads(trained_path.read_text())["drafters"]
+        for variant in recipe["variants"]:
+            summary = drafters.get(variant["name"], {})
+            variant.update(accuracy=summary.get("accuracy"), tau_sim=summary.get("tau_sim"))
+        files = eval_prompt_files(folder / "prompts", config.dev_prompts, {"dev": config.recipe_limit})
+        for variant in recipe["variants"]:
+            variant_dir = run_dir / variant["name"]
+            tau_path = variant_dir / "tau.json"
+            if not tau_path.is_file():
+                if call.left() < config.min_stage_seconds:
+                    return f"tau of {variant['name']} left to the next call"
+                merged = sharded_eval(call, variant_dir / "export", files, variant_dir / "shards", baseline=False,
+                                      decoder=config.decoder, slots=slot_devices(config), group="recipe")
+                if merged is None:
+                    return f"tau shards of {variant['name']} not all done; the next call runs the rest"
+                write_json_atomic(tau_path, merged, indent=1)
+            variant["tau"] = tau_summary(json.loads(tau_path.read_text()))["dev"]
+    finally:
+        entry["seconds"] = spent_before + time.monotonic() - started
+        book.save()
+        write_json_atomic(config.work_dir / "recipe.json", recipe, indent=1)
+    entry["done"] = True
+    book.save()
+    print("\n".join(recipe_table(recipe)), flush=True)
+    return f"done: {len(variants)} variant(s) in {config.work_dir / 'recipe.json'}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1151,7 +1278,8 @@ def plot_curve(curve_path: Path, png: Path, table: Path | None = None) -> list[s
 # Entry points
 # ---------------------------------------------------------------------------------------------
 
-STAGE_FUNCTIONS = {"self-prompts": stage_self_prompts, "regenerate": stage_regenerate, "train": stage_train, "eval": stage_eval, "curve": stage_curve}
+STAGE_FUNCTIONS = {"self-prompts": stage_self_prompts, "regenerate": stage_regenerate, "train": stage_train,
+                   "eval": stage_eval, "curve": stage_curve, "recipe": stage_recipe}
 
 
 def parse_run(argv: list[str]) -> QualityRunConfig:
@@ -1273,7 +1401,7 @@ def copy_to_json_dir(config: QualityRunConfig) -> None:
         return
     target = Path(config.json_dir)
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("stages.json", "results.json", "curve.json"):
+    for name in ("stages.json", "results.json", "curve.json", "recipe.json"):
         source = config.work_dir / name
         if source.is_file():
             write_text_atomic(target / name, source.read_text())

@@ -419,12 +419,67 @@ def test_curve_stage_trains_and_evaluates_each_point_then_plots(script, files, t
         assert all(s["prompts"] == 1 and s["tau_mean"] >= 1 for s in point["tau"].values())
         trained = json.loads((Path(point["run"]) / "trained.json").read_text())
         assert trained["steps_done"] == point["steps"]
-    assert rows(work / "curve" / "data-2.jsonl") == rows(work / "answers.jsonl")[:2]  # nested subsets
+    answers = rows(work / "answers.jsonl")
+    two = rows(work / "curve" / "data-2.jsonl")
+    assert len(two) == 2 and [r for r in answers if r in two] == two  # drawn from the answers, in their order
     assert "| equal epochs | 6 | 6 |" in out
     assert script.main(args) == 0 and "curve: done in an earlier call" in capsys.readouterr().out
     png = tmp_path / "curve.png"
     assert script.main(["plot", str(work / "curve.json"), "--png", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sampled_rows_are_a_seeded_nested_draw_in_file_order(script, tmp_path):
+    """The answers come grouped by prompt source, so a curve point's rows are drawn, not cut from the front."""
+    source = tmp_path / "answers.jsonl"
+    source.write_text("".join(json.dumps({"row": i}) + "\n" for i in range(100)))
+    small = rows(script.sampled_rows(source, 10, tmp_path / "data-10.jsonl"))
+    large = rows(script.sampled_rows(source, 40, tmp_path / "data-40.jsonl"))
+    indices = [r["row"] for r in small]
+    assert len(small) == 10 and len(large) == 40 and all(r in large for r in small)  # nested
+    assert indices == sorted(indices) and indices != list(range(10))  # file order, not the front
+    assert len({r["row"] for r in large}) == 40
+    assert rows(script.sampled_rows(source, 10, tmp_path / "again-10.jsonl")) == small  # seeded
+    assert rows(script.sampled_rows(source, 100, tmp_path / "all.jsonl")) == rows(source)
+
+
+def test_recipe_stage_trains_every_variant_in_one_run_and_ranks_them_on_dev(script, files, tmp_path, capsys):
+    work = tmp_path / "work"
+    args = base_args(files, work, "--samples", "6", "--smoke", "--stages", "regenerate,recipe",
+                     "--recipe-variants", "loss=dpace", "--recipe-rows", "5", "--recipe-steps", "3",
+                     "--recipe-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "8")
+    assert script.main(args) == 0
+    out = capsys.readouterr().out
+    recipe = json.loads((work / "recipe.json").read_text())
+    assert [(v["name"], v["overrides"]) for v in recipe["variants"]] == [("base", {}), ("loss-dpace", {"loss": "dpace"})]
+    run = work / "recipe" / "run"
+    trained = {}
+    for variant in recipe["variants"]:
+        assert variant["tau"]["prompts"] == 1 and variant["tau"]["tau_mean"] >= 1
+        assert variant["accuracy"] is not None
+        trained[variant["name"]] = json.loads((run / variant["name"] / "run.json").read_text())["train_config"]
+        assert (run / variant["name"] / "export" / "config.json").is_file()
+    assert [trained[n]["loss"] for n in trained] == ["decay", "dpace"]
+    assert {t["steps"] for t in trained.values()} == {3} and len({t["data"][0] for t in trained.values()}) == 1
+    drawn = rows(Path(trained["base"]["data"][0]))  # one file for every variant: equal data by construction
+    assert len(drawn) == 5 and all(r in rows(work / "answers.jsonl") for r in drawn)
+    assert "| loss-dpace |" in out and "best on dev: " in out
+    assert script.main(args) == 0 and "recipe: done in an earlier call" in capsys.readouterr().out
+    for bad, message in ((["--recipe-variants", "colour=red"], "'colour' is not a variant key; use one of block_size"),
+                         (["--recipe-variants", "loss"], "--recipe-variants 'loss': write KEY=VALUE"),
+                         (["--recipe-variants", "lr=1e-3,lr=1e-3"], "'lr=1e-3': named twice")):
+        assert script.main([*args[:args.index("--recipe-variants")], *bad, *args[args.index("--recipe-rows"):]]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert script.main([*args[:args.index("--recipe-variants")], *args[args.index("--recipe-rows"):]]) == 2
+    assert "the recipe stage needs --recipe-variants" in capsys.readouterr().err
+    # values keep their type (a variant's lr is a float, its depth an int), names say what changed
+    variants = script.recipe_variants(["lr=3e-4", "num-layers=3", "gamma=7"])
+    assert variants == [{"name": "base"}, {"name": "lr-3e-4", "lr": 3e-4}, {"name": "num_layers-3", "num_layers": 3},
+                        {"name": "gamma-7", "gamma": 7.0}]
+    assert [type(v[k]) for v, k in zip(variants[1:], ("lr", "num_layers", "gamma"))] == [float, int, float]
+    with pytest.raises(script.ConfigError, match="num_layers"):
+        script.recipe_variants(["num_layers=deep"])
 
 
 @pytest.mark.slow
