@@ -12,9 +12,10 @@ import os
 import sys
 import time
 import warnings
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence, TextIO, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 
 import torch
 
@@ -72,11 +73,11 @@ def load_training_samples(
         progress.last_draw = progress.started  # first line after `every_seconds`, not on row 1: short reads stay quiet
         rows = _read_rows(path, stats)
         progress.total = len(rows)
-        outcomes = None
+        outcomes: Iterable[Outcome] | None = None
         if workers > 1 and len(rows) >= parallel_min_rows:
             outcomes = _render_in_workers(tokenizer, rows, rule, workers, progress)
         if outcomes is None:
-            outcomes = _render_here(tokenizer, rows, rule, progress)
+            outcomes = _render_here(tokenizer, rows, rule, progress)  # one row at a time
         for (sample_id, conversation), outcome in zip(rows, outcomes):
             if isinstance(outcome, Skipped):
                 stats.skip(outcome.reason, outcome.example)
@@ -85,8 +86,9 @@ def load_training_samples(
                 samples.append(
                     TrainingSample(
                         sample_id=sample_id,
-                        input_ids=torch.tensor(input_ids, dtype=torch.long),
-                        loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
+                        # the tensors keep the compact buffers (a valid anchor means >= 2 tokens)
+                        input_ids=torch.frombuffer(input_ids, dtype=torch.long),
+                        loss_mask=torch.frombuffer(loss_mask, dtype=torch.bool),
                         source=conversation.source,
                     )
                 )
@@ -102,7 +104,9 @@ class Skipped(NamedTuple):
     example: str
 
 
-Outcome = Union[tuple[list[int], list[bool]], Skipped]  # (input_ids, loss_mask) of a sample, or why not
+# (input_ids, loss_mask) of a sample, compact (8 + 1 bytes a token: a worker's share of 100k rows
+# waits whole in memory), or why not.
+Outcome = Union[tuple[array, bytearray], Skipped]
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ class _RenderRule:
         if rendered.num_supervised < self.min_supervised_tokens:
             return Skipped(f"fewer than {self.min_supervised_tokens} supervised tokens (after truncation to "
                            f"{self.max_length})", conversation.source)
-        return list(rendered.input_ids), list(rendered.loss_mask)
+        return array("q", rendered.input_ids), bytearray(rendered.loss_mask)
 
 
 def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversation]]:
@@ -136,12 +140,10 @@ def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversatio
 
 
 def _render_here(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule,
-                 progress: Progress) -> list[Outcome]:
-    outcomes = []
+                 progress: Progress) -> Iterator[Outcome]:
     for _, conversation in rows:
-        outcomes.append(rule.render(tokenizer, conversation))
+        yield rule.render(tokenizer, conversation)
         progress.update()
-    return outcomes
 
 
 def _render_in_workers(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule, workers: int,
