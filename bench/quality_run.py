@@ -1039,6 +1039,22 @@ def write_curve(path: Path, config: QualityRunConfig, points: list[dict[str, Any
                              "prompts": prompts, "points": points}, indent=1)
 
 
+def run_tau(call: Call, run_dir: Path, files: dict[str, Path], group: str) -> dict[str, dict[str, Any]] | str:
+    """tau of RUN_DIR/export on `files` (sharded, no baseline), kept in RUN_DIR/tau.json once every
+    shard is done; or why it is not measured yet (the next call goes on)."""
+    config = call.config
+    tau_path = run_dir / "tau.json"
+    if not tau_path.is_file():
+        if call.left() < config.min_stage_seconds:
+            return f"tau of {run_dir.name} left to the next call"
+        merged = sharded_eval(call, run_dir / "export", files, run_dir / "shards", baseline=False,
+                              decoder=config.decoder, slots=slot_devices(config), group=group)
+        if merged is None:
+            return f"tau shards of {run_dir.name} not all done; the next call runs the rest"
+        write_json_atomic(tau_path, merged, indent=1)
+    return tau_summary(json.loads(tau_path.read_text()))
+
+
 def stage_curve(call: Call) -> str:
     config, book = call.config, call.book
     if not book.done("regenerate"):
@@ -1062,7 +1078,6 @@ def stage_curve(call: Call) -> str:
             if tau_path.is_file():
                 point["tau"] = tau_summary(json.loads(tau_path.read_text()))
                 continue
-            export = run_dir / "export"
             done_marker = run_dir / "trained.json"
             if not done_marker.is_file():
                 box = call.box(config.curve_seconds, reserve=EXPORT_RESERVE_SECONDS)
@@ -1075,16 +1090,12 @@ def stage_curve(call: Call) -> str:
                 if outcome.export is None:
                     return f"{point['series']} {point['rows']} rows stopped at step {outcome.steps_done}; the next call resumes"
                 write_json_atomic(done_marker, dataclasses.asdict(outcome) | {"export": str(outcome.export)})
-            if call.left() < config.min_stage_seconds:
-                return f"tau of {run_dir.name} left to the next call"
             files = files or eval_prompt_files(folder / "prompts", config.dev_prompts, {
                 "dev": config.curve_limit, "humaneval": config.curve_limit, "mtbench_odd": config.curve_limit})
-            merged = sharded_eval(call, export, files, run_dir / "shards", baseline=False, decoder=config.decoder,
-                                  slots=slot_devices(config), group="curve")
-            if merged is None:
-                return f"tau shards of {run_dir.name} not all done; the next call runs the rest"
-            write_json_atomic(tau_path, merged, indent=1)
-            point["tau"] = tau_summary(merged)
+            tau = run_tau(call, run_dir, files, "curve")
+            if isinstance(tau, str):
+                return tau
+            point["tau"] = tau
     finally:
         entry["seconds"] = spent_before + time.monotonic() - started
         book.save()
@@ -1126,11 +1137,11 @@ def recipe_table(recipe: dict[str, Any]) -> list[str]:
     lines = [f"recipe variants: {recipe['rows']:,} rows, {recipe['steps']:,} steps each, one target stream; "
              f"tau on {recipe['dev_prompts']} dev prompts",
              "| variant | dev τ mean | median | pooled | train accuracy | simulated τ |", "|---|---:|---:|---:|---:|---:|"]
+    def cell(value: Any) -> str:
+        return f"{value:.2f}" if isinstance(value, (int, float)) else "–"
+
     for variant in recipe["variants"]:
         tau = variant.get("tau") or {}
-
-        def cell(value: Any) -> str:
-            return f"{value:.2f}" if isinstance(value, (int, float)) else "–"
         lines.append(f"| {variant['name']} | {cell(tau.get('tau_mean'))} | {cell(tau.get('tau_median'))} | "
                      f"{cell(tau.get('tau_pooled'))} | {cell(variant.get('accuracy'))} | {cell(variant.get('tau_sim'))} |")
     measured = [v for v in recipe["variants"] if (v.get("tau") or {}).get("tau_mean") is not None]
@@ -1181,17 +1192,10 @@ def stage_recipe(call: Call) -> str:
             variant.update(accuracy=summary.get("accuracy"), tau_sim=summary.get("tau_sim"))
         files = eval_prompt_files(folder / "prompts", config.dev_prompts, {"dev": config.recipe_limit})
         for variant in recipe["variants"]:
-            variant_dir = run_dir / variant["name"]
-            tau_path = variant_dir / "tau.json"
-            if not tau_path.is_file():
-                if call.left() < config.min_stage_seconds:
-                    return f"tau of {variant['name']} left to the next call"
-                merged = sharded_eval(call, variant_dir / "export", files, variant_dir / "shards", baseline=False,
-                                      decoder=config.decoder, slots=slot_devices(config), group="recipe")
-                if merged is None:
-                    return f"tau shards of {variant['name']} not all done; the next call runs the rest"
-                write_json_atomic(tau_path, merged, indent=1)
-            variant["tau"] = tau_summary(json.loads(tau_path.read_text()))["dev"]
+            tau = run_tau(call, run_dir / variant["name"], files, "recipe")
+            if isinstance(tau, str):
+                return tau
+            variant["tau"] = tau["dev"]
     finally:
         entry["seconds"] = spent_before + time.monotonic() - started
         book.save()
