@@ -19,8 +19,8 @@ from dflash_train.config import UserError
 from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
 from dflash_train.graph_capture import GraphPool, capture
 from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.decode.static import (PREFILL_STEP, StaticDrafter, StaticTarget, prefill_width, static_state,
-                                        static_unsupported)
+from dflash_train.decode.static import (PREFILL_STEP, StaticDrafter, StaticTarget, attention_bias, fused_norm,
+                                        matmul_attention, prefill_width, static_state, static_unsupported)
 from dflash_train.target import Target
 from test_evaluate import random_drafter
 from threads import run_in_threads
@@ -28,6 +28,40 @@ from tiny import tiny_target
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_norms_are_fused_only_where_the_module_computes_weight_times_rms_norm():
+    """Llama's RMSNorm becomes weight · F.rms_norm (the same bits, in float32 and bf16); Gemma's
+    `(1 + weight)` norm and a LayerNorm stay the model's own modules."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    llama, gemma, layer_norm = LlamaRMSNorm(64, eps=1e-5), Gemma3RMSNorm(64, eps=1e-6), torch.nn.LayerNorm(64)
+    with torch.no_grad():
+        llama.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0)) * 4
+    fused = fused_norm(llama)
+    assert fused is not llama
+    with torch.no_grad():
+        assert torch.equal(fused(x), llama(x))
+        assert torch.equal(fused_norm(llama.to(torch.bfloat16))(x.bfloat16()), llama(x.bfloat16()))
+    assert fused_norm(gemma) is gemma and fused_norm(layer_norm) is layer_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_attention_masks_and_scales_in_one_kernel_with_the_same_bits(dtype):
+    """The scale-and-mask add and the float32 softmax give the bits of scaling, upcasting and
+    adding the mask one after the other (the form it replaced)."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 1, 16, generator=generator).to(dtype)
+    keys, values = (torch.randn(3, 2, 40, 16, generator=generator).to(dtype) for _ in range(2))
+    visible = torch.arange(40)[None, None, :] <= torch.tensor([5, 20, 39])[:, None, None]
+    bias = attention_bias(visible, 2, dtype)
+    folded = query.reshape(3, 2, 2, 16)
+    scores = torch.matmul(folded, keys.transpose(-1, -2)) * 0.25
+    probs = torch.softmax(scores.float() + bias, dim=-1).to(dtype)
+    expected = torch.matmul(probs, values).reshape(3, 4, 1, 16).transpose(1, 2).reshape(3, 1, 64)
+    assert torch.equal(matmul_attention(query, keys, values, bias, 0.25), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])

@@ -350,3 +350,29 @@ def test_a_deliberately_slowed_target_gpu_is_named(tmp_path):
     workers = last["workers"]
     assert last["bottleneck"] == "target GPU", last
     assert workers["target-0"]["gpu_busy"] >= 0.6 and workers["target-0"]["gpu_busy"] > workers["drafter-0"]["gpu_busy"], workers
+
+
+def test_variants_share_one_gpu_with_graphs(tmp_path):
+    """mode=variants (the recipe search's run): three drafters of different shapes and losses on
+    one GPU from one target stream, --cuda-graphs on. Every worker captures all its graphs (no
+    fallback), one target pass feeds all three, and each variant trains every step with finite
+    losses and a checkpoint."""
+    variants = [{"name": "base"}, {"name": "b8-dpace", "block_size": 8, "loss": "dpace"},
+                {"name": "one-layer", "num_layers": 1, "lr": 1e-3}]
+    config = _pipeline_config(tmp_path, cuda_graphs="on", mode="variants", variants=variants, steps=12, save_every=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = train(config, samples=pattern_samples(64, min_len=30, max_len=250), target=_target(torch.bfloat16),
+                        log=open(os.devnull, "w"))
+    fallbacks = [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
+    assert not fallbacks, fallbacks
+    notes = summary["startup"]["warmup_notes"]
+    drafter_notes = {name: note for name, note in notes.items() if name.startswith("drafter-")}
+    assert len(drafter_notes) == 3, notes
+    assert all("graphs captured" in note and "eager" not in note for note in drafter_notes.values()), notes
+    assert summary["workers"]["target-0"]["items"] == 12  # one target pass feeds every variant
+    for variant in variants:
+        folder = tmp_path / variant["name"]
+        losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses))), (variant, losses)
+        assert (folder / "checkpoints" / "step-00000012" / "drafter.safetensors").is_file(), variant

@@ -30,6 +30,7 @@ Hugging Face eagerly instead.
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 import weakref
@@ -94,13 +95,55 @@ def matmul_attention(
     batch, heads, length, d = query.shape
     kv_heads = keys.shape[1]
     folded = query.reshape(batch, kv_heads, heads // kv_heads * length, d)
-    scores = torch.matmul(folded, keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.float() + bias, dim=-1).to(values.dtype)
+    scores = torch.matmul(folded, keys.transpose(-1, -2))
+    # One kernel for scale and mask, and the float32 upcast inside softmax: with a bias of 0 or
+    # −inf, round(bias + scale·s) is round(scale·s) or −inf, so the bits are those of scaling,
+    # upcasting, then adding the mask (three kernels).
+    probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.matmul(probs, values)
     return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
 
 
 ATTENTION = {"sdpa": grouped_attention, "matmul": matmul_attention}  # how StaticTarget attends over its cache
+
+
+def _norm_epsilon(module: nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _computes_plain_rms_norm(module: nn.Module) -> bool:
+    """Whether `module(x)` is `weight · rms_norm(x)` (Llama's and Qwen's RMSNorm; not Gemma's
+    `(1 + weight)`, nor a norm with a bias or another formula): decided on a float32 CPU copy."""
+    weight, eps = getattr(module, "weight", None), _norm_epsilon(module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return False
+    try:
+        probe = copy.deepcopy(module).to("cpu", torch.float32)
+        x = torch.randn(4, 3, weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+        with torch.no_grad():
+            expected = probe(x)
+            ours = probe.weight * F.rms_norm(x, (weight.shape[0],), eps=eps)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied or called so: keep it
+        return False
+    return expected.shape == ours.shape and bool(torch.allclose(expected, ours, rtol=1e-5, atol=1e-6))
+
+
+_PLAIN_NORM_CLASSES: dict[type, bool] = {}  # one verdict per norm class
+
+
+def fused_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module` as `weight · F.rms_norm(x)` where it computes exactly that: on CUDA the float32
+    reduction and its one rounding are a single fused kernel, where Hugging Face's written-out
+    form is six (a batch-1 or small-model decode step is mostly such kernels); otherwise the
+    module itself."""
+    kind = type(module)
+    if kind not in _PLAIN_NORM_CLASSES:
+        _PLAIN_NORM_CLASSES[kind] = _computes_plain_rms_norm(module)
+    if not _PLAIN_NORM_CLASSES[kind]:
+        return module
+    weight, shape, eps = module.weight, (module.weight.shape[0],), _norm_epsilon(module)
+    return lambda x: weight * F.rms_norm(x, shape, eps=eps)
 
 
 def _output_tensors(outputs: object) -> list[torch.Tensor]:
@@ -245,6 +288,9 @@ class StaticTarget:
         self.attend_cache = ATTENTION[attention]
         body = target.model.model
         self.model, self.body, self.layers = target.model, body, target.layers
+        self.input_norms = [fused_norm(layer.input_layernorm) for layer in self.layers]
+        self.post_attention_norms = [fused_norm(layer.post_attention_layernorm) for layer in self.layers]
+        self.final_norm = fused_norm(body.norm)
         self.layer_ids = list(layer_ids or [])
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -330,12 +376,12 @@ class StaticTarget:
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            query, key, value = self._project(attn, layer.input_layernorm(x), cos, sin)
+            query, key, value = self._project(attn, self.input_norms[i](x), cos, sin)
             x = x + attn.o_proj(attend(i, query, key, value, attn.scaling))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(self.post_attention_norms[i](x))
             if i in wanted:
                 captured[i] = x
-        hidden = self.body.norm(x)
+        hidden = self.final_norm(x)
         if self.last_layer in captured:  # Hugging Face's last hidden state is the normed one
             captured[self.last_layer] = hidden
         states = torch.cat([captured[k] for k in self.layer_ids], dim=-1) if wanted else None
@@ -348,10 +394,11 @@ class StaticTarget:
         key = attn.k_proj(x).view(batch, length, -1, d)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3
             query, key = attn.q_norm(query), attn.k_norm(key)
-        query = apply_rope(query.transpose(1, 2), cos, sin)
-        key = apply_rope(key.transpose(1, 2), cos, sin)
+        # Queries and keys rotated together: one concatenation and one rotation's kernels, not two.
+        heads = query.shape[2]
+        rotated = apply_rope(torch.cat((query, key), dim=2).transpose(1, 2), cos, sin)
         value = attn.v_proj(x).view(batch, length, -1, d).transpose(1, 2)
-        return query, key, value
+        return rotated[:, :heads], rotated[:, heads:], value
 
 
 # ---------------------------------------------------------------------------------------------
