@@ -35,6 +35,7 @@ class Progress:
         self.every_seconds = every_seconds
         self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.note = ""
+        self.logged: tuple[int, str] | None = None  # (done, note) of the last line written to a log
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
@@ -61,7 +62,7 @@ class Progress:
         elif not self.live and now - self.last_draw >= self.every_seconds:
             self.stream.write(self.line() + "\n")
             self.stream.flush()
-            self.last_draw = now
+            self.last_draw, self.logged = now, (self.done, self.note)
 
     def print(self, text: str) -> None:
         """A permanent line above the live bar."""
@@ -72,5 +73,7 @@ class Progress:
         self.last_draw = 0.0 if self.live else self.last_draw
 
     def close(self) -> None:
+        if not self.live and self.logged == (self.done, self.note):
+            return  # a log already holds this state's line (the last update drew it)
         self.stream.write(("\r\033[K" if self.live else "") + self.line() + "\n")
         self.stream.flush()

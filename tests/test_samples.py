@@ -4,6 +4,7 @@ import gzip
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,22 @@ def test_a_failing_worker_is_reported_and_rendering_falls_back(tokenizer, monkey
         there = load_training_samples(REGENERATED_64, tokenizer, max_length=768, min_supervised_tokens=32, workers=2,
                                       parallel_min_rows=8)
     assert _samples_and_stats(*there) == _samples_and_stats(*here)
+
+
+def test_a_log_gets_one_last_line_per_state():
+    """In a log (not a terminal) `close` writes the last state once: not again when the last
+    update already wrote that line (the render pool's one update of all rows did), and still
+    when the state moved on after the last line."""
+    from dflash_train.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress(10, "rendering x", stream=stream, every_seconds=0.0)
+    progress.update(10)
+    progress.close()
+    assert stream.getvalue().count("10/10") == 1, stream.getvalue()
+    stream = io.StringIO()
+    progress = Progress(10, "rendering y", stream=stream, every_seconds=3600.0)
+    progress.last_draw = time.monotonic()
+    progress.update(4)
+    progress.close()
+    assert stream.getvalue().splitlines() and "4/10" in stream.getvalue().splitlines()[-1], stream.getvalue()
