@@ -49,9 +49,10 @@ def test_norms_are_fused_only_where_the_module_computes_weight_times_rms_norm():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_attention_masks_and_scales_in_one_kernel_with_the_same_bits(dtype):
-    """The scale-and-mask add and the float32 softmax give the bits of scaling, upcasting and
-    adding the mask one after the other (the form it replaced)."""
+def test_matmul_attention_masks_and_scales_in_one_kernel(dtype):
+    """The scale-and-mask add and the softmax in the input's dtype give the form they replaced
+    (scale, upcast, add the mask, float32 softmax, round): the same bits in float32, at most a
+    last-bit difference in bf16."""
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(3, 4, 1, 16, generator=generator).to(dtype)
     keys, values = (torch.randn(3, 2, 40, 16, generator=generator).to(dtype) for _ in range(2))
@@ -61,7 +62,11 @@ def test_matmul_attention_masks_and_scales_in_one_kernel_with_the_same_bits(dtyp
     scores = torch.matmul(folded, keys.transpose(-1, -2)) * 0.25
     probs = torch.softmax(scores.float() + bias, dim=-1).to(dtype)
     expected = torch.matmul(probs, values).reshape(3, 4, 1, 16).transpose(1, 2).reshape(3, 1, 64)
-    assert torch.equal(matmul_attention(query, keys, values, bias, 0.25), expected)
+    got = matmul_attention(query, keys, values, bias, 0.25)
+    if dtype == torch.float32:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
