@@ -40,8 +40,9 @@ def test_norms_are_fused_only_where_the_module_computes_weight_times_rms_norm():
     with torch.no_grad():
         llama.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0)) * 4
+    weight = llama.weight
     fused = fused_norm(llama)
-    assert fused is not llama
+    assert fused is not llama and llama.weight is weight  # the probe ran on a copy
     with torch.no_grad():
         assert torch.equal(fused(x), llama(x))
         assert torch.equal(fused_norm(llama.to(torch.bfloat16))(x.bfloat16()), llama(x.bfloat16()))

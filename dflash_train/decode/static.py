@@ -115,17 +115,23 @@ def _norm_epsilon(module: nn.Module) -> float | None:
 
 def _computes_plain_rms_norm(module: nn.Module) -> bool:
     """Whether `module(x)` is `weight · rms_norm(x)` (Llama's and Qwen's RMSNorm; not Gemma's
-    `(1 + weight)`, nor a norm with a bias or another formula): decided on a float32 CPU copy."""
+    `(1 + weight)`, nor a norm with a bias or another formula). Decided on a shallow copy with a
+    float32 CPU weight of its own, random: the formula is the class's, and no CUDA work is done
+    (another thread may be capturing a graph); a module with other CUDA state fails on CPU input
+    and is kept."""
     weight, eps = getattr(module, "weight", None), _norm_epsilon(module)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         return False
+    generator = torch.Generator().manual_seed(0)
+    size = weight.shape[0]
     try:
-        probe = copy.deepcopy(module).to("cpu", torch.float32)
-        x = torch.randn(4, 3, weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+        probe = copy.copy(module)
+        probe._parameters = {**module._parameters, "weight": nn.Parameter(torch.rand(size, generator=generator) + 0.5)}
+        x = torch.randn(4, 3, size, generator=generator) * 3
         with torch.no_grad():
             expected = probe(x)
-            ours = probe.weight * F.rms_norm(x, (weight.shape[0],), eps=eps)
-    except Exception:  # noqa: BLE001 - a module that cannot be copied or called so: keep it
+            ours = probe.weight * F.rms_norm(x, (size,), eps=eps)
+    except Exception:  # noqa: BLE001 - a module that cannot be called so: keep it
         return False
     return expected.shape == ours.shape and bool(torch.allclose(expected, ours, rtol=1e-5, atol=1e-6))
 
