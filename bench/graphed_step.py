@@ -5,6 +5,8 @@ subprocess, and the warm-up of a first and a second start of the same run.
     start 2   --cuda-graphs on again, the same run folder and caches (the run's compile_cache.bin, the
               local inductor caches): its warm-up should take <= 25% of start 1's
     eager     --cuda-graphs off, warm caches
+    fp8       with --fp8 head|all: --cuda-graphs on with FP8 products (train --fp8), warm caches; its
+              tau_sim next to the bf16 runs' is the "equal tau" check of a faster, lower-precision step
 
 Each run trains the recipe (SmolLM2-135M target and a 5-layer drafter on one GPU, batch 8, 256
 anchors, one 768 bucket) for --steps steps and reports the steady ms/step (second half of the
@@ -48,7 +50,7 @@ def child(args: argparse.Namespace) -> int:
 
     target_dir = hf_folder_from_gguf(args.gguf, args.cache_dir or None) if args.gguf else smollm2_target_dir(args.cache_dir or None)
     config = quality_config(str(target_dir), args.data, args.out, steps=args.steps, device=args.device,
-                            cuda_graphs=args.child, smoke=args.smoke, save_every=10**9, export_dtype="",
+                            cuda_graphs=args.child, fp8=args.fp8, smoke=args.smoke, save_every=10**9, export_dtype="",
                             log_every=max(1, args.steps // 6), resume=True)  # start 2 reuses start 1's folder
     started = time.monotonic()
     summary = train(config, save_checkpoints=False)
@@ -59,7 +61,7 @@ def child(args: argparse.Namespace) -> int:
     last = pipeline[-1] if pipeline else {}
     tail = metrics[-min(50, len(metrics)):]
     result = {
-        "cuda_graphs": args.child, "steps": len(metrics), "ms_per_step": steady_ms_per_step(metrics),
+        "cuda_graphs": args.child, "fp8": args.fp8, "steps": len(metrics), "ms_per_step": steady_ms_per_step(metrics),
         "process_s": round(time.monotonic() - started, 1), "startup": summary["startup"],
         "workers": last.get("workers"), "bottleneck": summary.get("bottleneck"),
         "loss_last50": sum(r["loss"] for r in tail) / len(tail), "tau_sim_last50": sum(r["tau_sim"] for r in tail) / len(tail),
@@ -69,9 +71,9 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result: Path) -> dict:
+def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result: Path, fp8: str = "off") -> dict:
     command = [sys.executable, __file__, "--child", mode, "--out", str(out), "--result", str(result), "--data", args.data,
-               "--steps", str(args.steps), "--device", args.device]
+               "--steps", str(args.steps), "--device", args.device, "--fp8", fp8]
     for flag, value in (("--gguf", args.gguf), ("--cache-dir", args.cache_dir)):
         if value:
             command += [flag, value]
@@ -89,7 +91,7 @@ def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result:
 
 def line(numbers: dict) -> str:
     if "error" in numbers:
-        return f"  {numbers['cuda_graphs']}: FAILED ({numbers['error']})"
+        return f"  --cuda-graphs {numbers['cuda_graphs']}: FAILED ({numbers['error']})"
     startup = numbers["startup"]
     workers = " ".join(f"{name} host {w['host_busy']:.2f}" + (f" gpu {w['gpu_busy']:.2f}" if w.get("gpu_busy") is not None else "")
                        for name, w in (numbers["workers"] or {}).items())
@@ -97,7 +99,8 @@ def line(numbers: dict) -> str:
     if gpu_total:  # every worker of the recipe shares one GPU (and one stream): their spans add up
         workers += f" | GPU busy {min(1.0, gpu_total):.2f}"
     ms = numbers["ms_per_step"]
-    return (f"  --cuda-graphs {numbers['cuda_graphs']}: {ms:.1f} ms/step steady ({1000 / ms:.1f} steps/s), first step after "
+    fp8 = f" --fp8 {numbers['fp8']}" if numbers.get("fp8", "off") != "off" else ""
+    return (f"  --cuda-graphs {numbers['cuda_graphs']}{fp8}: {ms:.1f} ms/step steady ({1000 / ms:.1f} steps/s), first step after "
             f"{startup['time_to_first_step_s']}s, warm-up {startup['warmup_s'] or 0}s, full speed after "
             f"{startup['time_to_full_speed_s']}s | {workers} | limit {numbers['bottleneck']} | "
             f"tau_sim {numbers['tau_sim_last50']:.3f} acc {numbers['accuracy_last50']:.3f} loss {numbers['loss_last50']:.3f}")
@@ -112,6 +115,8 @@ def main() -> int:
     parser.add_argument("--cache-dir", default="", help="where the converted GGUF folder is cached")
     parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds per run")
     parser.add_argument("--smoke", action="store_true", help="tiny recipe settings (checks the script on a CPU)")
+    parser.add_argument("--fp8", default="off", choices=("off", "head", "all"),
+                        help="also time a graphed run with train --fp8 head|all (after the three bf16 runs)")
     parser.add_argument("--json", default="")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -128,10 +133,15 @@ def main() -> int:
     first = run_child(graphed_mode, work / "run-graphed", env, args, work / "first.json")
     second = run_child(graphed_mode, work / "run-graphed", env, args, work / "second.json")
     eager = run_child("off", work / "run-eager", env, args, work / "eager.json")
-    print("\n[graphed-step] results (steady = second half of the steps)")
-    for label, numbers in (("start 1", first), ("start 2", second), ("eager", eager)):
-        print(f"{label}:\n{line(numbers)}")
+    runs = [("start 1", first), ("start 2", second), ("eager", eager)]
     results = {"first_start": first, "second_start": second, "eager": eager}
+    if args.fp8 != "off":
+        fp8 = run_child(graphed_mode, work / f"run-fp8-{args.fp8}", env, args, work / "fp8.json", fp8=args.fp8)
+        runs.append((f"graphed, --fp8 {args.fp8}", fp8))
+        results["fp8"] = fp8
+    print("\n[graphed-step] results (steady = second half of the steps)")
+    for label, numbers in runs:
+        print(f"{label}:\n{line(numbers)}")
     warm = [n.get("startup", {}).get("warmup_s") for n in (first, second)]
     if all(isinstance(w, (int, float)) and w for w in warm):
         print(f"warm-up: first start {warm[0]:.1f}s, second start {warm[1]:.1f}s ({100 * warm[1] / warm[0]:.0f}% of the first)")
@@ -140,6 +150,10 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(results, indent=2))
     graphed_ms = second.get("ms_per_step") or first.get("ms_per_step")
     eager_ms = eager.get("ms_per_step")
+    fp8_ms = results.get("fp8", {}).get("ms_per_step")
+    if fp8_ms and eager_ms:
+        print(f"graphed --fp8 {args.fp8}: {fp8_ms:.1f} ms/step, {eager_ms / fp8_ms:.2f}x the eager bf16 step "
+              f"(tau_sim {results['fp8']['tau_sim_last50']:.3f} vs {eager['tau_sim_last50']:.3f})")
     if graphed_ms and eager_ms:
         print(f"speed-up {eager_ms / graphed_ms:.2f}x")
         print(f"graphed step SmolLM2 recipe: {graphed_ms:.1f} ms/step (eager {eager_ms:.1f} ms/step)")
