@@ -171,6 +171,8 @@ class QualityRunConfig:
     recipe_rows: int = option(30000, "the recipe stage trains every variant on N rows drawn from the answers (seeded)")
     recipe_steps: int = option(2000, "optimizer steps of every recipe variant")
     recipe_limit: int = option(40, "recipe tau on the first N dev prompts (dev only: a recipe is not chosen on benchmarks)")
+    recipe_mode: str = option("variants", "variants: every variant in one train run from one target stream; sequential: "
+                                          "one run per variant, one after another (the same rows, steps and seed)")
 
     def validate(self) -> None:
         for name in ("target", "prompts", "work"):
@@ -242,6 +244,8 @@ class QualityRunConfig:
             if not self.recipe_variants:
                 raise ConfigError("the recipe stage needs --recipe-variants, e.g. loss=dpace,lr=3e-4")
             recipe_variants(self.recipe_variants)  # raises on a malformed or unknown one
+        if self.recipe_mode not in RECIPE_MODES:
+            raise ConfigError(f"--recipe-mode {self.recipe_mode!r}: use {' or '.join(RECIPE_MODES)}")
 
     @property
     def work_dir(self) -> Path:
@@ -287,11 +291,12 @@ STAGE_KEYS = {
     "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),
     # One variants run: another set of variants, rows or steps is another run (another --work).
     "recipe": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "decoder", "recipe_variants", "recipe_rows", "recipe_steps",
-               "recipe_limit"),
+               "recipe_limit", "recipe_mode"),
 }
 
 
 OPTIONAL_KEYS = ("self_prompts", "self_prompt_tokens", "answers_from")  # recorded only when used (below)
+RECIPE_MODES = ("variants", "sequential")
 
 
 def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
@@ -1134,7 +1139,8 @@ def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
 
 
 def recipe_table(recipe: dict[str, Any]) -> list[str]:
-    lines = [f"recipe variants: {recipe['rows']:,} rows, {recipe['steps']:,} steps each, one target stream; "
+    how = "one run per variant" if recipe.get("mode") == "sequential" else "one target stream"
+    lines = [f"recipe variants: {recipe['rows']:,} rows, {recipe['steps']:,} steps each, {how}; "
              f"tau on {recipe['dev_prompts']} dev prompts",
              "| variant | dev τ mean | median | pooled | train accuracy | simulated τ |", "|---|---:|---:|---:|---:|---:|"]
     def cell(value: Any) -> str:
@@ -1151,6 +1157,50 @@ def recipe_table(recipe: dict[str, Any]) -> list[str]:
     return lines
 
 
+def train_recipe_together(call: Call, base, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
+    """Every variant in one `train` run in variants mode (one target stream feeds them all):
+    each variant's summary entry by name, or why not yet (the next call resumes)."""
+    config, run_dir = call.config, Path(base.out)
+    box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
+    if box < config.min_stage_seconds:
+        return f"training left to the next call ({max(box, 0):.0f}s of box)"
+    train = dataclasses.replace(base, mode="variants", variants=variants)
+    train.validate()
+    say(f"recipe: {len(variants)} variant(s) ({', '.join(v['name'] for v in variants)}), "
+        f"{config.recipe_rows} rows, {config.recipe_steps} steps into {run_dir}; box {box:.0f}s")
+    outcome = train_boxed(train, box, stop_early=False)
+    exports = [run_dir / v["name"] / "export" for v in variants]
+    if outcome.steps_done < config.recipe_steps or not all(path.is_dir() for path in exports):
+        return f"stopped at step {outcome.steps_done} of {config.recipe_steps}; the next call resumes"
+    return outcome.drafters or {}
+
+
+def train_recipe_in_turn(call: Call, base, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
+    """Each variant as its own `train` run (replicas mode) into RUN/<name>, one after another, on
+    the same rows with the same seed: what variants mode gives, without its shared stream. A
+    finished variant is kept in FOLDER/in-turn.json and not loaded again."""
+    config, run_dir = call.config, Path(base.out)
+    finished_path = folder / "in-turn.json"
+    finished = json.loads(finished_path.read_text()) if finished_path.is_file() else {}
+    for variant in variants:
+        name = variant["name"]
+        if name in finished:
+            continue
+        box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
+        if box < config.min_stage_seconds:
+            return f"variant {name} left to the next call ({max(box, 0):.0f}s of box)"
+        train = dataclasses.replace(base, out=str(run_dir / name), **{k: v for k, v in variant.items() if k != "name"})
+        train.validate()
+        say(f"recipe: variant {name} ({len(finished) + 1} of {len(variants)}), {config.recipe_rows} rows, "
+            f"{config.recipe_steps} steps into {train.out}; box {box:.0f}s")
+        outcome = train_boxed(train, box, stop_early=False)
+        if outcome.steps_done < config.recipe_steps or outcome.export is None:
+            return f"variant {name} stopped at step {outcome.steps_done} of {config.recipe_steps}; the next call resumes"
+        finished[name] = next(iter((outcome.drafters or {"drafter": {}}).values()))
+        write_json_atomic(finished_path, finished, indent=1)
+    return finished
+
+
 def stage_recipe(call: Call) -> str:
     config, book = call.config, call.book
     if not book.done("regenerate"):
@@ -1162,7 +1212,7 @@ def stage_recipe(call: Call) -> str:
     variants = recipe_variants(config.recipe_variants)
     trained_path = folder / "trained.json"
     recipe: dict[str, Any] = {"settings": stage_settings(config, "recipe"), "rows": config.recipe_rows,
-                              "steps": config.recipe_steps, "dev_prompts": config.recipe_limit,
+                              "steps": config.recipe_steps, "dev_prompts": config.recipe_limit, "mode": config.recipe_mode,
                               "variants": [{"name": v["name"], "overrides": {k: x for k, x in v.items() if k != "name"}}
                                            for v in variants]}
     started, spent_before = time.monotonic(), entry["seconds"]
@@ -1172,20 +1222,13 @@ def stage_recipe(call: Call) -> str:
             if rows_there < config.recipe_rows:
                 raise StageFailed(f"recipe: {config.answers} holds {rows_there} rows, fewer than --recipe-rows "
                                   f"{config.recipe_rows}")
-            box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
-            if box < config.min_stage_seconds:
-                return f"training left to the next call ({max(box, 0):.0f}s of box)"
             data = sampled_rows(config.answers, config.recipe_rows, folder / f"data-{config.recipe_rows}.jsonl")
-            train = dataclasses.replace(train_config(call, data, run_dir, config.recipe_steps), mode="variants",
-                                        variants=variants)
-            train.validate()
-            say(f"recipe: {len(variants)} variant(s) ({', '.join(v['name'] for v in variants)}), "
-                f"{config.recipe_rows} rows, {config.recipe_steps} steps into {run_dir}; box {box:.0f}s")
-            outcome = train_boxed(train, box, stop_early=False)
-            exports = {v["name"]: run_dir / v["name"] / "export" for v in variants}
-            if outcome.steps_done < config.recipe_steps or not all(path.is_dir() for path in exports.values()):
-                return f"stopped at step {outcome.steps_done} of {config.recipe_steps}; the next call resumes"
-            write_json_atomic(trained_path, {"steps_done": outcome.steps_done, "drafters": outcome.drafters or {}})
+            base = train_config(call, data, run_dir, config.recipe_steps)
+            train_variants = train_recipe_together if config.recipe_mode == "variants" else train_recipe_in_turn
+            drafters = train_variants(call, base, variants, folder)
+            if isinstance(drafters, str):
+                return drafters
+            write_json_atomic(trained_path, {"steps_done": config.recipe_steps, "drafters": drafters})
         drafters = json.loads(trained_path.read_text())["drafters"]
         for variant in recipe["variants"]:
             summary = drafters.get(variant["name"], {})

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_regenerate import tiny_smollm_dir
 
@@ -443,7 +444,7 @@ def test_sampled_rows_are_a_seeded_nested_draw_in_file_order(script, tmp_path):
     assert rows(script.sampled_rows(source, 100, tmp_path / "all.jsonl")) == rows(source)
 
 
-def test_recipe_stage_trains_every_variant_in_one_run_and_ranks_them_on_dev(script, files, tmp_path, capsys):
+def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_on_dev(script, files, tmp_path, capsys):
     work = tmp_path / "work"
     args = base_args(files, work, "--samples", "6", "--smoke", "--stages", "regenerate,recipe",
                      "--recipe-variants", "loss=dpace", "--recipe-rows", "5", "--recipe-steps", "3",
@@ -480,6 +481,30 @@ def test_recipe_stage_trains_every_variant_in_one_run_and_ranks_them_on_dev(scri
     assert [type(v[k]) for v, k in zip(variants[1:], ("lr", "num_layers", "gamma"))] == [float, int, float]
     with pytest.raises(script.ConfigError, match="num_layers"):
         script.recipe_variants(["num_layers=deep"])
+
+    # --recipe-mode sequential (the fallback where one variants run cannot be used): each variant
+    # is its own run on the same rows, and each drafter ends with the weights variants mode gave
+    # it (same rows, order, seed and steps; float32 on the CPU). A rerun loads nothing again.
+    from safetensors.torch import load_file
+
+    in_turn = tmp_path / "in-turn"
+    sequential = [*base_args(files, in_turn), *args[args.index("--samples"):], "--recipe-mode", "sequential"]
+    assert script.main(sequential) == 0
+    out = capsys.readouterr().out
+    assert "variant base (1 of 2)" in out and "variant loss-dpace (2 of 2)" in out and "one run per variant" in out
+    recipe = json.loads((in_turn / "recipe.json").read_text())
+    assert recipe["mode"] == "sequential" and all(v["tau"]["prompts"] == 1 for v in recipe["variants"])
+    assert sorted(json.loads((in_turn / "recipe" / "in-turn.json").read_text())) == ["base", "loss-dpace"]
+    for name in ("base", "loss-dpace"):
+        alone = load_file(str(in_turn / "recipe" / "run" / name / "export" / "model.safetensors"))
+        together = load_file(str(run / name / "export" / "model.safetensors"))
+        assert alone.keys() == together.keys()
+        for key in alone:
+            torch.testing.assert_close(alone[key], together[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    assert script.main(sequential) == 0 and "recipe: done in an earlier call" in capsys.readouterr().out
+    assert script.main([*sequential[:-1], "apart"]) == 2
+    err = capsys.readouterr().err
+    assert "--recipe-mode 'apart': use variants or sequential" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
