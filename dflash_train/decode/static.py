@@ -285,7 +285,8 @@ class StaticTarget:
     prompt's end: masked, and overwritten by the row's next tokens before they can be seen.
 
     The model's own submodules run (norms, projections, MLP, rotary embedding), so bias terms,
-    q/k norms and scaled RoPE variants are the model's; only the attention over the cache is ours.
+    q/k norms and scaled RoPE variants are the model's; only the attention over the cache is ours,
+    and the layer norms where their class computes `weight · rms_norm(x)` (`fused_norm`).
     """
 
     def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1,
