@@ -71,7 +71,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from dflash_train.config import DECODERS, ConfigError, UserError, add_arguments, from_args, option  # noqa: E402
+from dflash_train.config import DECODERS, ConfigError, TrainConfig, UserError, add_arguments, from_args, option  # noqa: E402
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 from dflash_train.gguf import check_gguf_file  # noqa: E402
 
@@ -696,7 +696,7 @@ class StageFailed(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 
 
-def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str | None = None):
+def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str | None = None) -> TrainConfig:
     """The QUALITY.md recipe with this run's overrides, resuming whatever `out` holds."""
     from quality_smollm2 import quality_config
 
@@ -1119,7 +1119,7 @@ def stage_curve(call: Call) -> str:
 
 def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
     """`train` variants: the recipe unchanged ("base"), then one per KEY=VALUE, named KEY-VALUE."""
-    from dflash_train.config import VARIANT_KEYS, TrainConfig, convert_values
+    from dflash_train.config import VARIANT_KEYS, convert_values
 
     allowed = [key for key in VARIANT_KEYS if key != "name"]
     variants: list[dict[str, Any]] = [{"name": "base"}]
@@ -1157,7 +1157,7 @@ def recipe_table(recipe: dict[str, Any]) -> list[str]:
     return lines
 
 
-def train_recipe_together(call: Call, base, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
+def train_recipe_together(call: Call, base: TrainConfig, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
     """Every variant in one `train` run in variants mode (one target stream feeds them all):
     each variant's summary entry by name, or why not yet (the next call resumes)."""
     config, run_dir = call.config, Path(base.out)
@@ -1175,7 +1175,7 @@ def train_recipe_together(call: Call, base, variants: list[dict[str, Any]], fold
     return outcome.drafters or {}
 
 
-def train_recipe_in_turn(call: Call, base, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
+def train_recipe_in_turn(call: Call, base: TrainConfig, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
     """Each variant as its own `train` run (replicas mode) into RUN/<name>, one after another, on
     the same rows with the same seed: what variants mode gives, without its shared stream. A
     finished variant is kept in FOLDER/in-turn.json and not loaded again."""
