@@ -50,7 +50,7 @@ from dflash_train.data.readers import RowStats, read_prompts  # noqa: E402
 from dflash_train.data.regenerate import GenerationSettings, Job, row_seed  # noqa: E402
 from dflash_train.data.render import RenderError, render_prompt, stop_token_ids  # noqa: E402
 from dflash_train.decode.batched import StaticBatchEngine  # noqa: E402
-from dflash_train.target import Target, load_target  # noqa: E402
+from dflash_train.target import Target, load_target, model_folder  # noqa: E402
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
@@ -71,12 +71,7 @@ def load(args) -> tuple[Target, str]:
         return target, args.label or ("SmolLM2" if "smol" in Path(args.target).name.lower() else Path(args.target).stem)
     from transformers import AutoTokenizer
 
-    folder = Path(args.target)
-    if folder.suffix == ".gguf":
-        from dflash_train.gguf import hf_folder_from_gguf
-
-        folder = hf_folder_from_gguf(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(args.target))
     family, dims = DIMS[args.dims]
     torch.manual_seed(0)
     target = random_target(dims, device, dtype, family)

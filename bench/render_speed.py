@@ -21,17 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dflash_train.data.samples import load_training_samples  # noqa: E402
-
-
-def tokenizer_of(target: str):
-    from transformers import AutoTokenizer
-
-    folder = Path(target)
-    if folder.suffix == ".gguf":
-        from dflash_train.gguf import hf_folder_from_gguf
-
-        folder = hf_folder_from_gguf(folder)
-    return AutoTokenizer.from_pretrained(folder)
+from dflash_train.target import model_folder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-supervised-tokens", type=int, default=32)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    tokenizer = tokenizer_of(args.target)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(args.target))
     results, reference = [], None
     for workers in [int(w) for w in args.workers.split(",")]:
         started = time.perf_counter()

@@ -291,6 +291,17 @@ def _check_all_weights_loaded(loaded: Any, path: Path) -> nn.Module:
                       f"random values.{why}")
 
 
+def model_folder(path: str | Path) -> Path:
+    """The Hugging Face folder of a target: `path` itself, or a `.gguf` file's converted folder
+    (converted once, cached)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import hf_folder_from_gguf
+
+        return hf_folder_from_gguf(path)
+    return path
+
+
 def load_target(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -301,11 +312,7 @@ def load_target(
     """Load a target from a Hugging Face folder or a `.gguf` file (converted once, cached)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from .gguf import hf_folder_from_gguf
-
-        path = hf_folder_from_gguf(path)
+    path = model_folder(path)
     if not (path / "config.json").is_file():
         raise TargetError(f"{path}: not a Hugging Face model folder (no config.json) and not a .gguf file")
     config = AutoConfig.from_pretrained(path)
