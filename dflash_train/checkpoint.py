@@ -6,6 +6,7 @@ Layout of a drafter's run folder:
     metrics.jsonl                  one JSON line per logged step
     checkpoints/step-00001000/     drafter.safetensors, trainer.pt, state.json
     checkpoints/latest             name of the newest complete checkpoint
+    checkpoints/superseded/        checkpoints past the step a run of several drafters resumed from
 
 Writing: each checkpoint is built in a hidden staging folder, fsynced file by file and renamed
 into place by `files.write_dir_atomically`; only then is `latest` replaced (also fsynced), so a
@@ -288,6 +289,43 @@ def resumable_checkpoint(run_dir: str | Path, log: TextIO | None = None) -> tupl
             continue
         return candidate, skipped
     return None, skipped
+
+
+def verified_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """Every checkpoint of `run_dir` that verifies, by step (damaged ones left out)."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    found: dict[int, Path] = {}
+    for candidate in sorted(checkpoints.glob("step-*")) if checkpoints.is_dir() else []:
+        try:
+            found[verify_checkpoint(candidate)["step"]] = candidate
+        except CheckpointError:
+            continue
+    return found
+
+
+SUPERSEDED = "superseded"
+
+
+def set_aside_after(run_dir: str | Path, step: int) -> list[tuple[Path, Path]]:
+    """Move every checkpoint of `run_dir` past `step` into `checkpoints/superseded/` (kept, never
+    deleted) and point `latest` at step `step`: a run resumed from `step` writes those steps
+    again, and until it does no resume or export may take the old ones for its newest.
+    Returns (from, to) for each folder moved."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    moved = []
+    for candidate in sorted(checkpoints.glob("step-*")):
+        if not (_STEP_NAME.fullmatch(candidate.name) and int(candidate.name[5:]) > step):
+            continue
+        aside = checkpoints / SUPERSEDED / candidate.name
+        suffix = 1
+        while aside.exists():
+            aside, suffix = checkpoints / SUPERSEDED / f"{candidate.name}.{suffix}", suffix + 1
+        aside.parent.mkdir(exist_ok=True)
+        candidate.rename(aside)
+        moved.append((candidate, aside))
+    if moved:
+        write_text_atomic(checkpoints / "latest", f"step-{step:08d}\n")
+    return moved
 
 
 # --------------------------------------------------------------------------------------------

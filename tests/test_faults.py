@@ -197,6 +197,60 @@ def test_resume_after_kill_9_logs_each_step_once_and_cleans_staging(tmp_path, ta
     assert pipeline == sorted(set(pipeline))
 
 
+def test_variants_stopped_at_different_steps_resume_from_their_common_step(tmp_path, target):
+    """A stop ends each drafter after its own current step, so a slower variant stops a few steps
+    behind (on the H200, after a time box: 2,793 against 2,790). --resume continues all of them
+    from the newest step each has a checkpoint of, sets the later ones aside, and ends with the
+    weights of a run that was never stopped."""
+    from safetensors.torch import load_file
+
+    variants = [{"name": "fast"}, {"name": "slow", "lr": 3e-3}]
+    config = dict(mode="variants", drafter_devices=["cpu", "cpu"], variants=variants, steps=8, save_every=2)
+    slow_may_go_on = threading.Event()
+
+    def stop_with_slow_behind(worker, step):
+        if worker.replica.name == "slow" and step == 1:
+            assert slow_may_go_on.wait(60), "the fast variant never reached step 3"
+        if worker.replica.name == "fast" and step == 3:
+            worker.stop_signal.stop("stopped by the test")
+            slow_may_go_on.set()
+
+    stopped = tmp_path / "stopped"
+    train(_config(stopped, **config), samples=pattern_samples(16), target=target, log=_quiet(),
+          step_hook=stop_with_slow_behind)
+    assert latest_checkpoint(stopped / "fast").name == "step-00000004"
+    assert latest_checkpoint(stopped / "slow").name == "step-00000002"
+
+    log = tempfile.TemporaryFile("w+")
+    train(_config(stopped, resume=True, **config), samples=pattern_samples(16), target=target, log=log)
+    log.seek(0)
+    said = log.read()
+    assert "the drafters stopped at different steps {'fast': 4, 'slow': 2}; all resume from step 2" in said
+    assert "superseded/step-00000004 (the steps after 2 are trained again)" in said
+    assert (stopped / "fast" / "checkpoints" / "superseded" / "step-00000004" / "drafter.safetensors").is_file()
+
+    straight = tmp_path / "straight"
+    train(_config(straight, **config), samples=pattern_samples(16), target=target, log=_quiet())
+    for name in ("fast", "slow"):
+        assert latest_checkpoint(stopped / name).name == "step-00000008"
+        resumed = load_file(str(latest_checkpoint(stopped / name) / "drafter.safetensors"))
+        expected = load_file(str(latest_checkpoint(straight / name) / "drafter.safetensors"))
+        for key in expected:
+            torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_variants_with_no_checkpointed_step_in_common_are_refused(tmp_path, target):
+    variants = [{"name": "a"}, {"name": "b", "lr": 3e-3}]
+    config = dict(mode="variants", drafter_devices=["cpu", "cpu"], variants=variants, steps=8, save_every=2)
+    train(_config(tmp_path, **config), samples=pattern_samples(16), target=target, log=_quiet(), stop_at=4)
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")  # a keeps 2 and 4, b only 2 ...
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "step-00000002")  # ... and a no longer 2
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"no checkpointed step in common \(steps \{'a': \[4\], 'b': \[2\]\}\)"):
+        train(_config(tmp_path, resume=True, **config), samples=pattern_samples(16), target=target, log=_quiet())
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
 def _steps_tolerant(path: Path) -> list[int]:
     steps = []
     for line in path.read_text().splitlines():

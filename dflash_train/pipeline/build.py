@@ -25,7 +25,7 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from ..attention import resolve_backend
-from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint
+from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint, set_aside_after, verified_checkpoints
 from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..files import remove_leftover_staging, write_json_atomic
@@ -318,9 +318,14 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
     if not states:
         print(f"--resume: no complete checkpoint in {config.out}, starting from step 0", file=log)
         return ResumePoint()
+    if missing := [plan.name for plan in plans if plan.name not in states]:
+        raise ConfigError(f"cannot resume: {', '.join(missing)} has no complete checkpoint in {config.out} while "
+                          f"{', '.join(states)} do; train into a new --out")
+    aligned = len({state["step"] for state in states.values()}) != 1
+    if aligned:
+        found = common_checkpoints(plans, {name: state["step"] for name, state in states.items()}, log)
+        states = {name: read_state(path) for name, path in found.items()}
     steps = {name: state["step"] for name, state in states.items()}
-    if len(set(steps.values())) != 1 or len(steps) != len(plans):
-        raise ConfigError(f"cannot resume: drafters have checkpoints at different steps {steps}")
     for plan in plans:
         check_resumable(plan, found[plan.name], states[plan.name])
     for name, state in states.items():
@@ -333,8 +338,27 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
             raise ConfigError(f"cannot resume {found[name]}: this run would train other batches at each step "
                               f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
     start = next(iter(steps.values()))
+    for plan in plans if aligned else []:  # only once every check passed: a refused resume changes nothing
+        for before, after in set_aside_after(plan.run_dir, start):
+            print(f"--resume: {before} set aside as {after} (the steps after {start} are trained again)", file=log)
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
     return ResumePoint(start, found)
+
+
+def common_checkpoints(plans: list[DrafterPlan], newest: dict[str, int], log: TextIO) -> dict[str, Path]:
+    """Drafters trained from one stream whose newest checkpoints differ (a stop ends each after its
+    own current step, and a slower one is a few steps behind): the newest step all of them have
+    a verified checkpoint of (its later ones are set aside once the resume is allowed)."""
+    verified = {plan.name: verified_checkpoints(plan.run_dir) for plan in plans}
+    common = set.intersection(*(set(found) for found in verified.values()))
+    if not common:
+        held = {name: sorted(found) for name, found in verified.items()}
+        raise ConfigError(f"cannot resume: the drafters have no checkpointed step in common (steps {held}); "
+                          "train into a new --out")
+    step = max(common)
+    print(f"--resume: the drafters stopped at different steps {newest}; all resume from step {step}, "
+          "the newest step each has a checkpoint of", file=log)
+    return {name: found[step] for name, found in verified.items()}
 
 
 def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
