@@ -191,3 +191,22 @@ def test_a_stop_never_undoes_a_released_barrier_generation():
     assert undone == 0
     with pytest.raises(PipelineStopped):  # a thread arriving after the stop does not pass
         barrier.wait()
+
+
+def test_a_drafter_reading_fewer_layers_takes_its_columns_in_its_order_with_one_index():
+    """Feature batches hold the union of every variant's target layers; a variant reading a subset
+    selects its own, in its own order. Its index tensor is made once per layer set: made per batch
+    on CUDA it made the drafter thread wait for the target (see LayerColumns)."""
+    from dflash_train.pipeline.workers import LayerColumns, select_layers
+
+    held, hidden = [1, 3, 5, 7], 4
+    features = torch.stack([torch.full((2, 3, hidden), float(k)) for k in held], dim=2).flatten(2)  # [2, 3, 4 · 4]
+    columns = LayerColumns([7, 3])
+    index = columns.index(held, torch.device("cpu"))
+    picked = select_layers(features, len(held), index)
+    assert picked.shape == (2, 3, 2 * hidden)
+    assert picked[..., :hidden].eq(7).all() and picked[..., hidden:].eq(3).all()
+    assert columns.index(list(held), torch.device("cpu")) is index  # made once
+    assert columns.index([3, 7], torch.device("cpu")).tolist() == [1, 0]  # another layer set: its own
+    with pytest.raises(ValueError, match=r"holds target layers \[1, 3\], not \[7\] this drafter reads"):
+        columns.index([1, 3], torch.device("cpu"))
