@@ -233,6 +233,7 @@ def test_variants_stopped_at_different_steps_resume_from_their_common_step(tmp_p
     train(_config(straight, **config), samples=pattern_samples(16), target=target, log=_quiet())
     for name in ("fast", "slow"):
         assert latest_checkpoint(stopped / name).name == "step-00000008"
+        assert _steps(stopped / name / "metrics.jsonl") == list(range(1, 9))  # fast's steps 3-4 logged once
         resumed = load_file(str(latest_checkpoint(stopped / name) / "drafter.safetensors"))
         expected = load_file(str(latest_checkpoint(straight / name) / "drafter.safetensors"))
         for key in expected:

@@ -304,6 +304,7 @@ def layer_union(plans: list[DrafterPlan]) -> list[int]:
 class ResumePoint:
     start_step: int = 0
     checkpoints: dict[str, Path] = field(default_factory=dict)  # per plan name
+    behind_newest: bool = False  # some drafter has checkpoints past start_step (see set_aside_later_checkpoints)
 
 
 def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO, stream: dict | None = None) -> ResumePoint:
@@ -321,8 +322,8 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
     if missing := [plan.name for plan in plans if plan.name not in states]:
         raise ConfigError(f"cannot resume: {', '.join(missing)} has no complete checkpoint in {config.out} while "
                           f"{', '.join(states)} do; train into a new --out")
-    aligned = len({state["step"] for state in states.values()}) != 1
-    if aligned:
+    unequal = len({state["step"] for state in states.values()}) != 1
+    if unequal:
         found = common_checkpoints(plans, {name: state["step"] for name, state in states.items()}, log)
         states = {name: read_state(path) for name, path in found.items()}
     steps = {name: state["step"] for name, state in states.items()}
@@ -338,17 +339,27 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
             raise ConfigError(f"cannot resume {found[name]}: this run would train other batches at each step "
                               f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
     start = next(iter(steps.values()))
-    for plan in plans if aligned else []:  # only once every check passed: a refused resume changes nothing
-        for before, after in set_aside_after(plan.run_dir, start):
-            print(f"--resume: {before} set aside as {after} (the steps after {start} are trained again)", file=log)
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
-    return ResumePoint(start, found)
+    return ResumePoint(start, found, behind_newest=unequal)
+
+
+def set_aside_later_checkpoints(plans: list[DrafterPlan], resume: ResumePoint, log: TextIO) -> None:
+    """A resume from a step some drafters are past (`common_checkpoints`): their later checkpoints
+    moved to checkpoints/superseded/, kept, so that until those steps are trained again no resume
+    or export takes them for the newest. Called by the run folder's owner once the resume is
+    agreed: a refused resume changes nothing."""
+    if not resume.behind_newest:
+        return
+    for plan in plans:
+        for before, after in set_aside_after(plan.run_dir, resume.start_step):
+            print(f"--resume: {before} set aside as {after} (the steps after {resume.start_step} are trained again)",
+                  file=log)
 
 
 def common_checkpoints(plans: list[DrafterPlan], newest: dict[str, int], log: TextIO) -> dict[str, Path]:
     """Drafters trained from one stream whose newest checkpoints differ (a stop ends each after its
     own current step, and a slower one is a few steps behind): the newest step all of them have
-    a verified checkpoint of (its later ones are set aside once the resume is allowed)."""
+    a verified checkpoint of."""
     verified = {plan.name: verified_checkpoints(plan.run_dir) for plan in plans}
     common = set.intersection(*(set(found) for found in verified.values()))
     if not common:

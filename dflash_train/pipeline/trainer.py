@@ -28,7 +28,7 @@ from .batches import stream_identity
 from .build import (
     build_evaluation, build_pipeline, check_batch_size, describe_drafters, find_resume_point, layer_union,
     load_feature_supply, load_samples, plan_drafters, prepare_compile_safety, prepare_run_folder, resolve_layout,
-    step_range, step_share,
+    set_aside_later_checkpoints, step_range, step_share,
 )
 from .compile_cache import load_compile_cache
 from .coordinator import Coordinator
@@ -88,6 +88,8 @@ def train(
         nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
                      "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
                     "what to train")
+        if nodes.writes:
+            set_aside_later_checkpoints(plans, resume, log)
         steps = step_range(config, resume, stop_at, log)
         compiles = prepare_compile_safety(config, layout, plans, log)
         compile_cache = load_compile_cache(out, log) if compiles else None
