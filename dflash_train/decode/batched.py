@@ -8,7 +8,8 @@ slots: once 1/`admit_fraction` of the slots are free (a few large prefills cost 
 than one per finished row), the admitted prompts are prefilled together, right-padded, straight
 into their cache rows (at most `prefill_tokens` tokens per forward); with CUDA graphs the prefill
 is captured too, one graph per (rows, width) bucket (rows a power of two, width a multiple of
-PREFILL_WIDTH_STEP), its padding rows written to one scratch cache row that no step reads. Each
+PREFILL_WIDTH_STEP), its padding rows written to one scratch cache row that no step reads; every
+bucket a phase's prompts can reach is captured before the phase starts. Each
 row has its own position, stop flag, token count and seed in device tensors, so one decode step
 serves rows at any point of their answers, and has one shape per (rows, attention span): the span
 is the number of cache positions attended, a multiple of ATTENTION_STEP that covers the furthest
@@ -178,6 +179,7 @@ class BatchState:
         self.bucket_prefills = prefills_bucketed(self.device, graphs, bucket_prefills)
         self.scratch = slots
         self.prefills: dict[tuple[int, int], _Prefill] = {}
+        self.prefill_shapes_late = 0  # buckets first needed by a prefill (capture_prefills had not made them)
         # The prefill graphs share a pool of their own: each one's logits are consumed (in stream
         # order) before the next prefill replays, so a later graph may reuse an earlier one's memory.
         self.prefill_pool = GraphPool() if self.pool is not None else None
@@ -223,6 +225,7 @@ class BatchState:
         prefill = self.prefills.get(key)
         if prefill is None:
             prefill = self.prefills[key] = _Prefill(self, *key)
+            self.prefill_shapes_late += 1
         rows, width = key
         padding = rows - count
         ids = [p + [0] * (width - len(p)) for p in prompts] + [[0] * width] * padding
@@ -230,6 +233,34 @@ class BatchState:
         _copy_into(prefill.lengths, [len(p) for p in prompts] + [1] * padding)
         _copy_into(prefill.rows, slots + [self.scratch] * padding)
         return prefill.step()[:count]
+
+    def prefill_buckets(self, longest: int, prefill_tokens: int) -> list[tuple[int, int]]:
+        """Every (rows, width) bucket the prefills of prompts of at most `longest` tokens can use.
+        Prompts come shortest first and a prefill takes consecutive ones while (count) × (its
+        longest) ≤ `prefill_tokens` (one prompt at least), at most one per slot: a bucket of
+        width W holds prompts longer than W − PREFILL_WIDTH_STEP, so at most
+        `prefill_tokens` // (W − PREFILL_WIDTH_STEP + 1) of them."""
+        buckets = []
+        top = -(-min(longest, self.capacity) // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP
+        for width in range(PREFILL_WIDTH_STEP, top + 1, PREFILL_WIDTH_STEP):
+            count = min(self.slots, max(1, prefill_tokens // (width - PREFILL_WIDTH_STEP + 1)))
+            rows = 1
+            while rows < 2 * count:
+                buckets.append((rows, min(self.capacity, width)))
+                rows *= 2
+        return buckets
+
+    def capture_prefills(self, buckets: list[tuple[int, int]]) -> int:
+        """Make (and on CUDA capture, each from its own padding: one-token prompts into the
+        scratch row) the prefills of `buckets` now, so that no prefill waits for a capture once
+        rows decode; returns how many were new. A bucket needed later anyway is made then and
+        counted in `prefill_shapes_late`."""
+        new = [key for key in dict.fromkeys(buckets) if key not in self.prefills]
+        for key in new:
+            prefill = self.prefills[key] = _Prefill(self, *key)
+            if self.graphs and self.device.type == "cuda":
+                prefill.step()
+        return len(new)
 
     def capture_steps(self) -> int:
         """Capture the steps of all slots at every attention span (the multiples of
@@ -337,7 +368,7 @@ class EngineStats:
     admit_s: float = 0.0  # host seconds enqueuing prefills
     step_s: float = 0.0  # host seconds enqueuing decode steps (captures on the fly included)
     wait_s: float = 0.0  # host seconds waiting for the device (finished flags, answer tokens)
-    capture_s: float = 0.0  # host seconds capturing decode steps up front
+    capture_s: float = 0.0  # host seconds capturing decode steps and prefills up front
 
     def as_dict(self) -> dict[str, float]:
         values = dataclasses.asdict(self)
@@ -396,8 +427,8 @@ class StaticBatchEngine:
         """One line for the run's summary: how full the steps were and where the host's time went."""
         stats = self.stats
         state = self.state
-        attention = (f", attention {state.attention}, {len(state.steps)} step and {len(state.prefills)} prefill shapes"
-                     if state is not None else "")
+        attention = (f", attention {state.attention}, {len(state.steps)} step and {len(state.prefills)} prefill shapes "
+                     f"({state.prefill_shapes_late} of them made mid-run)" if state is not None else "")
         return (f"{self.slots} slots{attention}: {stats.steps:,} decode steps at occupancy {stats.as_dict()['occupancy']:.2f}, "
                 f"{stats.prefills:,} prefills for {stats.admitted:,} prompts; host seconds: prefill {stats.admit_s:.1f}, "
                 f"steps {stats.step_s:.1f}, waiting for the GPU {stats.wait_s:.1f}, captures up front {stats.capture_s:.1f}")
@@ -487,6 +518,15 @@ class StaticBatchEngine:
                   f"in {seconds:.1f}s{chose}", file=self.log, flush=True)
         return state
 
+    def _capture_prefills(self, state: BatchState, longest: int) -> None:
+        started = time.perf_counter()
+        made = state.capture_prefills(state.prefill_buckets(longest, self.prefill_tokens))
+        if made and state.graphs and self.device.type == "cuda":
+            seconds = time.perf_counter() - started
+            self.stats.capture_s += seconds
+            print(f"captured {made} prefills (rows x width) for prompts of up to {longest} tokens in {seconds:.1f}s",
+                  file=self.log, flush=True)
+
     def _phase(self, queue: deque, count: int, slots: int, capacity: int, in_flight: dict[int, Job]):
         """Answer the next `count` jobs of `queue`; `in_flight` holds those taken and not yet yielded.
 
@@ -494,6 +534,8 @@ class StaticBatchEngine:
         the finished flags. On CUDA the host acts on a round's flags (and yields the rows they
         finished) one round later, while the GPU runs the next round; on CPU, at once."""
         state = self._state_for(slots, capacity)
+        if state.bucket_prefills:
+            self._capture_prefills(state, longest=len(queue[count - 1].ids))
         lag = self.overlap
         occupant: list[_Slot | None] = [None] * slots
         rows = slots  # slots 0..rows−1 take part in the steps
