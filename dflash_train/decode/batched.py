@@ -427,8 +427,9 @@ class StaticBatchEngine:
         """One line for the run's summary: how full the steps were and where the host's time went."""
         stats = self.stats
         state = self.state
-        attention = (f", attention {state.attention}, {len(state.steps)} step and {len(state.prefills)} prefill shapes "
-                     f"({state.prefill_shapes_late} of them made mid-run)" if state is not None else "")
+        late = f" ({state.prefill_shapes_late} of them made mid-run)" if state is not None and state.bucket_prefills else ""
+        attention = (f", attention {state.attention}, {len(state.steps)} step and {len(state.prefills)} prefill shapes{late}"
+                     if state is not None else "")
         return (f"{self.slots} slots{attention}: {stats.steps:,} decode steps at occupancy {stats.as_dict()['occupancy']:.2f}, "
                 f"{stats.prefills:,} prefills for {stats.admitted:,} prompts; host seconds: prefill {stats.admit_s:.1f}, "
                 f"steps {stats.step_s:.1f}, waiting for the GPU {stats.wait_s:.1f}, captures up front {stats.capture_s:.1f}")
