@@ -32,7 +32,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, TextIO
+from typing import Any, BinaryIO, Callable, Iterator, TextIO
 
 import torch
 from safetensors.torch import load_file
@@ -272,35 +272,35 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     return state
 
 
+def _verified_newest_first(run_dir: str | Path) -> Iterator[tuple[Path, dict[str, Any] | CheckpointError]]:
+    """Each checkpoint folder of `run_dir`, newest first, with its state if it verifies, else why not."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    candidates = sorted((p for p in checkpoints.glob("step-*") if p.is_dir()), reverse=True) if checkpoints.is_dir() else []
+    for candidate in candidates:
+        try:
+            yield candidate, verify_checkpoint(candidate)
+        except CheckpointError as error:
+            yield candidate, error
+
+
 def resumable_checkpoint(run_dir: str | Path, log: TextIO | None = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of `run_dir` that verifies, and one line for each newer one skipped
     (`<folder>: <why>`); those lines also go to `log` when given. (None, lines) when none does."""
-    checkpoints = Path(run_dir) / "checkpoints"
-    candidates = sorted((p for p in checkpoints.glob("step-*") if p.is_dir()), reverse=True) if checkpoints.is_dir() else []
     skipped: list[str] = []
-    for candidate in candidates:
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError as error:
-            line = f"skipping checkpoint {candidate.name}: {error}"
-            skipped.append(line)
-            if log is not None:
-                print(f"--resume: {line}", file=log)
-            continue
-        return candidate, skipped
+    for candidate, outcome in _verified_newest_first(run_dir):
+        if not isinstance(outcome, CheckpointError):
+            return candidate, skipped
+        line = f"skipping checkpoint {candidate.name}: {outcome}"
+        skipped.append(line)
+        if log is not None:
+            print(f"--resume: {line}", file=log)
     return None, skipped
 
 
 def verified_checkpoints(run_dir: str | Path) -> dict[int, Path]:
     """Every checkpoint of `run_dir` that verifies, by step (damaged ones left out)."""
-    checkpoints = Path(run_dir) / "checkpoints"
-    found: dict[int, Path] = {}
-    for candidate in sorted(checkpoints.glob("step-*")) if checkpoints.is_dir() else []:
-        try:
-            found[verify_checkpoint(candidate)["step"]] = candidate
-        except CheckpointError:
-            continue
-    return found
+    return {outcome["step"]: candidate for candidate, outcome in _verified_newest_first(run_dir)
+            if not isinstance(outcome, CheckpointError)}
 
 
 SUPERSEDED = "superseded"
