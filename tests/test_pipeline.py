@@ -201,12 +201,12 @@ def test_a_drafter_reading_fewer_layers_takes_its_columns_in_its_order_with_one_
 
     held, hidden = [1, 3, 5, 7], 4
     features = torch.stack([torch.full((2, 3, hidden), float(k)) for k in held], dim=2).flatten(2)  # [2, 3, 4 · 4]
-    columns = LayerColumns([7, 3])
-    index = columns.index(held, torch.device("cpu"))
+    columns = LayerColumns([7, 3], torch.device("cpu"))
+    index = columns.index(held)
     picked = select_layers(features, len(held), index)
     assert picked.shape == (2, 3, 2 * hidden)
     assert picked[..., :hidden].eq(7).all() and picked[..., hidden:].eq(3).all()
-    assert columns.index(list(held), torch.device("cpu")) is index  # made once
-    assert columns.index([3, 7], torch.device("cpu")).tolist() == [1, 0]  # another layer set: its own
+    assert columns.index(list(held)) is index  # made once
+    assert columns.index([3, 7]).tolist() == [1, 0]  # another layer set: its own
     with pytest.raises(ValueError, match=r"holds target layers \[1, 3\], not \[7\] this drafter reads"):
-        columns.index([1, 3], torch.device("cpu"))
+        columns.index([1, 3])

@@ -442,23 +442,23 @@ class DrafterSetup:
 
 class LayerColumns:
     """Where a drafter's target layers sit among the layers a feature batch holds (the union of
-    every drafter's): one index tensor per (layers held, device), made once. Made anew for each
-    batch it was a blocking host-to-device copy, which makes the host wait for all this thread's
+    every drafter's): one index tensor per set of layers held, on the drafter's device, made once.
+    Made anew for each batch it was a blocking host-to-device copy, which makes the host wait for all this thread's
     stream has enqueued, the wait for the features' producer included: on the H200 the one variant
     reading fewer layers showed its thread 0.99 host-busy (0.09 for the others), and its prefetch
     of the next step waited for the target instead of overlapping this step."""
 
-    def __init__(self, wanted: list[int]):
-        self.wanted = list(wanted)
-        self._made: dict[tuple, torch.Tensor] = {}
+    def __init__(self, wanted: list[int], device: torch.device):
+        self.wanted, self.device = list(wanted), device
+        self._made: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def index(self, held: list[int], device: torch.device) -> torch.Tensor:
-        key = (tuple(held), str(device))
+    def index(self, held: list[int]) -> torch.Tensor:
+        key = tuple(held)
         if key not in self._made:
             missing = [k for k in self.wanted if k not in held]
             if missing:
                 raise ValueError(f"a feature batch holds target layers {list(held)}, not {missing} this drafter reads")
-            self._made[key] = torch.tensor([list(held).index(k) for k in self.wanted], device=device)
+            self._made[key] = torch.tensor([key.index(k) for k in self.wanted], device=self.device)
         return self._made[key]
 
 
@@ -477,7 +477,7 @@ class DrafterWorker(Worker):
         self.replica = setup.replica
         self.completed_step = setup.steps.start
         self._streams: dict = {}
-        self._columns = LayerColumns(setup.replica.layer_ids)
+        self._columns = LayerColumns(setup.replica.layer_ids, setup.replica.device)
 
     @property
     def device(self) -> torch.device:
@@ -491,7 +491,7 @@ class DrafterWorker(Worker):
         device, key = self.replica.device, self.replica.name
         features, ready = receive(item.features, item.ready, device, self._streams)  # and the event to wait for
         if item.layer_ids != self.replica.layer_ids:
-            columns = self._columns.index(item.layer_ids, device)  # before the wait: making one may sync
+            columns = self._columns.index(item.layer_ids)  # before the wait: making one may sync
             wait_for(ready, device)  # the column selection reads them now
             ready = None
             features = select_layers(features, len(item.layer_ids), columns)
