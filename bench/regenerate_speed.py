@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -123,6 +124,7 @@ def spread(jobs: list[Job], count: int) -> list[Job]:
 
 
 def _peak_reset(device: torch.device) -> None:
+    gc.collect()  # the last case's engine, ours or Hugging Face's, must not hold memory the next one needs
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -44,6 +44,7 @@ import bisect
 import dataclasses
 import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence, TextIO
@@ -303,8 +304,12 @@ class BatchState:
         self.steps[key]()
 
     def _captured(self, span: int, rows: int) -> CapturedStep[None]:
+        # The state owns its steps, so a step must not own the state: that cycle would keep the
+        # caches and the graphs' memory pools alive after the engine lets go of the state, until
+        # a garbage-collector pass (an out-of-memory retry at half the slots would fail again).
+        state = weakref.proxy(self)
         return CapturedStep(
-            lambda: self._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
+            lambda: state._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
             restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated),
             graphs=self.graphs, pool=self.pool,
         )
@@ -349,9 +354,9 @@ class _Prefill:
         self.ids = torch.zeros(rows, width, **long)
         self.lengths = torch.ones(rows, **long)
         self.rows = torch.full((rows,), state.scratch, **long)
-        model = state.model
+        model, ids, lengths, cache_rows = state.model, self.ids, self.lengths, self.rows  # not self: no cycle (BatchState._captured)
         self.step = CapturedStep(
-            lambda: model.prefill_rows(self.ids, self.lengths, self.rows, float_logits=False), state.device,
+            lambda: model.prefill_rows(ids, lengths, cache_rows, float_logits=False), state.device,
             f"prefill ({rows} prompts of up to {width} tokens)", graphs=state.graphs, pool=state.prefill_pool,
         )
 
