@@ -1138,22 +1138,55 @@ def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
     return variants
 
 
+def prompt_taus(tau_path: Path, bench: str) -> dict[str, float]:
+    """prompt id -> tau of one benchmark in a merged eval payload (prompts that failed left out)."""
+    prompts = json.loads(tau_path.read_text())["benchmarks"].get(bench, {}).get("prompts", [])
+    return {record["id"]: record["tau"] for record in prompts if record.get("tau") is not None}
+
+
+def paired_difference(base: dict[str, float], other: dict[str, float]) -> dict[str, Any] | None:
+    """`other` − `base` over the prompts both decoded: the mean difference, its standard error,
+    and on how many prompts `other` was better and worse. Pairing removes most of the
+    prompt-to-prompt spread (one looping prompt moves every variant's mean alike)."""
+    both = sorted(set(base) & set(other))
+    if not both:
+        return None
+    differences = [other[key] - base[key] for key in both]
+    mean = sum(differences) / len(differences)
+    spread = (sum((d - mean) ** 2 for d in differences) / (len(differences) - 1)) ** 0.5 if len(differences) > 1 else 0.0
+    return {"prompts": len(both), "mean_difference": mean, "standard_error": spread / len(differences) ** 0.5,
+            "better": sum(d > 0 for d in differences), "worse": sum(d < 0 for d in differences)}
+
+
 def recipe_table(recipe: dict[str, Any]) -> list[str]:
     how = "one run per variant" if recipe.get("mode") == "sequential" else "one target stream"
     lines = [f"recipe variants: {recipe['rows']:,} rows, {recipe['steps']:,} steps each, {how}; "
              f"tau on {recipe['dev_prompts']} dev prompts",
-             "| variant | dev τ mean | median | pooled | train accuracy | simulated τ |", "|---|---:|---:|---:|---:|---:|"]
+             "| variant | dev τ mean | median | pooled | vs base: Δ mean ± s.e. (prompts better / worse) "
+             "| train accuracy | simulated τ |", "|---|---:|---:|---:|---|---:|---:|"]
     def cell(value: Any) -> str:
         return f"{value:.2f}" if isinstance(value, (int, float)) else "–"
 
+    def versus(paired: dict[str, Any] | None) -> str:
+        if not paired:
+            return "–"
+        return (f"{paired['mean_difference']:+.2f} ± {paired['standard_error']:.2f} "
+                f"({paired['better']} / {paired['worse']} of {paired['prompts']})")
+
+    base = next((v for v in recipe["variants"] if v["name"] == "base"), {})
     for variant in recipe["variants"]:
         tau = variant.get("tau") or {}
+        paired = (paired_difference(base.get("tau_by_prompt") or {}, variant.get("tau_by_prompt") or {})
+                  if variant is not base else None)
         lines.append(f"| {variant['name']} | {cell(tau.get('tau_mean'))} | {cell(tau.get('tau_median'))} | "
-                     f"{cell(tau.get('tau_pooled'))} | {cell(variant.get('accuracy'))} | {cell(variant.get('tau_sim'))} |")
+                     f"{cell(tau.get('tau_pooled'))} | {versus(paired)} | {cell(variant.get('accuracy'))} | "
+                     f"{cell(variant.get('tau_sim'))} |")
     measured = [v for v in recipe["variants"] if (v.get("tau") or {}).get("tau_mean") is not None]
     if measured:
         best = max(measured, key=lambda v: v["tau"]["tau_mean"])
-        lines.append(f"best on dev: {best['name']} (tau mean {best['tau']['tau_mean']:.2f})")
+        paired = paired_difference(base.get("tau_by_prompt") or {}, best.get("tau_by_prompt") or {}) if best is not base else None
+        lines.append(f"best on dev: {best['name']} (tau mean {best['tau']['tau_mean']:.2f}"
+                     + (f"; {versus(paired)} against base on the same prompts" if paired else "") + ")")
     return lines
 
 
@@ -1239,6 +1272,7 @@ def stage_recipe(call: Call) -> str:
             if isinstance(tau, str):
                 return tau
             variant["tau"] = tau["dev"]
+            variant["tau_by_prompt"] = prompt_taus(run_dir / variant["name"] / "tau.json", "dev")
     finally:
         entry["seconds"] = spent_before + time.monotonic() - started
         book.save()

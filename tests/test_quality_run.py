@@ -6,6 +6,7 @@ import importlib
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -465,6 +466,8 @@ def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_
     drawn = rows(Path(trained["base"]["data"][0]))  # one file for every variant: equal data by construction
     assert len(drawn) == 5 and all(r in rows(work / "answers.jsonl") for r in drawn)
     assert "| loss-dpace |" in out and "best on dev: " in out
+    assert all(len(v["tau_by_prompt"]) == 1 for v in recipe["variants"])  # the pairing's input: one dev prompt each
+    assert re.search(r"\| loss-dpace \|[^|]*\|[^|]*\|[^|]*\| [+-]\d\.\d\d ± 0\.00 \([01] / [01] of 1\) \|", out), out
     assert script.main(args) == 0 and "recipe: done in an earlier call" in capsys.readouterr().out
     for bad, message in ((["--recipe-variants", "colour=red"], "'colour' is not a variant key; use one of block_size"),
                          (["--recipe-variants", "loss"], "--recipe-variants 'loss': write KEY=VALUE"),
@@ -505,6 +508,25 @@ def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_
     assert script.main([*sequential[:-1], "apart"]) == 2
     err = capsys.readouterr().err
     assert "--recipe-mode 'apart': use variants or sequential" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_recipe_variants_are_compared_with_base_prompt_by_prompt(script):
+    base = {"a": 2.0, "b": 5.0, "c": 1.0, "d": 3.0}
+    other = {"a": 2.5, "b": 5.5, "c": 1.5, "d": 2.5, "only-here": 9.0}
+    paired = script.paired_difference(base, other)
+    assert paired["prompts"] == 4 and (paired["better"], paired["worse"]) == (3, 1)
+    assert paired["mean_difference"] == pytest.approx(0.25)
+    assert paired["standard_error"] == pytest.approx(0.25)  # differences +.5 +.5 +.5 −.5: sd 0.5, over √4
+    assert script.paired_difference(base, {"x": 1.0}) is None
+    recipe = {"rows": 10, "steps": 3, "dev_prompts": 4, "variants": [
+        {"name": "base", "tau": {"tau_mean": 2.75, "tau_median": 2.5, "tau_pooled": 2.6}, "tau_by_prompt": base},
+        {"name": "lr-1e-3", "tau": {"tau_mean": 3.0, "tau_median": 2.0, "tau_pooled": 2.9}, "tau_by_prompt": other},
+        {"name": "loss-dpace"}]}  # not measured yet
+    table = script.recipe_table(recipe)
+    assert "| lr-1e-3 | 3.00 | 2.00 | 2.90 | +0.25 ± 0.25 (3 / 1 of 4) |" in table[4]
+    assert table[3].startswith("| base | 2.75 | 2.50 | 2.60 | – |")  # base against itself: no pairing
+    assert table[5].startswith("| loss-dpace | – | – | – | – |")
+    assert table[-1] == "best on dev: lr-1e-3 (tau mean 3.00; +0.25 ± 0.25 (3 / 1 of 4) against base on the same prompts)"
 
 
 @pytest.mark.slow
