@@ -9,6 +9,7 @@ embedding and LM head; they are exposed here and never copied into a drafter che
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,19 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= count:
         raise TargetError(f"device {name}: not available here ({count} CUDA devices); use --device cpu")
     return device
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name of the KV-cache argument of a Hugging Face model's forward: transformers ≥ 5.2x
+    calls it `cache` (and warns on `past_key_values`); earlier 5.x releases only know
+    `past_key_values`."""
+    kind = type(model)
+    if kind not in _CACHE_ARGUMENT:
+        _CACHE_ARGUMENT[kind] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _CACHE_ARGUMENT[kind]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -54,7 +54,7 @@ import torch
 from ..data.regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 from ..data.render import stop_token_ids
 from ..graph_capture import GraphPool
-from ..target import Target
+from ..target import Target, cache_argument
 from .sampling import choose_tokens
 from .static import ATTENTION, CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
 
@@ -655,13 +655,6 @@ class StaticBatchEngine:
 # ---------------------------------------------------------------------------------------------
 
 
-def _cache_keyword(model: Any) -> str:
-    import inspect
-
-    # transformers 5.x renamed `past_key_values` to `cache` on the forward; accept either.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def generate_batch(
     model: Any,
@@ -696,7 +689,7 @@ def generate_batch(
         row_seeds = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device)
     stops = set(int(s) for s in stop_ids)
     cache = DynamicCache(config=model.config)
-    cache_kw = {_cache_keyword(model): cache}
+    cache_kw = {cache_argument(model): cache}
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                    logits_to_keep=1, **cache_kw).logits[:, -1]
     next_position = positions[:, -1:] + 1

@@ -15,21 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from ..target import Target, hidden_state_index
+from ..target import Target, cache_argument, hidden_state_index
 from .static import greedy_by_parts
-
-
-_CACHE_ARGUMENT: dict[type, str] = {}
-
-
-def _cache_argument(model: nn.Module) -> str:
-    """transformers ≥ 5.2x calls the KV cache argument `cache` (and warns on `past_key_values`);
-    earlier 5.x releases only know `past_key_values`."""
-    kind = type(model)
-    if kind not in _CACHE_ARGUMENT:
-        names = inspect.signature(model.forward).parameters
-        _CACHE_ARGUMENT[kind] = "cache" if "cache" in names else "past_key_values"
-    return _CACHE_ARGUMENT[kind]
 
 
 def _selectable_hidden_states() -> bool:
@@ -82,7 +69,7 @@ def _target_forward(
     and the concatenated hidden states of `layer_ids` [1, n, len·hidden] when asked."""
     model = target.model
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    kwargs: dict[str, Any] = {_cache_argument(model): cache, "use_cache": True, "position_ids": positions}
+    kwargs: dict[str, Any] = {cache_argument(model): cache, "use_cache": True, "position_ids": positions}
     if last_only:
         kwargs["logits_to_keep"] = 1  # the prompt's logits are never needed, only the last row
     if layer_ids is not None:

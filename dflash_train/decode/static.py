@@ -582,6 +582,9 @@ class StaticState:
     def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int):
         device = target.device
         self.capacity, self.device = capacity, device
+        # Steps call the state through a weak proxy: a state that owned steps which owned it would
+        # outlive its eviction (and hold its caches and graph pools) until a collector pass.
+        me = weakref.proxy(self)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -591,8 +594,8 @@ class StaticState:
         # The prefill graphs share one memory pool (one per width would hold a full forward's
         # activations each): a prefill's logits are read before any other prefill replays.
         self.prefill_pool = GraphPool() if device.type == "cuda" else None
-        self.next_token = CapturedStep(lambda: self.target.single(self.token, self.start, features=False)[0], device, "target-only")
-        self.next_greedy = CapturedStep(self._next_greedy, device, "target-only greedy")
+        self.next_token = CapturedStep(lambda: me.target.single(me.token, me.start, features=False)[0], device, "target-only")
+        self.next_greedy = CapturedStep(lambda: me._next_greedy(), device, "target-only greedy")
         self.drafter = None
         if drafter is not None:
             block = drafter.config.block_size
@@ -602,10 +605,10 @@ class StaticState:
             self.count = torch.zeros((), dtype=torch.long, device=device)
             self.bonus = torch.zeros(1, dtype=torch.long, device=device)
             self.draft = CapturedStep(
-                lambda: self.drafter.step(self.new_features, self.count, self.start, self.block), device, "draft"
+                lambda: me.drafter.step(me.new_features, me.count, me.start, me.block), device, "draft"
             )
             self.verify_ids = torch.zeros(1, block, dtype=torch.long, device=device)
-            self.verify = CapturedStep(lambda: self.target.single(self.verify_ids, self.start), device, "verify")
+            self.verify = CapturedStep(lambda: me.target.single(me.verify_ids, me.start), device, "verify")
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def capture_all(self) -> None:
@@ -629,7 +632,8 @@ class StaticState:
 
     def prefill(self, width: int) -> CapturedStep[torch.Tensor]:
         if width not in self.prefill_steps:
-            self.prefill_steps[width] = CapturedStep(lambda: self._prefill(width), self.device, f"{width}-token prefill",
+            me = weakref.proxy(self)  # not self: see __init__
+            self.prefill_steps[width] = CapturedStep(lambda: me._prefill(width), self.device, f"{width}-token prefill",
                                                      pool=self.prefill_pool)
         return self.prefill_steps[width]
 
@@ -648,8 +652,9 @@ class StaticState:
 
     def greedy(self, length: int) -> CapturedStep[torch.Tensor]:
         if length not in self.greedy_steps:
+            me = weakref.proxy(self)  # not self: see __init__
             self.greedy_steps[length] = CapturedStep(
-                lambda: self._greedy(length), self.device, f"greedy {length}-token block", restore=(self.new_features,)
+                lambda: me._greedy(length), self.device, f"greedy {length}-token block", restore=(self.new_features,)
             )
         return self.greedy_steps[length]
 
