@@ -410,3 +410,12 @@ def test_regenerate_speed_bench_runs_on_cpu(smollm2_dir, tmp_path, capsys):
         assert case["identical_to_hf_static"]["rows"] > 0
         line = re.search(rf"^regenerate tiny batch {batch}: ([\d,]+) tok/s \(HF generate ([\d,]+) tok/s\)$", printed, re.M)
         assert line and float(line.group(1).replace(",", "")) == pytest.approx(case["ours"]["tokens_per_s"], rel=0.01, abs=1)
+        assert case["ours"]["rows_in_flight_at_cut"] == 0  # every row ran to its end
+    assert "rows in flight" not in printed
+    # A budget that cuts ours mid-round: the rows still decoding are counted and said, not hidden in the rate.
+    assert main(["--target", str(smollm2_dir), "--dims", "tiny", "--device", "cpu", "--batches", "3", "--rows", "5",
+                 "--max-new-tokens", "4", "--prompts", str(prompts), "--json", str(out), "--engines", "ours",
+                 "--budget-s", "0"]) == 0
+    ours = json.loads(out.read_text())["cases"]["3"]["ours"]
+    assert ours["rows"] < 5 and ours["rows_in_flight_at_cut"] == ours["host"]["admitted"] - ours["rows"] > 0
+    assert f"cut by --budget-s with {ours['rows_in_flight_at_cut']} rows in flight" in capsys.readouterr().out
