@@ -1174,17 +1174,21 @@ def recipe_table(recipe: dict[str, Any]) -> list[str]:
                 f"({paired['better']} / {paired['worse']} of {paired['prompts']})")
 
     base = next((v for v in recipe["variants"] if v["name"] == "base"), {})
+
+    def against_base(variant: dict[str, Any]) -> dict[str, Any] | None:
+        if variant is base:
+            return None
+        return paired_difference(base.get("tau_by_prompt") or {}, variant.get("tau_by_prompt") or {})
+
     for variant in recipe["variants"]:
         tau = variant.get("tau") or {}
-        paired = (paired_difference(base.get("tau_by_prompt") or {}, variant.get("tau_by_prompt") or {})
-                  if variant is not base else None)
         lines.append(f"| {variant['name']} | {cell(tau.get('tau_mean'))} | {cell(tau.get('tau_median'))} | "
-                     f"{cell(tau.get('tau_pooled'))} | {versus(paired)} | {cell(variant.get('accuracy'))} | "
+                     f"{cell(tau.get('tau_pooled'))} | {versus(against_base(variant))} | {cell(variant.get('accuracy'))} | "
                      f"{cell(variant.get('tau_sim'))} |")
     measured = [v for v in recipe["variants"] if (v.get("tau") or {}).get("tau_mean") is not None]
     if measured:
         best = max(measured, key=lambda v: v["tau"]["tau_mean"])
-        paired = paired_difference(base.get("tau_by_prompt") or {}, best.get("tau_by_prompt") or {}) if best is not base else None
+        paired = against_base(best)
         lines.append(f"best on dev: {best['name']} (tau mean {best['tau']['tau_mean']:.2f}"
                      + (f"; {versus(paired)} against base on the same prompts" if paired else "") + ")")
     return lines

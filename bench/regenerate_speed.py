@@ -203,7 +203,8 @@ def run_ours(target: Target, jobs: list[Job], batch: int, settings: GenerationSe
         log(f"  ours: cut by --budget-s with {in_flight_at_cut} rows in flight, their tokens not counted "
             f"(HF's batches are never cut): the rate is understated; a larger --budget-s compares whole rows")
     out = {"rows": rows, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "finish": finish,
-           "warmup_s": warmup, "slots": engine.slots, "rows_in_flight_at_cut": in_flight_at_cut, "out_of_memory_halvings": engine.out_of_memory,
+           "warmup_s": warmup, "slots": engine.slots, "rows_in_flight_at_cut": in_flight_at_cut,
+           "out_of_memory_halvings": engine.out_of_memory,
            "attention": attention, "admit_fraction": args.admit_fraction, "host": engine.stats.as_dict(),
            "attention_used": engine.state.attention if engine.state else None,
            "attention_ms": engine.state.attention_ms if engine.state else {},
