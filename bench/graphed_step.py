@@ -81,17 +81,21 @@ def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result:
         command.append("--smoke")
     print(f"[graphed-step] {mode} start: {' '.join(command[2:])}", flush=True)
     started = time.monotonic()
-    done = subprocess.run(command, env=env, cwd=REPO, timeout=args.run_timeout)
+    try:
+        done = subprocess.run(command, env=env, cwd=REPO, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:  # one run past its box must not take the other runs' numbers with it
+        return {"cuda_graphs": mode, "fp8": fp8, "error": f"timed out after {args.run_timeout:g}s (--run-timeout)"}
     if done.returncode != 0 or not result.is_file():
-        return {"cuda_graphs": mode, "error": f"exit code {done.returncode}"}
+        return {"cuda_graphs": mode, "fp8": fp8, "error": f"exit code {done.returncode}"}
     numbers = json.loads(result.read_text())
     numbers["wall_s"] = round(time.monotonic() - started, 1)
     return numbers
 
 
 def line(numbers: dict) -> str:
+    fp8 = f" --fp8 {numbers['fp8']}" if numbers.get("fp8", "off") != "off" else ""
     if "error" in numbers:
-        return f"  --cuda-graphs {numbers['cuda_graphs']}: FAILED ({numbers['error']})"
+        return f"  --cuda-graphs {numbers['cuda_graphs']}{fp8}: FAILED ({numbers['error']})"
     startup = numbers["startup"]
     workers = " ".join(f"{name} host {w['host_busy']:.2f}" + (f" gpu {w['gpu_busy']:.2f}" if w.get("gpu_busy") is not None else "")
                        for name, w in (numbers["workers"] or {}).items())
@@ -99,7 +103,6 @@ def line(numbers: dict) -> str:
     if gpu_total:  # every worker of the recipe shares one GPU (and one stream): their spans add up
         workers += f" | GPU busy {min(1.0, gpu_total):.2f}"
     ms = numbers["ms_per_step"]
-    fp8 = f" --fp8 {numbers['fp8']}" if numbers.get("fp8", "off") != "off" else ""
     return (f"  --cuda-graphs {numbers['cuda_graphs']}{fp8}: {ms:.1f} ms/step steady ({1000 / ms:.1f} steps/s), first step after "
             f"{startup['time_to_first_step_s']}s, warm-up {startup['warmup_s'] or 0}s, full speed after "
             f"{startup['time_to_full_speed_s']}s | {workers} | limit {numbers['bottleneck']} | "

@@ -482,3 +482,26 @@ def _captures_length(graphed, fn, length):
         return False
     cells = [c.cell_contents for c in (fn.__closure__ or ())]
     return any(cell is graphed.inputs[length] for cell in cells)
+
+
+def test_graphed_step_bench_reports_a_run_past_its_box_and_still_prints_the_others(tmp_path):
+    """bench/graphed_step.py: a run killed by --run-timeout is a FAILED line, not a traceback that loses the rest."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "graphed.json"
+    done = subprocess.run([sys.executable, str(repo / "bench" / "graphed_step.py"), "--smoke", "--device", "cpu",
+                           "--data", str(repo / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), "--steps", "2",
+                           "--run-timeout", "0.5", "--fp8", "head", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    for label in ("start 1", "start 2", "eager", "graphed, --fp8 head"):
+        assert f"\n{label}:\n" in done.stdout, done.stdout
+    assert done.stdout.count("FAILED (timed out after 0.5s (--run-timeout))") == 4, done.stdout
+    assert "--fp8 head: FAILED" in done.stdout
+    results = json.loads(out.read_text())
+    assert {key: run["error"] for key, run in results.items()} == {
+        key: "timed out after 0.5s (--run-timeout)" for key in ("first_start", "second_start", "eager", "fp8")}
