@@ -141,7 +141,7 @@ class QualityRunConfig:
     num_layers: int | None = option(None, "drafter layers (empty = the recipe's 5)")
     num_anchors: int | None = option(None, "anchors per sequence (empty = the recipe's 256)")
     block_size: int | None = option(None, "draft block size (empty = the recipe's 16)")
-    loss: str = option("", "decay or dpace (empty = the recipe's decay with gamma 7)")
+    loss: str = option("dpace", "dpace (chosen on the dev split: docs/RESULTS.md) or decay (QUALITY.md's, gamma 7)")
     gamma: float | None = option(None, "decay gamma (empty = the recipe's 7)")
     buckets: list[int] = option([768], "padded sequence lengths (`train --seq-buckets`)")
     save_every: int = option(250, "checkpoint every K steps (a stop at the box also checkpoints)")
@@ -225,7 +225,7 @@ class QualityRunConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         if self.deadline_seconds == 0:
             raise ConfigError("--deadline-seconds must be > 0")
-        if self.loss not in ("", "decay", "dpace"):
+        if self.loss not in ("decay", "dpace"):
             raise ConfigError(f"--loss {self.loss!r}: use decay or dpace")
         for name in ("decoder", "speed_decoder"):
             if getattr(self, name) not in DECODERS:

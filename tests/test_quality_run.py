@@ -448,12 +448,12 @@ def test_sampled_rows_are_a_seeded_nested_draw_in_file_order(script, tmp_path):
 def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_on_dev(script, files, tmp_path, capsys):
     work = tmp_path / "work"
     args = base_args(files, work, "--samples", "6", "--smoke", "--stages", "regenerate,recipe",
-                     "--recipe-variants", "loss=dpace", "--recipe-rows", "5", "--recipe-steps", "3",
+                     "--recipe-variants", "loss=decay", "--recipe-rows", "5", "--recipe-steps", "3",
                      "--recipe-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "8")
     assert script.main(args) == 0
     out = capsys.readouterr().out
     recipe = json.loads((work / "recipe.json").read_text())
-    assert [(v["name"], v["overrides"]) for v in recipe["variants"]] == [("base", {}), ("loss-dpace", {"loss": "dpace"})]
+    assert [(v["name"], v["overrides"]) for v in recipe["variants"]] == [("base", {}), ("loss-decay", {"loss": "decay"})]
     run = work / "recipe" / "run"
     trained = {}
     for variant in recipe["variants"]:
@@ -461,13 +461,13 @@ def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_
         assert variant["accuracy"] is not None
         trained[variant["name"]] = json.loads((run / variant["name"] / "run.json").read_text())["train_config"]
         assert (run / variant["name"] / "export" / "config.json").is_file()
-    assert [trained[n]["loss"] for n in trained] == ["decay", "dpace"]
+    assert [trained[n]["loss"] for n in trained] == ["dpace", "decay"]  # base is the chosen recipe, D-PACE
     assert {t["steps"] for t in trained.values()} == {3} and len({t["data"][0] for t in trained.values()}) == 1
     drawn = rows(Path(trained["base"]["data"][0]))  # one file for every variant: equal data by construction
     assert len(drawn) == 5 and all(r in rows(work / "answers.jsonl") for r in drawn)
-    assert "| loss-dpace |" in out and "best on dev: " in out
+    assert "| loss-decay |" in out and "best on dev: " in out
     assert all(len(v["tau_by_prompt"]) == 1 for v in recipe["variants"])  # the pairing's input: one dev prompt each
-    assert re.search(r"\| loss-dpace \|[^|]*\|[^|]*\|[^|]*\| [+-]\d\.\d\d ± 0\.00 \([01] / [01] of 1\) \|", out), out
+    assert re.search(r"\| loss-decay \|[^|]*\|[^|]*\|[^|]*\| [+-]\d\.\d\d ± 0\.00 \([01] / [01] of 1\) \|", out), out
     assert script.main(args) == 0 and "recipe: done in an earlier call" in capsys.readouterr().out
     for bad, message in ((["--recipe-variants", "colour=red"], "'colour' is not a variant key; use one of block_size"),
                          (["--recipe-variants", "loss"], "--recipe-variants 'loss': write KEY=VALUE"),
@@ -494,11 +494,11 @@ def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_
     sequential = [*base_args(files, in_turn), *args[args.index("--samples"):], "--recipe-mode", "sequential"]
     assert script.main(sequential) == 0
     out = capsys.readouterr().out
-    assert "variant base (1 of 2)" in out and "variant loss-dpace (2 of 2)" in out and "one run per variant" in out
+    assert "variant base (1 of 2)" in out and "variant loss-decay (2 of 2)" in out and "one run per variant" in out
     recipe = json.loads((in_turn / "recipe.json").read_text())
     assert recipe["mode"] == "sequential" and all(v["tau"]["prompts"] == 1 for v in recipe["variants"])
-    assert sorted(json.loads((in_turn / "recipe" / "in-turn.json").read_text())) == ["base", "loss-dpace"]
-    for name in ("base", "loss-dpace"):
+    assert sorted(json.loads((in_turn / "recipe" / "in-turn.json").read_text())) == ["base", "loss-decay"]
+    for name in ("base", "loss-decay"):
         alone = load_file(str(in_turn / "recipe" / "run" / name / "export" / "model.safetensors"))
         together = load_file(str(run / name / "export" / "model.safetensors"))
         assert alone.keys() == together.keys()
