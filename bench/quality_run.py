@@ -19,9 +19,10 @@ last call stopped (WORK keeps everything between calls):
                 with --self-prompts N as well, they go to WORK/answers-imported.jsonl, regenerate
                 answers only the N self-written prompts into WORK/self-answers.jsonl (resumable as
                 above), and WORK/answers.jsonl is then written as the imported rows + those
-    train       the QUALITY.md recipe (bench/quality_smollm2.py `quality_config`) on those rows
-                into WORK/run, stopped gracefully at its time box and resumed from the last
-                checkpoint by the next call; exported to WORK/run/export when the steps are done
+    train       the QUALITY.md recipe (bench/quality_smollm2.py `quality_config`) with the loss chosen
+                on the dev split (--loss, default dpace; QUALITY.md's is decay) on those rows into
+                WORK/run, stopped gracefully at its time box and resumed from the last checkpoint
+                by the next call; exported to WORK/run/export when the steps are done
                 (or with --final, or when --train-total-seconds is spent: the last checkpoint)
     eval        tau by sharded `dflash-train eval` processes on the dev prompts (--dev-prompts,
                 the place a recipe is chosen), HumanEval, MT-Bench (first turns of every other

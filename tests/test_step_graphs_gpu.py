@@ -183,7 +183,7 @@ def test_graphed_step_in_bf16_stays_within_the_eager_spread():
 def test_graphed_fp8_step_follows_the_eager_fp8_step():
     """`--fp8 all` under `--cuda-graphs on` (FP8 drafter linears and frozen head, bf16 autocast),
     12 steps: captured, and its weights are closer to the eager FP8 run's than FP8 is to bf16 (a
-    replay that froze a scale or an amax at capture would drift away). The eighth session's bench
+    replay that froze a scale or an amax at capture would drift away). The ninth session's bench
     saw this combination train no step in the 21 s after its warm-up: this is the small case."""
     target = _target(torch.bfloat16)
     fp8_objective, bf16_objective = _objective(), _objective()
