@@ -206,8 +206,22 @@ def cache_argument(model: nn.Module) -> str:
     `past_key_values`."""
     kind = type(model)
     if kind not in _CACHE_ARGUMENT:
-        _CACHE_ARGUMENT[kind] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        _CACHE_ARGUMENT[kind] = _named_cache_argument(kind) or "past_key_values"
     return _CACHE_ARGUMENT[kind]
+
+
+def _named_cache_argument(kind: type) -> str | None:
+    """The first forward along the class's bases that names a cache argument: a subclass whose
+    forward takes only *args, **kwargs (as remote code often does) passes it to its base's."""
+    for klass in kind.__mro__:
+        forward = klass.__dict__.get("forward")
+        if forward is None:
+            continue
+        names = inspect.signature(forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                return name
+    return None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

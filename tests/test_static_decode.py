@@ -7,6 +7,7 @@ captured graphs give the same tokens.
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import warnings
@@ -416,3 +417,17 @@ def test_static_decode_speed_bench_runs_on_cpu(tmp_path):
     assert static["profile"]["speculative_steps"] > 0 and static["profile"]["target_only_steps"] == 5
     for kind in ("target_only", "speculative"):
         assert "Self CPU" in (tmp_path / f"prof.static.{kind}.txt").read_text()
+
+
+def test_the_cache_argument_is_named_by_the_first_forward_that_names_one():
+    """A forward of *args, **kwargs over a Hugging Face model's (ScaledLogitsLlama) gets the
+    name its base's forward uses, not the old `past_key_values` (a FutureWarning, and an error
+    once transformers removes it)."""
+    from dflash_train.target import cache_argument
+
+    base = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    expected = "cache" if "cache" in base else "past_key_values"
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    assert cache_argument(ScaledLogitsLlama(config)) == expected
+    assert cache_argument(transformers.LlamaForCausalLM(config)) == expected
