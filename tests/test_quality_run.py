@@ -69,14 +69,15 @@ def rows(path: Path) -> list[dict]:
 
 
 def test_regenerate_stopped_at_its_box_resumes_without_losing_or_repeating_a_row(script, files, tmp_path, capsys):
-    # Answers one at a time: 40 x 96 tokens take longer than a 6 s box. Loading takes 2-7 s on a
-    # shared CPU, so a box may end before the first row: then the next call gets twice the box
-    # (calls of a chain), until one stops mid-run with rows written.
-    args = base_args(files, tmp_path / "work", "--samples", "40", "--stages", "regenerate", "--max-new-tokens", "96",
+    # Answers one at a time: 40 x 160 tokens take longer than a box after loading (a fresh CI
+    # clone wrote all 40 x 96 inside a 12 s box once). Loading takes 2-7 s on a shared CPU, so a
+    # box may end before the first row: then the next call gets a longer box (calls of a chain),
+    # in small steps, until one stops mid-run with rows written.
+    args = base_args(files, tmp_path / "work", "--samples", "40", "--stages", "regenerate", "--max-new-tokens", "160",
                      "--regen-batch-size", "1")
     answers = tmp_path / "work" / "answers.jsonl"
     partial: list[dict] = []
-    for box in (6, 12, 24):
+    for box in (6, 9, 12, 18, 24):
         assert script.main([*args, "--regen-seconds", str(box)]) == script.NOT_FINISHED, "finished inside the box"
         out = capsys.readouterr().out
         assert f"regenerate: box of {box}s reached, stopping it" in out and "the next call resumes" in out
