@@ -11,7 +11,9 @@ subprocess, and the warm-up of a first and a second start of the same run.
 Each run trains the recipe (SmolLM2-135M target and a 5-layer drafter on one GPU, batch 8, 256
 anchors, one 768 bucket) for --steps steps and reports the steady ms/step (second half of the
 steps), time to the first step, warm-up, each worker's host and GPU busy fractions (CUDA events)
-and the bottleneck the pipeline names; the last line is the summary:
+and the bottleneck the pipeline names. A run still going 3 s before --run-timeout writes every
+thread's stack to its stderr (where a hung run is stuck), and a run past its box is a FAILED line
+beside the others. The last line is the summary:
 
     graphed step SmolLM2 recipe: <ms> ms/step (eager <ms> ms/step)
 
@@ -22,6 +24,7 @@ and the bottleneck the pipeline names; the last line is the summary:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -44,6 +47,8 @@ def steady_ms_per_step(metrics: list[dict]) -> float | None:
 
 def child(args: argparse.Namespace) -> int:
     """One training run; writes its numbers to --result."""
+    if args.run_timeout > 5:  # a run that hangs shows where: every thread's stack, just before the parent kills it
+        faulthandler.dump_traceback_later(args.run_timeout - 3)
     from bench.quality_smollm2 import quality_config
     from dflash_train.gguf import hf_folder_from_gguf, smollm2_target_dir
     from dflash_train.pipeline.trainer import train
@@ -73,7 +78,7 @@ def child(args: argparse.Namespace) -> int:
 
 def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result: Path, fp8: str = "off") -> dict:
     command = [sys.executable, __file__, "--child", mode, "--out", str(out), "--result", str(result), "--data", args.data,
-               "--steps", str(args.steps), "--device", args.device, "--fp8", fp8]
+               "--steps", str(args.steps), "--device", args.device, "--fp8", fp8, "--run-timeout", f"{args.run_timeout:g}"]
     for flag, value in (("--gguf", args.gguf), ("--cache-dir", args.cache_dir)):
         if value:
             command += [flag, value]

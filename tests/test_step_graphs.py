@@ -538,3 +538,21 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
         for (name, s), c, e in zip(static_fp8.named_parameters(), classic_fp8.parameters(), exact.parameters()):
             # measured: at most 0.61 of FP8's distance from exact; a static step without FP8 would be ~1
             assert _relative(s, c) <= 0.8 * _relative(e, c), (name, _relative(s, c), _relative(e, c))
+
+
+def test_graphed_step_bench_run_dumps_every_threads_stack_before_its_box_ends(tmp_path):
+    """A run of bench/graphed_step.py that is still going 3 s before --run-timeout writes every
+    thread's stack to stderr (where a hung run is stuck), then carries on until it is killed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(repo / "bench" / "graphed_step.py"), "--child", "off", "--smoke", "--device", "cpu",
+               "--out", str(tmp_path / "run"), "--result", str(tmp_path / "result.json"), "--steps", "1000",
+               "--data", str(repo / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), "--run-timeout", "5.5"]
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        subprocess.run(command, capture_output=True, text=True, timeout=5, env={**os.environ, "PYTHONPATH": str(repo)})
+    stderr = stopped.value.stderr or ""
+    stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    assert "Timeout (0:00:02.500000)!" in stderr and "most recent call first" in stderr, stderr[-2000:]
