@@ -308,7 +308,7 @@ class TrainConfig:
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
-    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA, eager where a capture is refused), on, off")
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)")
