@@ -50,8 +50,8 @@ def choose_cuda_graphs(config: TrainConfig, devices: list[torch.device]) -> Grap
             raise ConfigError(f"--cuda-graphs on: CUDA graphs need CUDA devices, and {not_cuda[0]} is not one "
                               "(use --cuda-graphs auto or off)")
         return GraphChoice(False, f"off (auto: {not_cuda[0]} is not a CUDA device)")
-    fp8 = sorted({c.fp8 for _, c in config.variant_configs()} if config.mode == "variants" else {config.fp8})
-    fp8 = [mode for mode in fp8 if mode != "off"]
+    fp8_modes = {c.fp8 for _, c in config.variant_configs()} if config.mode == "variants" else {config.fp8}
+    fp8 = sorted(fp8_modes - {"off"})
     if fp8 and config.cuda_graphs == "auto":  # auto means proven: FP8 products in a replayed step are not yet
         return GraphChoice(False, f"off (auto: --fp8 {fp8[0]} has not trained under CUDA graphs on a GPU yet; "
                                   "--cuda-graphs on tries it)")
