@@ -6,8 +6,11 @@ configuration errors. Capture and replay themselves need a GPU: tests/test_step_
 import copy
 import json
 import os
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +37,7 @@ from tiny import pattern_samples, tiny_target, tiny_train_config
 
 LAYERS = [1, 3]
 BUCKETS = [64, 112]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -494,17 +498,16 @@ def _captures_length(graphed, fn, length):
     return any(cell is graphed.inputs[length] for cell in cells)
 
 
+def _graphed_step_bench(*flags: str) -> list[str]:
+    """bench/graphed_step.py in its CPU smoke mode on the shared 64-row file, with `flags`."""
+    return [sys.executable, str(REPO / "bench" / "graphed_step.py"), "--smoke", "--device", "cpu",
+            "--data", str(REPO / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), *flags]
+
+
 def test_graphed_step_bench_reports_a_run_past_its_box_and_still_prints_the_others(tmp_path):
     """bench/graphed_step.py: a run killed by --run-timeout is a FAILED line, not a traceback that loses the rest."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "graphed.json"
-    done = subprocess.run([sys.executable, str(repo / "bench" / "graphed_step.py"), "--smoke", "--device", "cpu",
-                           "--data", str(repo / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), "--steps", "2",
-                           "--run-timeout", "0.5", "--fp8", "head", "--json", str(out)],
+    done = subprocess.run(_graphed_step_bench("--steps", "2", "--run-timeout", "0.5", "--fp8", "head", "--json", str(out)),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
@@ -553,16 +556,10 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
 def test_graphed_step_bench_run_dumps_every_threads_stack_before_its_box_ends(tmp_path):
     """A run of bench/graphed_step.py that is still going 3 s before --run-timeout writes every
     thread's stack to stderr (where a hung run is stuck), then carries on until it is killed."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    command = [sys.executable, str(repo / "bench" / "graphed_step.py"), "--child", "off", "--smoke", "--device", "cpu",
-               "--out", str(tmp_path / "run"), "--result", str(tmp_path / "result.json"), "--steps", "1000",
-               "--data", str(repo / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), "--run-timeout", "5.5"]
+    command = _graphed_step_bench("--child", "off", "--out", str(tmp_path / "run"), "--result", str(tmp_path / "result.json"),
+                                  "--steps", "1000", "--run-timeout", "5.5")
     with pytest.raises(subprocess.TimeoutExpired) as stopped:
-        subprocess.run(command, capture_output=True, text=True, timeout=5, env={**os.environ, "PYTHONPATH": str(repo)})
+        subprocess.run(command, capture_output=True, text=True, timeout=5, env={**os.environ, "PYTHONPATH": str(REPO)})
     stderr = stopped.value.stderr or ""
     stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
     assert "Timeout (0:00:02.500000)!" in stderr and "most recent call first" in stderr, stderr[-2000:]
