@@ -18,6 +18,8 @@ beside the others. The last line is the summary:
     graphed step SmolLM2 recipe: <ms> ms/step (eager <ms> ms/step)
 
     python3 bench/graphed_step.py --gguf smol.gguf --data smollm2-regenerated-4000.jsonl.gz --steps 600 --json out.json
+    python3 bench/graphed_step.py ... --buckets auto --runs start1,start2 --profile-steps 20   # train's default buckets;
+                                      # kernel time per stream (target / drafter) over 20 steps of each run
     python3 bench/graphed_step.py --smoke --device cpu --data tests/data/smollm2_regenerated_64.jsonl.gz  # the script itself
 """
 
@@ -30,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +48,47 @@ def steady_ms_per_step(metrics: list[dict]) -> float | None:
     return 1000 * (half[-1]["elapsed_s"] - half[0]["elapsed_s"]) / (len(half) - 1)
 
 
+def parse_buckets(text: str) -> list[int]:
+    """--buckets: "auto" is train's default (automatic buckets up to --max-seq-len: []), else lengths."""
+    return [] if text == "auto" else [int(part) for part in text.split(",")]
+
+
+class StepWindowProfiler:
+    """A step hook that profiles the GPU's kernels over steps [first, first + count) of the first
+    drafter thread that reaches them, and writes their time per stream (`profiling.kernels_by_stream`).
+    CUDA kernels are traced for the whole process, so the target thread's stream is in it too."""
+
+    def __init__(self, first: int, count: int, path: Path):
+        self.first, self.count, self.path = first, count, path
+        self.report: dict | None = None
+        self._profile = None
+        self._lock = threading.Lock()
+
+    def __call__(self, worker, step: int) -> None:
+        import torch
+
+        cuda = worker.device.type == "cuda"
+        with self._lock:
+            if step == self.first and self._profile is None and self.report is None:
+                if cuda:
+                    torch.cuda.synchronize(worker.device)
+                activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+                self._profile = torch.profiler.profile(activities=[activity])
+                self._profile.__enter__()
+            elif step == self.first + self.count and self._profile is not None:
+                if cuda:
+                    torch.cuda.synchronize(worker.device)
+                self._profile.__exit__(None, None, None)
+                trace = self.path.with_suffix(".trace.json")
+                self._profile.export_chrome_trace(str(trace))
+                self._profile = None
+                from bench.profiling import kernels_by_stream
+
+                self.report = kernels_by_stream(trace, self.count)
+                self.path.write_text(json.dumps(self.report, indent=2))
+                trace.unlink()
+
+
 def child(args: argparse.Namespace) -> int:
     """One training run; writes its numbers to --result."""
     if args.run_timeout > 5:  # a run that hangs shows where: every thread's stack, just before the parent kills it
@@ -55,11 +99,15 @@ def child(args: argparse.Namespace) -> int:
 
     target_dir = hf_folder_from_gguf(args.gguf, args.cache_dir or None) if args.gguf else smollm2_target_dir(args.cache_dir or None)
     config = quality_config(str(target_dir), args.data, args.out, steps=args.steps, device=args.device,
-                            cuda_graphs=args.child, fp8=args.fp8, smoke=args.smoke, save_every=10**9, export_dtype="",
-                            log_every=max(1, args.steps // 6), resume=True)  # start 2 reuses start 1's folder
-    started = time.monotonic()
-    summary = train(config, save_checkpoints=False)
+                            buckets=parse_buckets(args.buckets), cuda_graphs=args.child, fp8=args.fp8, smoke=args.smoke,
+                            compile_target=args.compile_target,
+                            save_every=10**9, export_dtype="", log_every=max(1, args.steps // 6),
+                            resume=True)  # start 2 reuses start 1's folder
     out = Path(args.out)
+    # In the first half: the profiler's overhead and the trace's export stay out of the steady window.
+    profiler = StepWindowProfiler(max(1, args.steps // 4), args.profile_steps, out / "kernels.json") if args.profile_steps else None
+    started = time.monotonic()
+    summary = train(config, save_checkpoints=False, step_hook=profiler)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     metrics = metrics[-summary["steps_done"]["drafter"]:]  # this start's records (the folder may hold an earlier start's)
     pipeline = [json.loads(line) for line in (out / "pipeline.jsonl").read_text().splitlines()]
@@ -70,15 +118,18 @@ def child(args: argparse.Namespace) -> int:
         "process_s": round(time.monotonic() - started, 1), "startup": summary["startup"],
         "workers": last.get("workers"), "bottleneck": summary.get("bottleneck"),
         "loss_last50": sum(r["loss"] for r in tail) / len(tail), "tau_sim_last50": sum(r["tau_sim"] for r in tail) / len(tail),
-        "accuracy_last50": sum(r["accuracy"] for r in tail) / len(tail),
+        "accuracy_last50": sum(r["accuracy"] for r in tail) / len(tail), "buckets": args.buckets,
     }
+    if profiler is not None and profiler.report is not None:
+        result["kernels"] = profiler.report
     Path(args.result).write_text(json.dumps(result, indent=2))
     return 0
 
 
 def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result: Path, fp8: str = "off") -> dict:
     command = [sys.executable, __file__, "--child", mode, "--out", str(out), "--result", str(result), "--data", args.data,
-               "--steps", str(args.steps), "--device", args.device, "--fp8", fp8, "--run-timeout", f"{args.run_timeout:g}"]
+               "--steps", str(args.steps), "--device", args.device, "--fp8", fp8, "--run-timeout", f"{args.run_timeout:g}",
+               "--buckets", args.buckets, "--profile-steps", str(args.profile_steps), "--compile-target", args.compile_target]
     for flag, value in (("--gguf", args.gguf), ("--cache-dir", args.cache_dir)):
         if value:
             command += [flag, value]
@@ -95,6 +146,9 @@ def run_child(mode: str, out: Path, env: dict, args: argparse.Namespace, result:
     numbers = json.loads(result.read_text())
     numbers["wall_s"] = round(time.monotonic() - started, 1)
     return numbers
+
+
+RESULT_KEYS = {"start1": "first_start", "start2": "second_start", "eager": "eager", "fp8": "fp8"}
 
 
 def line(numbers: dict) -> str:
@@ -125,6 +179,17 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny recipe settings (checks the script on a CPU)")
     parser.add_argument("--fp8", default="off", choices=("off", "head", "all"),
                         help="also time a graphed run with train --fp8 head|all (after the three bf16 runs)")
+    parser.add_argument("--buckets", default="768",
+                        help="padded lengths (`train --seq-buckets`), or auto for train's default; 768 = the recipe as earlier runs timed it")
+    parser.add_argument("--compile-target", default="auto", choices=("auto", "off"),
+                        help="`train --compile-target`: the graphed runs' target forward compiled (auto) or plain (off)")
+    parser.add_argument("--runs", default="",
+                        help="which runs, in order, of start1,start2,eager,fp8 (default: the first three, and fp8 with --fp8)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps from a quarter of each run (outside the steady second half): "
+                             "kernel ms per step per stream")
+    parser.add_argument("--work", default="",
+                        help="folder for the runs and compile caches (default: a new one, so start 1 is cold)")
     parser.add_argument("--json", default="")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -132,24 +197,44 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    work = Path(tempfile.mkdtemp(prefix="dflash-graphed-"))
+    try:
+        parse_buckets(args.buckets)
+        args.runs = args.runs.split(",") if args.runs else ["start1", "start2", "eager"] + (["fp8"] if args.fp8 != "off" else [])
+        unknown = sorted(set(args.runs) - set(RESULT_KEYS))
+        if unknown:
+            raise ValueError(f"unknown run(s) {', '.join(unknown)}")
+        if "fp8" in args.runs and args.fp8 == "off":
+            raise ValueError("the fp8 run needs --fp8 head|all")
+    except ValueError as error:
+        parser.error(f"--buckets {args.buckets} / --runs: {error}")
+    if args.profile_steps and max(1, args.steps // 4) + args.profile_steps > args.steps // 2:
+        parser.error(f"--profile-steps {args.profile_steps}: the window starts at step {max(1, args.steps // 4)} and must "
+                     f"end by step {args.steps // 2}, where the steady half of --steps {args.steps} begins")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dflash-graphed-"))
     # Cold compile caches for start 1, shared by the later runs (start 2 then finds them warm).
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
            "PYTHONUNBUFFERED": "1"}
     graphed_mode = "off" if args.device == "cpu" else "on"  # --cuda-graphs on is an error on the CPU
-    first = run_child(graphed_mode, work / "run-graphed", env, args, work / "first.json")
-    second = run_child(graphed_mode, work / "run-graphed", env, args, work / "second.json")
-    eager = run_child("off", work / "run-eager", env, args, work / "eager.json")
-    runs = [("start 1", first), ("start 2", second), ("eager", eager)]
-    results = {"first_start": first, "second_start": second, "eager": eager}
-    if args.fp8 != "off":
-        fp8 = run_child(graphed_mode, work / f"run-fp8-{args.fp8}", env, args, work / "fp8.json", fp8=args.fp8)
-        runs.append((f"graphed, --fp8 {args.fp8}", fp8))
-        results["fp8"] = fp8
+    plan = {  # key: (label, --cuda-graphs, run folder, --fp8); start 2 reuses start 1's folder and caches
+        "start1": ("start 1", graphed_mode, "run-graphed", "off"), "start2": ("start 2", graphed_mode, "run-graphed", "off"),
+        "eager": ("eager", "off", "run-eager", "off"),
+        "fp8": (f"graphed, --fp8 {args.fp8}", graphed_mode, f"run-fp8-{args.fp8}", args.fp8),
+    }
+    results, runs = {}, []
+    for key in args.runs:
+        label, mode, folder, fp8 = plan[key]
+        numbers = run_child(mode, work / folder, env, args, work / f"{key}.json", fp8=fp8)
+        results[RESULT_KEYS[key]] = numbers
+        runs.append((label, numbers))
+    first, second, eager = (results.get(RESULT_KEYS[key], {}) for key in ("start1", "start2", "eager"))
     print("\n[graphed-step] results (steady = second half of the steps)")
     for label, numbers in runs:
         print(f"{label}:\n{line(numbers)}")
+        for stream, kernels in (numbers.get("kernels") or {}).items():
+            top = ", ".join(f"{name[:60]} {ms:.2f}" for name, ms in kernels["top"][:6])
+            print(f"    stream {stream}: {kernels['ms_per_step']:.2f} ms/step of kernels "
+                  f"({kernels['kernels_per_step']:.0f} kernels) | {top}")
     warm = [n.get("startup", {}).get("warmup_s") for n in (first, second)]
     if all(isinstance(w, (int, float)) and w for w in warm):
         print(f"warm-up: first start {warm[0]:.1f}s, second start {warm[1]:.1f}s ({100 * warm[1] / warm[0]:.0f}% of the first)")
@@ -165,8 +250,7 @@ def main() -> int:
     if graphed_ms and eager_ms:
         print(f"speed-up {eager_ms / graphed_ms:.2f}x")
         print(f"graphed step SmolLM2 recipe: {graphed_ms:.1f} ms/step (eager {eager_ms:.1f} ms/step)")
-        return 0
-    return 1
+    return 1 if any("error" in numbers for _, numbers in runs) else 0
 
 
 if __name__ == "__main__":

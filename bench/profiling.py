@@ -30,3 +30,28 @@ def gpu_busy(prof) -> tuple[float, float]:
             end = max(end, right)
     busy += end - start
     return busy / 1e6, (max(r for _, r in spans) - spans[0][0]) / 1e6  # profiler times are µs
+
+
+def kernels_by_stream(trace: Path, steps: int, top: int = 12) -> dict:
+    """Kernel time per CUDA stream in a Chrome trace written by `prof.export_chrome_trace`, in ms
+    per step (`steps` steps were profiled), with each stream's `top` kernels by time. Graph replays
+    show their kernels one by one, so this splits a step into the target's and the drafter's work
+    (each worker has its own stream) and, within each, says which kernels cost the time."""
+    import json
+
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    streams: dict[str, dict] = {}
+    for event in events:
+        if event.get("cat") != "kernel" or "dur" not in event:
+            continue
+        stream = str(event.get("args", {}).get("stream", "?"))
+        entry = streams.setdefault(stream, {"ms": 0.0, "kernels": 0, "names": {}})
+        entry["ms"] += event["dur"] / 1000
+        entry["kernels"] += 1
+        entry["names"][event.get("name", "?")] = entry["names"].get(event.get("name", "?"), 0.0) + event["dur"] / 1000
+    report = {}
+    for stream, entry in sorted(streams.items(), key=lambda item: -item[1]["ms"]):
+        names = sorted(entry["names"].items(), key=lambda item: -item[1])[:top]
+        report[stream] = {"ms_per_step": round(entry["ms"] / steps, 3), "kernels_per_step": round(entry["kernels"] / steps, 1),
+                          "top": [(name[:120], round(ms / steps, 3)) for name, ms in names]}
+    return report

@@ -334,13 +334,15 @@ def quality_config(target_dir: str, data: str, out: str, *, steps: int, device: 
     """The QUALITY.md recipe as a TrainConfig (also what bench/graphed_step.py times)."""
     config = TrainConfig(
         target=target_dir, data=[data], out=out, steps=steps, batch_size=8, max_seq_len=768,
-        seq_buckets=buckets or [768], min_supervised_tokens=32, block_size=16,
+        seq_buckets=[768] if buckets is None else buckets, min_supervised_tokens=32, block_size=16,
         num_layers=5, num_anchors=256, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_ratio=0.04, clip_grad=1.0,
         device=device, fp8=fp8, cuda_graphs=cuda_graphs, **{"log_every": 100, **values},
     )
     if smoke:
         config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1
-        config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, [256], 8
+        # The given buckets up to the smoke length (auto stays auto: 128, 192, 256).
+        smoke_buckets = [b for b in config.seq_buckets if b <= 256] or [256] if config.seq_buckets else []
+        config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, smoke_buckets, 8
         config.log_every = min(config.log_every, 5)
     config.validate()
     return config

@@ -308,6 +308,7 @@ class TrainConfig:
     attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa")
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
+    compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off")
     cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
@@ -333,7 +334,7 @@ class TrainConfig:
         "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
                       "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
         "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
-                     "compile", "cuda_graphs", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
+                     "compile", "compile_target", "cuda_graphs", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
         "eval": ("eval_every", "eval_bench", "eval_limit", "eval_max_new_tokens"),
         "checkpoint": ("out", "resume", "save_every", "keep_checkpoints", "export_dtype"),
         "logging": ("log_every", "tensorboard"),
@@ -348,6 +349,7 @@ class TrainConfig:
         _choice("thinking", self.thinking, tuple(THINKING))
         _choice("attention", self.attention, ("auto", "flex", "sdpa"))
         _choice("compile", self.compile, ("auto", "on", "off"))
+        _choice("compile_target", self.compile_target, ("auto", "off"))
         _choice("fp8", self.fp8, FP8_CHOICES)
         _choice("precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("tensorboard", self.tensorboard, ("auto", "on", "off"))

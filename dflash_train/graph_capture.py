@@ -63,6 +63,15 @@ class GraphPool:
         self._graphs.add(graph)
 
 
+def first_line(error: BaseException) -> str:
+    """What a fallback warning says of `error`: its first line, and the next one where the first
+    only introduces it (torch's BackendCompilerFailed reads "backend='...' raised:", the cause below)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
 def capture(
     fn: Callable[[], Any], device: torch.device, stream: "torch.cuda.Stream", pool: GraphPool | None = None
 ) -> tuple["torch.cuda.CUDAGraph", Any]:

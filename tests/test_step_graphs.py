@@ -320,6 +320,27 @@ def test_cuda_graphs_choices_and_configuration_errors(tmp_path):
                                           variants=[{"name": "a", "fp8": "off"}]), cuda).enabled
 
 
+def test_compile_target_decides_which_graphed_sources_compile_the_feature_forward(target):
+    """--compile-target auto compiles the target's feature forward wherever --compile compiles the
+    drafter (auto: on CUDA); off, or --compile off, captures the plain forward; anything else is a
+    one-line configuration error."""
+    from dflash_train.pipeline.build import LiveTarget, compiles_target
+    from dflash_train.pipeline.startup import GraphChoice, graphed_sources
+
+    cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
+    assert compiles_target(TrainConfig(), cuda) and not compiles_target(TrainConfig(), cpu)
+    assert not compiles_target(TrainConfig(compile_target="off"), cuda)
+    assert not compiles_target(TrainConfig(compile="off"), cuda)
+    assert compiles_target(TrainConfig(compile="on"), cpu)
+    with pytest.raises(ConfigError, match="--compile-target 'yes'"):
+        TrainConfig(compile_target="yes").validate()
+    live = LiveTarget(target, LAYERS)
+    for compiled in (True, False):
+        [source] = graphed_sources([live], GraphChoice(True, "on"), BUCKETS, 4, compiled=lambda device: compiled)
+        assert source.fallback is live and (source.compiled_forward is not None) == compiled
+    assert graphed_sources([live], GraphChoice(False, "off"), BUCKETS, 4, compiled=lambda device: True) == [live]
+
+
 def test_cli_refuses_cuda_graphs_on_the_cpu_in_one_line(tmp_path, capsys):
     from dflash_train.cli import main
 
@@ -563,3 +584,70 @@ def test_graphed_step_bench_run_dumps_every_threads_stack_before_its_box_ends(tm
     stderr = stopped.value.stderr or ""
     stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
     assert "Timeout (0:00:02.500000)!" in stderr and "most recent call first" in stderr, stderr[-2000:]
+
+
+def test_graphed_step_bench_runs_the_chosen_runs_on_the_chosen_buckets_and_profiles_a_window(tmp_path):
+    """--runs picks the runs (here start 1 alone), --buckets auto trains on train's automatic
+    buckets (128, 192, 256 at the smoke length; the recipe's default is one 768 bucket), and
+    --profile-steps profiles a window of steps of the run."""
+    out = tmp_path / "graphed.json"
+    done = subprocess.run(_graphed_step_bench("--steps", "6", "--runs", "start1", "--buckets", "auto",
+                                              "--profile-steps", "2", "--work", str(tmp_path / "work"), "--json", str(out)),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert list(results) == ["first_start"], results.keys()
+    assert results["first_start"]["buckets"] == "auto" and results["first_start"]["steps"] == 6
+    assert "buckets [128, 192, 256]" in done.stdout, done.stdout[-3000:]
+    # The window's report (a CPU has no kernels: an empty table, written when the window closed).
+    assert json.loads((tmp_path / "work" / "run-graphed" / "kernels.json").read_text()) == {}
+
+
+def test_graphed_step_bench_refuses_an_unknown_run():
+    done = subprocess.run(_graphed_step_bench("--runs", "start1,warm"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown run(s) warm" in done.stderr, done.stderr
+
+
+def test_kernels_by_stream_splits_a_trace_per_stream_in_ms_per_step(tmp_path):
+    """bench/profiling.kernels_by_stream on a trace in the format torch's profiler exports:
+    kernel events only (a CPU op and a memcpy are not kernels), per stream, per step, largest first."""
+    sys.path.insert(0, str(REPO))
+    from bench.profiling import kernels_by_stream
+
+    def kernel(name, stream, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "ts": 0, "args": {"stream": stream}}
+
+    events = [kernel("gemm", 7, 3000), kernel("gemm", 7, 1000), kernel("norm", 7, 500), kernel("flash", 13, 9000),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99999, "ts": 0, "args": {}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 88888, "ts": 0, "args": {"stream": 7}}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    report = kernels_by_stream(trace, steps=2)
+    assert list(report) == ["13", "7"]
+    assert report["7"] == {"ms_per_step": 2.25, "kernels_per_step": 1.5, "top": [("gemm", 2.0), ("norm", 0.25)]}
+    assert report["13"]["ms_per_step"] == 4.5
+
+
+def test_graphed_features_capture_the_compiled_forward_or_say_why_not(target):
+    """`GraphedFeatures(compiled=True)` runs the torch.compile'd FeatureForward before its capture
+    (dynamo's eager backend here: the same trace inductor gets on the GPU), and it equals
+    Target.features; a compile that fails leaves that length on the plain forward, with the reason."""
+    from dflash_train.pipeline.build import LiveTarget
+    from dflash_train.pipeline.feature_graphs import GraphedFeatures
+
+    ids = torch.randint(0, 96, (4, BUCKETS[0]), generator=torch.Generator().manual_seed(2))
+    expected = target.features(ids, LAYERS)
+    graphed = GraphedFeatures(LiveTarget(target, LAYERS), target, BUCKETS, 4, compiled=True)
+    graphed.compiled_forward = torch.compile(graphed.forward, backend="eager", dynamic=False)
+    forward = graphed._warm_forward(ids, BUCKETS[0])
+    assert forward is graphed.compiled_forward and not graphed.plain_reasons
+    torch.testing.assert_close(forward(ids), expected, rtol=1e-5, atol=1e-6)
+
+    def refuse(graph_module, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    graphed.compiled_forward = torch.compile(graphed.forward, backend=refuse, dynamic=False)
+    forward = graphed._warm_forward(ids, BUCKETS[0])
+    assert forward is graphed.forward and "this backend compiles nothing" in graphed.plain_reasons[BUCKETS[0]]
+    assert torch.equal(forward(ids), expected)
+    assert GraphedFeatures(LiveTarget(target, LAYERS), target, BUCKETS, 4).compiled_forward is None  # --compile off

@@ -399,3 +399,43 @@ def test_variants_share_one_gpu_with_graphs(tmp_path):
         losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses))), (variant, losses)
         assert (folder / "checkpoints" / "step-00000012" / "drafter.safetensors").is_file(), variant
+
+
+def test_compiled_feature_graphs_equal_the_target_features():
+    """The target's feature forward compiled by inductor, then captured, per length bucket (what
+    `--cuda-graphs on` runs with --compile auto on CUDA): every bucket compiled and captured, and a
+    replay on a real batch equals Target.features in float32."""
+    install_compile_safety(recompile_limit=128)
+    target = _target()
+    features = GraphedFeatures(LiveTarget(target, LAYERS), target, BUCKETS, 4, compiled=True)
+    summary = features.prepare(lambda line: None)
+    assert summary == f"{len(BUCKETS)}/{len(BUCKETS)} feature graphs, {len(BUCKETS)} compiled", (
+        summary, features.eager_reasons, features.plain_reasons)
+    planner = BatchPlanner(pattern_samples(16), batch_size=4, batches_per_step=1, buckets=BUCKETS, seed=1,
+                           objectives={"d": _objective()})
+    for step in range(3):
+        host = planner.step_batches(step)[0]
+        assert host.input_ids.shape[1] in features.graphs
+        assert _relative(features.features(host), target.features(host.input_ids.to(DEVICE), LAYERS)) <= 1e-5
+
+
+def test_a_compiled_feature_forward_that_replays_differently_is_captured_plain():
+    """A compiled forward whose replay fails the check against Target.features (here a backend
+    that scales every output by 1.1; on SmolLM2 in bf16, inductor's forward at 512 and 768 tokens
+    differed by 3.1-3.6e-2) is not used: that length captures the plain forward, says why, and
+    its replay equals Target.features."""
+    install_compile_safety(recompile_limit=128)
+    target = _target()
+    features = GraphedFeatures(LiveTarget(target, LAYERS), target, BUCKETS, 4, compiled=True)
+
+    def off_by_a_tenth(graph_module, example_inputs):
+        def run(*args):
+            return [o * 1.1 if torch.is_tensor(o) and o.is_floating_point() else o for o in graph_module(*args)]
+        return run
+
+    features.compiled_forward = torch.compile(features.forward, backend=off_by_a_tenth, dynamic=False)
+    assert features.prepare(lambda line: None) == f"{len(BUCKETS)}/{len(BUCKETS)} feature graphs, 0 compiled"
+    assert all("a replay differs from Target.features" in features.plain_reasons[length] for length in BUCKETS)
+    host = BatchPlanner(pattern_samples(16), batch_size=4, batches_per_step=1, buckets=BUCKETS, seed=1,
+                        objectives={"d": _objective()}).step_batches(0)[0]
+    assert _relative(features.features(host), target.features(host.input_ids.to(DEVICE), LAYERS)) <= 1e-5

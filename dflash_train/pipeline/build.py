@@ -120,6 +120,12 @@ def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
 
 
+def compiles_target(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the target's feature forward on `device` is compiled before its capture (only
+    under CUDA graphs: pipeline/feature_graphs.py)."""
+    return config.compile_target == "auto" and compiles_drafter(config, device)
+
+
 # --- feature supply ----------------------------------------------------------------------------
 
 class LiveTarget:
@@ -408,15 +414,18 @@ def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device
 
 def prepare_compile_safety(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], log: TextIO) -> bool:
     """Install the multi-thread compile fixes (process-wide, idempotent) when anything compiles;
-    returns whether it does."""
+    returns whether it does. Under CUDA graphs the target's feature forward compiles too (in its
+    thread's warm-up, which runs alone: startup.Warmup), once per bucket and target thread."""
     backends = attention_backends(config, layout)
-    compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices)
+    compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices) or any(
+        compiles_target(config, d) for d in layout.target_devices)
     if compiles:
         from .compile_safety import check_threaded_compile_supported, install_compile_safety, recompile_limit_for
 
         threads = sum(len(plan.devices) for plan in plans)
         report = install_compile_safety(
-            recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads), fail_on_recompile_limit_hit=True,
+            recompile_limit=recompile_limit_for(len(shape_buckets(config)), max(threads, len(layout.target_devices))),
+            fail_on_recompile_limit_hit=True,
         )
         print(f"compile safety: {report}", file=log)
         check_threaded_compile_supported(threads, report)  # fail closed on a torch the fixes do not know
@@ -622,7 +631,8 @@ def build_pipeline(
         pad_id=(supply.first.tokenizer.pad_token_id or 0) if supply.first.tokenizer is not None else 0,
         pin_memory=layout.uses_cuda,
     )
-    sources = graphed_sources(sources, graphs, shape_buckets(config), config.batch_size)
+    sources = graphed_sources(sources, graphs, shape_buckets(config), config.batch_size,
+                              compiled=lambda device: compiles_target(config, device))
     target_workers = [
         TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles,
                                  warmup=warmup))

@@ -82,14 +82,17 @@ def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths:
         replica.prepare = prepare
 
 
-def graphed_sources(sources: list[Any], choice: GraphChoice, lengths: list[int], batch_size: int) -> list[Any]:
-    """Live targets' feature sources with their forward graphed (feature caches stay as they are)."""
+def graphed_sources(sources: list[Any], choice: GraphChoice, lengths: list[int], batch_size: int,
+                    compiled: Callable[[torch.device], bool]) -> list[Any]:
+    """Live targets' feature sources with their forward graphed (feature caches stay as they are),
+    compiled first on the devices where `compiled(device)` says so."""
     if not choice.enabled:
         return sources
     out = []
     for source in sources:
         target = getattr(source, "target", None)
-        out.append(GraphedFeatures(source, target, lengths, batch_size) if target is not None else source)
+        out.append(GraphedFeatures(source, target, lengths, batch_size, compiled=compiled(source.device))
+                   if target is not None else source)
     return out
 
 
