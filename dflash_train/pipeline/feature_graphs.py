@@ -6,10 +6,10 @@ thread, before step 1, one worker at a time: pipeline/startup.py) checks the mod
 (`feature_forward_unsupported`), then per length bucket runs the forward once on a private
 stream, captures it there, and checks that a replay on other ids equals `Target.features` on them.
 
-With `compiled` (train --compile, on CUDA) the captured forward is the torch.compile'd one, one
-compile per length bucket in that first run: a Hugging Face layer is dozens of small kernels
-(RMSNorm, rotary embedding, SiLU, residual adds) that inductor fuses, and on a small target they
-were most of its GPU time. A bucket whose compiled forward fails to compile, to capture or to
+With `compiled` (train --compile-target auto, on CUDA) the captured forward is the
+torch.compile'd one, one compile per length bucket in that first run: a Hugging Face layer is
+dozens of small kernels (RMSNorm, rotary embedding, SiLU, residual adds) that inductor fuses; on
+SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A bucket whose compiled forward fails to compile, to capture or to
 pass the replay check captures the plain forward instead, and the warning says why (on SmolLM2 in
 bf16 the compiled forward passed the check at 256 and 384 tokens and differed by 3.1-3.6e-2 at
 512 and 768; why it grows with length was not measured).
