@@ -81,7 +81,7 @@ def test_regenerate_stopped_at_its_box_resumes_without_losing_or_repeating_a_row
         assert script.main([*args, "--regen-seconds", str(box)]) == script.NOT_FINISHED, "finished inside the box"
         out = capsys.readouterr().out
         assert f"regenerate: box of {box}s reached, stopping it" in out and "the next call resumes" in out
-        written = rows(answers)
+        written = rows(answers) if answers.exists() else []  # a box that ended while loading wrote no file yet
         assert written[: len(partial)] == partial  # rows of earlier calls stay as they were
         partial = written
         if partial:
