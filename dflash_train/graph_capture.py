@@ -72,6 +72,11 @@ def first_line(error: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+def error_summary(error: BaseException) -> str:
+    """"Type: first line" of `error`, as the fallback warnings list their reasons."""
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
 def capture(
     fn: Callable[[], Any], device: torch.device, stream: "torch.cuda.Stream", pool: GraphPool | None = None
 ) -> tuple["torch.cuda.CUDAGraph", Any]:

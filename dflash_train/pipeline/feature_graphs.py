@@ -9,10 +9,11 @@ stream, captures it there, and checks that a replay on other ids equals `Target.
 With `compiled` (train --compile-target auto, on CUDA) the captured forward is the
 torch.compile'd one, one compile per length bucket in that first run: a Hugging Face layer is
 dozens of small kernels (RMSNorm, rotary embedding, SiLU, residual adds) that inductor fuses; on
-SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A bucket whose compiled forward fails to compile, to capture or to
-pass the replay check captures the plain forward instead, and the warning says why (on SmolLM2 in
-bf16 the compiled forward passed the check at 256 and 384 tokens and differed by 3.1-3.6e-2 at
-512 and 768; why it grows with length was not measured).
+SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A bucket whose
+compiled forward fails to compile, to capture or to pass the replay check captures the plain
+forward instead, and the warning says why (on SmolLM2 in bf16 the compiled forward passed the
+check at 256 and 384 tokens and differed by 3.1-3.6e-2 at 512 and 768; why it grows with length
+was not measured).
 A batch then costs one copy of its ids in, one replay and one copy of the features out (the queue
 holds several batches, and the graph's own output is rewritten by the next replay).
 
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..feature_forward import FeatureForward, feature_forward_unsupported
-from ..graph_capture import CaptureError, GraphPool, capture, first_line
+from ..graph_capture import CaptureError, GraphPool, capture, error_summary
 from ..target import Target
 from .batches import HostBatch
 
@@ -66,7 +67,7 @@ class GraphedFeatures:
                 try:
                     self._prepare_length(length, stream, pool)
                 except Exception as error:  # noqa: BLE001 - this length keeps Target.features
-                    self.eager_reasons[length] = f"{type(error).__name__}: {first_line(error)}"
+                    self.eager_reasons[length] = error_summary(error)
                     self.graphs.pop(length, None)
         current.wait_stream(stream)
         if self.eager_reasons:
@@ -93,7 +94,7 @@ class GraphedFeatures:
                 self._capture_checked(forward, ids, stream, pool)
                 return
             except Exception as error:  # noqa: BLE001 - the plain forward's graph instead (GraphPool: a fresh pool)
-                self.plain_reasons[length] = f"{type(error).__name__}: {first_line(error)}"
+                self.plain_reasons[length] = error_summary(error)
         self._capture_checked(self.forward, ids, stream, pool)
 
     def _capture_checked(self, forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, stream: Any,
@@ -124,7 +125,7 @@ class GraphedFeatures:
                 self.compiled_forward(ids)  # guards pass now: nothing is compiled under capture
                 return self.compiled_forward
             except Exception as error:  # noqa: BLE001 - the plain forward captures as well, slower
-                self.plain_reasons[length] = f"{type(error).__name__}: {first_line(error)}"
+                self.plain_reasons[length] = error_summary(error)
         return self.forward
 
     def features(self, batch: HostBatch) -> torch.Tensor:

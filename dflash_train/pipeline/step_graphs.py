@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from ..drafter import DFlashDrafter
-from ..graph_capture import CaptureError, GraphPool, capture, first_line
+from ..graph_capture import CaptureError, GraphPool, capture, error_summary, first_line
 from ..objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
 from ..static_step import InputShape, StaticInputs, StaticStep, StepOutputs, rows_bucket, rows_buckets, tensor_lr_step
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, clipped_fused_step, drafter_loss, training_step
@@ -265,7 +265,7 @@ class GraphedStep:
             try:
                 return self._prepare_graphs(say)
             except Exception as error:  # noqa: BLE001 - whatever broke the warm-up: the proven eager step
-                reason = f"the warm-up failed ({type(error).__name__}: {first_line(error)})"
+                reason = f"the warm-up failed ({error_summary(error)})"
                 self.graphs, self.update_graph = {}, None
                 if self.stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -319,7 +319,7 @@ class GraphedStep:
             graph = self._capture(lambda: self.static.accumulate(inputs, largest))
             self._check_replay(graph, inputs, largest)
         except Exception as error:  # noqa: BLE001 - no graph for this length: its steps run eagerly
-            self.eager_reasons[f"length {length}"] = f"{type(error).__name__}: {first_line(error)}"
+            self.eager_reasons[f"length {length}"] = error_summary(error)
             say(f"length {length}: compiled in {time.perf_counter() - started:.1f}s, not captured ({first_line(error)})")
             return
         self.graphs[(length, largest)] = graph
@@ -327,7 +327,7 @@ class GraphedStep:
             try:
                 self.graphs[(length, count)] = self._capture(lambda count=count: self.static.accumulate(inputs, count))
             except Exception as error:  # noqa: BLE001
-                self.eager_reasons[f"length {length} rows {count}"] = f"{type(error).__name__}: {first_line(error)}"
+                self.eager_reasons[f"length {length} rows {count}"] = error_summary(error)
         say(f"length {length}: compiled in {time.perf_counter() - started - (self.capture_s - captured_before):.1f}s, "
             f"{sum(1 for k in self.graphs if k[0] == length)}/{len(rows)} rows buckets captured in "
             f"{self.capture_s - captured_before:.1f}s")
@@ -359,7 +359,7 @@ class GraphedStep:
                 if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
                     raise CaptureError("a replayed skipped update moved the weights")
         except Exception as error:  # noqa: BLE001 - the update then runs eagerly
-            self.eager_reasons["update"] = f"{type(error).__name__}: {first_line(error)}"
+            self.eager_reasons["update"] = error_summary(error)
             return
         finally:
             self.static.force_skip.zero_()
@@ -464,8 +464,8 @@ def warm_compile(
                 loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
             loss.backward()
         except Exception as error:  # noqa: BLE001 - the first real step of this length compiles it instead
-            warnings.warn(f"warm-up: length {length} did not compile up front ({type(error).__name__}: "
-                          f"{first_line(error)}); its first step compiles it", stacklevel=2)
+            warnings.warn(f"warm-up: length {length} did not compile up front ({error_summary(error)}); "
+                          "its first step compiles it", stacklevel=2)
             continue
         finally:
             drafter.zero_grad(set_to_none=True)
