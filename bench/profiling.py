@@ -44,11 +44,11 @@ def kernels_by_stream(trace: Path, steps: int, top: int = 12) -> dict:
     for event in events:
         if event.get("cat") != "kernel" or "dur" not in event:
             continue
-        stream = str(event.get("args", {}).get("stream", "?"))
+        stream, name, ms = str(event.get("args", {}).get("stream", "?")), event.get("name", "?"), event["dur"] / 1000
         entry = streams.setdefault(stream, {"ms": 0.0, "kernels": 0, "names": {}})
-        entry["ms"] += event["dur"] / 1000
+        entry["ms"] += ms
         entry["kernels"] += 1
-        entry["names"][event.get("name", "?")] = entry["names"].get(event.get("name", "?"), 0.0) + event["dur"] / 1000
+        entry["names"][name] = entry["names"].get(name, 0.0) + ms
     report = {}
     for stream, entry in sorted(streams.items(), key=lambda item: -item[1]["ms"]):
         names = sorted(entry["names"].items(), key=lambda item: -item[1])[:top]

@@ -341,7 +341,7 @@ def quality_config(target_dir: str, data: str, out: str, *, steps: int, device: 
     if smoke:
         config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1
         # The given buckets up to the smoke length (auto stays auto: 128, 192, 256).
-        smoke_buckets = [b for b in config.seq_buckets if b <= 256] or [256] if config.seq_buckets else []
+        smoke_buckets = ([b for b in config.seq_buckets if b <= 256] or [256]) if config.seq_buckets else []
         config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, smoke_buckets, 8
         config.log_every = min(config.log_every, 5)
     config.validate()
