@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.fp8 import use_fp8_linears  # noqa: E402
+from dflash_train.objective import fused_head_unsupported  # noqa: E402
 from dflash_train.step import (  # noqa: E402
     FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
 )
@@ -89,7 +90,10 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype,
                                                 host_count=args.host_count == "on")
     objective.loss_chunk_rows = args.loss_chunk_rows
-    objective.compiled_head = args.compile == "on" and args.head == "compiled"
+    objective.compiled_head = args.compile == "on" and args.head in ("compiled", "fused")
+    objective.fused_head = args.compile == "on" and args.head == "fused"
+    if objective.fused_head and fused_head_unsupported(device):
+        raise SystemExit(f"--head fused: {fused_head_unsupported(device)}")
     objective.fp8_head = fp8 != "off"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
     if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused
@@ -221,8 +225,9 @@ def main() -> int:
     parser.add_argument("--loss-chunk-rows", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--head", choices=["compiled", "eager"], default="compiled",
-                        help="frozen-head CE chunk compiled (default, with --compile on) or eager")
+    parser.add_argument("--head", choices=["compiled", "fused", "eager"], default="compiled",
+                        help="frozen-head CE chunk compiled (default, with --compile on), through head_kernel.py's "
+                             "fused softmax kernel (what train runs on CUDA), or eager")
     parser.add_argument("--fp8", default="off",
                         help=f"comma-separated FP8 modes to run each config in, of {FP8_CHOICES} (train --fp8)")
     parser.add_argument("--cuda-graphs", default="off",

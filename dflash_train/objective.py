@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import Fp8Weight, frozen_forward, frozen_input_grad
+from .head_kernel import fused_softmax_cross_entropy
 
 # γ per block size from the DFlash paper; other sizes interpolate as 0.4375·B (=7 at B=16).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -112,13 +113,13 @@ def dpace_weights(target_prob: torch.Tensor, label_valid: torch.Tensor, alpha: f
     return contribution.flip(-1).cumsum(-1).flip(-1) * valid
 
 
-def _head_chunk(
-    hidden: torch.Tensor, head: torch.Tensor | Fp8Weight, labels: torch.Tensor, softcap: float, with_grad: bool
+def softmax_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, softcap: float, with_grad: bool, grad_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head
-    (a weight [V, H], or its FP8 copy)."""
-    fp8 = isinstance(head, Fp8Weight)
-    logits = (frozen_forward(head, hidden, hidden.dtype) if fp8 else hidden @ head.t()).float()
+    """Per row of logits [rows, V]: float32 CE of the label, whether the first argmax is the label,
+    and d(CE)/d(logits) in `grad_dtype` (None without `with_grad`). The reference that
+    head_kernel.py's fused kernel is checked against."""
+    logits = logits.float()
     if softcap:
         capped = torch.tanh(logits / softcap)
         logits = capped * softcap
@@ -131,9 +132,32 @@ def _head_chunk(
     grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
     if softcap:
         grad_logits *= 1.0 - capped.square()
-    if fp8:
-        return ce, correct, frozen_input_grad(head, grad_logits, hidden.dtype)
-    return ce, correct, (grad_logits.to(head.dtype) @ head).to(hidden.dtype)
+    return ce, correct, grad_logits.to(grad_dtype)
+
+
+def _head_logits(hidden: torch.Tensor, head: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    return frozen_forward(head, hidden, hidden.dtype) if isinstance(head, Fp8Weight) else hidden @ head.t()
+
+
+def _head_input_grad(head: torch.Tensor | Fp8Weight, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(head, Fp8Weight):
+        return frozen_input_grad(head, grad_logits, dtype)
+    return (grad_logits @ head).to(dtype)
+
+
+def _logits_grad_dtype(head: torch.Tensor | Fp8Weight) -> torch.dtype:
+    # The FP8 product quantises the float32 gradient itself: one rounding, not two.
+    return torch.float32 if isinstance(head, Fp8Weight) else head.dtype
+
+
+def _head_chunk(
+    hidden: torch.Tensor, head: torch.Tensor | Fp8Weight, labels: torch.Tensor, softcap: float, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head
+    (a weight [V, H], or its FP8 copy)."""
+    ce, correct, grad_logits = softmax_cross_entropy(
+        _head_logits(hidden, head), labels, softcap, with_grad, _logits_grad_dtype(head))
+    return ce, correct, None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
 
 
 @functools.cache
@@ -152,31 +176,43 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     buffer, independent of how many rows there are in total. Because the head is frozen,
     d(CE)/d(hidden) = (softmax − onehot) · W needs nothing else, so the backward only scales
     the stored rows by the incoming per-row gradient; logits are never kept.
-    Compiled, every chunk has the same shape (the last one is zero-padded), so the number of
-    scored rows, which changes every step, never triggers a recompile.
+    A chunk runs one of three ways (`kernel`): "eager" (the reference), "compiled" or "fused"
+    (the two head products around head_kernel.py's single softmax kernel). The last two pad the
+    rows with zeros to whole chunks, so the number of scored rows, which changes every step,
+    never triggers a recompile, and every product has the shape a graphed step's has.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, chunk_rows, softcap, compiled):
+    def forward(ctx, hidden, head, labels, chunk_rows, softcap, kernel):
         rows = hidden.shape[0]
-        ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+        if kernel != "eager" and rows % chunk_rows:
+            # Zero rows up to whole chunks: one compiled shape, and the products a graphed step
+            # (whose rows are whole chunks) runs too, so both round alike.
+            pad = chunk_rows - rows % chunk_rows
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+            labels = torch.nn.functional.pad(labels, (0, pad))
+        padded_rows = hidden.shape[0]
+        ce = torch.empty(padded_rows, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(padded_rows, dtype=torch.bool, device=hidden.device)
         with_grad = ctx.needs_input_grad[0]
         grad_rows = torch.empty_like(hidden) if with_grad else None
-        chunk_fn = _head_chunk_compiled() if compiled else _head_chunk
-        for start in range(0, rows, chunk_rows):
-            end = min(start + chunk_rows, rows)
-            chunk_hidden, chunk_labels = hidden[start:end], labels[start:end]
-            if compiled and end - start < chunk_rows:
-                pad = chunk_rows - (end - start)
-                chunk_hidden = torch.nn.functional.pad(chunk_hidden, (0, 0, 0, pad))
-                chunk_labels = torch.nn.functional.pad(chunk_labels, (0, pad))
-            chunk_ce, chunk_correct, chunk_grad = chunk_fn(chunk_hidden, head, chunk_labels, softcap, with_grad)
-            ce[start:end] = chunk_ce[: end - start]
-            correct[start:end] = chunk_correct[: end - start]
+        labels = labels.contiguous()
+        chunk_fn = _head_chunk_compiled() if kernel == "compiled" else _head_chunk
+        for start in range(0, padded_rows, chunk_rows):
+            end = min(start + chunk_rows, padded_rows)
+            chunk_hidden = hidden[start:end]
+            if kernel == "fused":
+                grad_logits = fused_softmax_cross_entropy(
+                    _head_logits(chunk_hidden, head), labels, ce, correct, start, softcap, with_grad,
+                    _logits_grad_dtype(head))
+                chunk_grad = None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
+            else:
+                ce[start:end], correct[start:end], chunk_grad = chunk_fn(
+                    chunk_hidden, head, labels[start:end], softcap, with_grad)
             if grad_rows is not None:
-                grad_rows[start:end] = chunk_grad[: end - start]
-        ctx.save_for_backward(grad_rows)
+                grad_rows[start:end] = chunk_grad
+        ce, correct = ce[:rows], correct[:rows]
+        ctx.save_for_backward(None if grad_rows is None else grad_rows[:rows])
         ctx.mark_non_differentiable(correct)
         return ce, correct
 
@@ -203,22 +239,74 @@ def frozen_head_cross_entropy(
     chunk_rows: int = 0,
     softcap: float | None = None,
     compiled: bool = False,
+    fused: bool = False,
     fp8_head: Fp8Weight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row CE (float32) and top-1 correctness for hidden [T, H] against a frozen head [V, H].
 
     chunk_rows = 0 picks about 256 MiB of float32 logits per chunk (a multiple of 64 rows when
     compiled, where every chunk is padded to that size). `compiled` runs each chunk through
-    torch.compile (GPU training; the eager path is the reference and the CPU default).
+    torch.compile (GPU training; the eager path is the reference and the CPU default); `fused`
+    (CUDA, where `fused_head_unsupported` found nothing wrong) runs head_kernel.py's kernel instead.
     `fp8_head` (the same head quantised, see fp8.py) runs both vocabulary-sized products in FP8.
     """
-    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows, compiled)
+    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows, compiled or fused)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+    kernel = "fused" if fused else "compiled" if compiled else "eager"
     with torch.autocast(hidden.device.type, enabled=False):
         head = fp8_head if fp8_head is not None else head_weight
-        return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, compiled)
+        return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, kernel)
+
+
+_FUSED_PROBES: dict[tuple[torch.device, float], str | None] = {}
+
+
+def fused_head_unsupported(device: torch.device, softcap: float | None = None) -> str | None:
+    """Why head_kernel.py's fused kernel must not be used on `device`, or None: on a CUDA device
+    with Triton, its CE, correctness and gradients on bfloat16 and float32 logits (ties, a label
+    at the vocabulary's last entry, a vocabulary that is no multiple of the kernel's sweep)
+    are checked against `softmax_cross_entropy` once per device and softcap."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"not a CUDA device ({device})"
+    key = (device, float(softcap or 0.0))
+    if key not in _FUSED_PROBES:
+        try:
+            _FUSED_PROBES[key] = _probe_fused_head(device, key[1])
+        except Exception as error:  # noqa: BLE001 - any failure (no Triton, a compile error) means: do not use it
+            _FUSED_PROBES[key] = f"the fused head kernel failed its probe ({type(error).__name__}: {error})"
+    return _FUSED_PROBES[key]
+
+
+def _probe_fused_head(device: torch.device, softcap: float) -> str | None:
+    rows, vocab = 37, 9000
+    # Made on the CPU from a formula: no CUDA random numbers (another thread may be capturing).
+    grid = torch.arange(rows * vocab, dtype=torch.float64).view(rows, vocab)
+    base = (torch.sin(grid * 0.7311) * 6.0).float()
+    base[:, 5000] = base.max() + 1.0  # a tie with the last entry: the first index wins
+    base[:, vocab - 1] = base[:, 5000]
+    labels = (torch.arange(rows) * 997) % vocab
+    labels[0], labels[1] = 5000, vocab - 1
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = base.to(dtype).to(device)
+        want_ce, want_correct, want_grad = softmax_cross_entropy(logits, labels.to(device), softcap, True, dtype)
+        ce = torch.zeros(rows + 3, dtype=torch.float32, device=device)
+        correct = torch.zeros(rows + 3, dtype=torch.bool, device=device)
+        padded_labels = torch.cat([labels[:3], labels]).to(device)
+        grad = fused_softmax_cross_entropy(logits, padded_labels, ce, correct, 3, softcap, True, dtype)
+        ce_error = float(((ce[3:] - want_ce).abs() / want_ce.abs().clamp(min=1e-3)).max())
+        # Entry by entry, one rounding of the gradient's dtype apart at most.
+        rounding = max(2.0 * torch.finfo(dtype).eps, 1e-5)  # float32: exp and log-sum-exp orders differ
+        grad_error = float(((grad.float() - want_grad.float()).abs() / (want_grad.float().abs() + 1e-6)).max())
+        if not ce_error <= 1e-5:
+            return f"its CE differs from the reference on {dtype} logits (relative {ce_error:.1e})"
+        if not grad_error <= rounding:
+            return f"its gradient differs from the reference on {dtype} logits (relative {grad_error:.1e})"
+        if not torch.equal(correct[3:], want_correct):
+            return f"its top-1 correctness differs from the reference on {dtype} logits"
+    return None
 
 
 @dataclass
@@ -230,6 +318,7 @@ class ObjectiveConfig:
     dpace_alpha: float = 0.5
     loss_chunk_rows: int = 0
     compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
+    fused_head: bool = False  # head_kernel.py's softmax kernel instead (GPU training, where its probe passed)
     fp8_head: bool = False  # frozen-head products in FP8 (fp8.py)
 
     def __post_init__(self) -> None:

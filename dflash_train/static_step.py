@@ -123,6 +123,7 @@ def static_drafter_loss(
     scored_ce, scored_correct = frozen_head_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, source), frozen.head_weight, labels.flatten()[source],
         chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
+        fused=objective.fused_head,
         fp8_head=frozen.head_fp8() if objective.fp8_head else None,
     )
     ce = torch.zeros(slots + 1, dtype=scored_ce.dtype, device=scored_ce.device)

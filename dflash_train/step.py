@@ -84,6 +84,7 @@ def drafter_loss(
     scored_ce, scored_correct = frozen_head_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
         chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
+        fused=objective.fused_head,
         fp8_head=frozen.head_fp8() if objective.fp8_head else None,
     )
     ce = torch.zeros(label_valid.numel(), dtype=scored_ce.dtype, device=scored_ce.device)

@@ -17,6 +17,7 @@ from dflash_train.objective import (
     dpace_weights,
     draw_anchors,
     frozen_head_cross_entropy,
+    fused_head_unsupported,
     summarize_metrics,
     valid_anchor_positions,
     weighted_loss,
@@ -123,6 +124,14 @@ def test_chunked_frozen_head_ce_matches_full_ce_and_its_gradient(softcap):
     assert torch.equal(correct, logits.argmax(-1) == labels)
 
 
+def test_the_fused_head_kernel_is_refused_off_cuda_and_the_cpu_keeps_the_reference():
+    """The fused softmax kernel is Triton on CUDA only: a CPU device gets the reason, so `train`
+    keeps the eager or compiled chunk there (its equality with the reference is a GPU test:
+    tests/test_head_kernel_gpu.py)."""
+    assert fused_head_unsupported(torch.device("cpu")) == "not a CUDA device (cpu)"
+    assert fused_head_unsupported("cpu", 30.0) == "not a CUDA device (cpu)"
+
+
 def test_compiled_head_chunk_matches_eager_and_compiles_once_for_any_row_count():
     """The compiled chunk pads the last chunk to a fixed shape: same CE, correctness and
     gradient as the eager reference, and one graph for every row count."""
@@ -194,3 +203,23 @@ def test_objective_config_errors():
         ObjectiveConfig(block_size=4, num_anchors=2, loss="mse")
     with pytest.raises(ValueError, match="dpace_alpha"):
         ObjectiveConfig(block_size=4, num_anchors=2, dpace_alpha=1.5)
+
+
+def test_the_head_bench_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_there(tmp_path, capsys):
+    """bench/head_ce.py end to end on the CPU (the GPU numbers are in docs/PERF.md): the summary
+    line and its JSON, and `--kernels fused` refused with the reason (exit 2)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import head_ce
+
+    out = tmp_path / "head.json"
+    assert head_ce.main(["--device", "cpu", "--rows", "40", "--vocab", "300", "--hidden", "16", "--kernels", "eager",
+                         "--iters", "1", "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["summary"].startswith("head CE 40 rows × 300: eager ") and result["ms"]["eager"] > 0
+    with pytest.raises(SystemExit) as refused:
+        head_ce.main(["--device", "cpu", "--kernels", "fused"])
+    assert refused.value.code == 2 and "not a CUDA device" in capsys.readouterr().err

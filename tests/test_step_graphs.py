@@ -308,11 +308,12 @@ def test_cuda_graphs_choices_and_configuration_errors(tmp_path):
     assert not choose_cuda_graphs(TrainConfig(cuda_graphs="auto"), cpu).enabled
     assert not choose_cuda_graphs(TrainConfig(cuda_graphs="off"), [torch.device("cuda:0")]).enabled
     assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto"), [torch.device("cuda:0")]).enabled
-    # auto is on only where proven: FP8 products under graphs are not (one GPU run trained no step)
+    # auto is on only where proven: --fp8 head trained the recipe graphed, --fp8 all not yet
     cuda = [torch.device("cuda:0")]
+    choice = choose_cuda_graphs(TrainConfig(cuda_graphs="auto", fp8="all"), cuda)
+    assert not choice.enabled and "--fp8 all" in choice.reason and "--cuda-graphs on" in choice.reason
+    assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto", fp8="head"), cuda).enabled
     for fp8 in ("head", "all"):
-        choice = choose_cuda_graphs(TrainConfig(cuda_graphs="auto", fp8=fp8), cuda)
-        assert not choice.enabled and f"--fp8 {fp8}" in choice.reason and "--cuda-graphs on" in choice.reason
         assert choose_cuda_graphs(TrainConfig(cuda_graphs="on", fp8=fp8), cuda).enabled
     variants = [{"name": "plain"}, {"name": "fp8", "fp8": "all"}]
     assert not choose_cuda_graphs(TrainConfig(cuda_graphs="auto", mode="variants", variants=variants), cuda).enabled

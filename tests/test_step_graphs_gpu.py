@@ -50,8 +50,8 @@ def _target(dtype=torch.float32, seed=0):
     return Target(model)
 
 
-def _objective():
-    return ObjectiveConfig(block_size=4, num_anchors=32, loss_chunk_rows=64, compiled_head=True)
+def _objective(fused_head=False):
+    return ObjectiveConfig(block_size=4, num_anchors=32, loss_chunk_rows=64, compiled_head=True, fused_head=fused_head)
 
 
 def _drafter(target, seed=0, fp8=False):
@@ -144,14 +144,16 @@ def _run_graphed(target, objective, steps, autocast, frozen_dtype, seed=0, fp8=F
     return drafter, optimizer, results, graphed
 
 
-def test_graphed_step_equals_the_eager_step_in_float32():
+@pytest.mark.parametrize("fused_head", [False, True], ids=["compiled-head", "fused-head"])
+def test_graphed_step_equals_the_eager_step_in_float32(fused_head):
     """24 steps of 2 micro-batches over 2 length buckets, one of them skipped for a non-finite
     gradient: per-step loss, gradient norm and skip flag, and the weights and Adam moments at the
     end, equal the eager training_step's (run at the float32 value of its lr, what the captured
     update reads): weights to 1e-6 relative, Adam moments to 1e-5 (the compiled step sums a norm
     weight's gradient over rows in another order than eager; on an H200 a q_norm's first moment,
-    values ~1e-5, differed by 1.27e-6 relative, the same with and without worker streams)."""
-    target, objective = _target(), _objective()
+    values ~1e-5, differed by 1.27e-6 relative, the same with and without worker streams).
+    With the head's softmax compiled or as head_kernel.py's fused kernel."""
+    target, objective = _target(), _objective(fused_head)
     steps = _steps(target, objective, 24, poison=(9, 1))
     eager, eager_opt, expected = _run_eager(target, objective, steps, None, torch.float32, round_lr=True)
     graphed_drafter, graphed_opt, got, _ = _run_graphed(target, objective, steps, None, torch.float32)

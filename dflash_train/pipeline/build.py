@@ -30,7 +30,7 @@ from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..files import remove_leftover_staging, write_json_atomic
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
-from ..objective import ObjectiveConfig
+from ..objective import ObjectiveConfig, fused_head_unsupported
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets, stream_differences
@@ -270,14 +270,30 @@ def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Tar
             target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
             mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
         )
+        compiled_head = all(compiles_drafter(config, device) for device in plan.devices)
         plan.objective = ObjectiveConfig(
             block_size=plan.config.block_size, num_anchors=plan.config.anchor_slots(), loss=plan.config.loss,
             gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
-            compiled_head=all(compiles_drafter(config, device) for device in plan.devices),
+            compiled_head=compiled_head,
+            fused_head=compiled_head and uses_fused_head(plan, target.spec.final_logit_softcapping, log),
             fp8_head=plan.config.fp8 != "off",
         )
         if plan.config.fp8 != "off":
             check_fp8_support(plan, target)
+
+
+def uses_fused_head(plan: DrafterPlan, softcap: float | None, log: TextIO) -> bool:
+    """Whether the frozen head's softmax runs as head_kernel.py's fused kernel: on every CUDA device
+    of the drafter where it matched the reference (objective.fused_head_unsupported), else the
+    compiled chunk, with the reason in the log."""
+    for device in plan.devices:
+        reason = fused_head_unsupported(device, softcap)
+        if reason is not None:
+            if device.type == "cuda":
+                print(f"{plan.name}: frozen head: the compiled softmax, not the fused kernel ({reason})", file=log)
+            return False
+    print(f"{plan.name}: frozen head: the fused softmax kernel", file=log)
+    return True
 
 
 def check_fp8_support(plan: DrafterPlan, target: Target) -> None:

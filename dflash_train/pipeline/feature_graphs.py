@@ -108,9 +108,13 @@ class GraphedFeatures:
         graph.replay()
         expected = self.target.features(other, self.layer_ids)
         scale = float(expected.abs().max())
-        error = float((output - expected).abs().max()) / (scale + 1e-12)
+        difference = (output - expected).float()
+        error = float(difference.abs().max()) / (scale + 1e-12)
         if not error <= FEATURE_TOLERANCE:
-            raise CaptureError(f"a replay differs from Target.features (relative error {error:.1e})")
+            # The whole-tensor figure too: whether the largest error is one outlier or everywhere.
+            spread = float(difference.norm() / expected.float().norm().clamp(min=1e-12))
+            raise CaptureError(f"a replay differs from Target.features (relative error {error:.1e}; "
+                               f"{spread:.1e} in norm)")
         self.inputs[length], self.outputs[length], self.graphs[length] = ids, output, graph
 
     def _warm_forward(self, ids: torch.Tensor, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
