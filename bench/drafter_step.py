@@ -92,8 +92,9 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head in ("compiled", "fused")
     objective.fused_head = args.compile == "on" and args.head == "fused"
-    if objective.fused_head and fused_head_unsupported(device):
-        raise SystemExit(f"--head fused: {fused_head_unsupported(device)}")
+    refused = fused_head_unsupported(device) if objective.fused_head else None
+    if refused:
+        raise SystemExit(f"--head fused: {refused}")
     objective.fp8_head = fp8 != "off"
     optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
     if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused

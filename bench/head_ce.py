@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--kernels: unknown {', '.join(unknown)} (choose from {', '.join(KERNELS)})")
     device = torch.device(args.device)
-    if "fused" in kernels and fused_head_unsupported(device):
-        parser.error(f"--kernels fused: {fused_head_unsupported(device)}")
+    refused = fused_head_unsupported(device) if "fused" in kernels else None
+    if refused:
+        parser.error(f"--kernels fused: {refused}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.rows, args.hidden, generator=generator).to(device, dtype)
