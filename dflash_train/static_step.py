@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .drafter import DFlashDrafter
-from .objective import ObjectiveConfig, block_metrics, frozen_head_cross_entropy, loss_weights
-from .step import DrafterBatch, FrozenTargetParts, block_predictions, fused_clip_and_step
+from .objective import ObjectiveConfig, block_metrics, loss_weights
+from .step import DrafterBatch, FrozenTargetParts, block_predictions, fused_clip_and_step, head_cross_entropy
 
 METRICS = ("position_correct", "position_count", "accepted_sum", "blocks")  # block_metrics' sums, in output order
 
@@ -120,12 +120,7 @@ def static_drafter_loss(
     # dump slot that is sliced off, so the loss gives them zero gradient.
     into = padded_slot_index(label_valid.flatten(), rows)
     source = into.clamp(max=slots - 1)  # padding rows read a real row's state: finite, never used
-    scored_ce, scored_correct = frozen_head_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]).index_select(0, source), frozen.head_weight, labels.flatten()[source],
-        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
-        fused=objective.fused_head,
-        fp8_head=frozen.head_fp8() if objective.fp8_head else None,
-    )
+    scored_ce, scored_correct = head_cross_entropy(hidden, labels, source, frozen, objective)
     ce = torch.zeros(slots + 1, dtype=scored_ce.dtype, device=scored_ce.device)
     ce = ce.index_copy(0, into, scored_ce)[:slots].view(label_valid.shape)
     correct = torch.zeros(slots + 1, dtype=torch.bool, device=into.device)

@@ -81,12 +81,7 @@ def drafter_loss(
     # Only scored slots go through the head: slot 0, padded anchors and unsupervised
     # targets would cost vocabulary-sized matmuls for a zero weight.
     rows = scored_slot_index(label_valid, batch.scored_rows)
-    scored_ce, scored_correct = frozen_head_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
-        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
-        fused=objective.fused_head,
-        fp8_head=frozen.head_fp8() if objective.fp8_head else None,
-    )
+    scored_ce, scored_correct = head_cross_entropy(hidden, labels, rows, frozen, objective)
     ce = torch.zeros(label_valid.numel(), dtype=scored_ce.dtype, device=scored_ce.device)
     ce = ce.index_copy(0, rows, scored_ce).view(label_valid.shape)
     correct = torch.zeros(label_valid.numel(), dtype=torch.bool, device=rows.device)
@@ -94,6 +89,18 @@ def drafter_loss(
 
     loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
     return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, frozen: FrozenTargetParts, objective: ObjectiveConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CE and top-1 correctness of the block slots `rows` (flat indices into hidden [b, N·B, H]
+    and labels [b, N, B]) through the frozen head, as the objective runs it."""
+    return frozen_head_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
+        chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
+        fused=objective.fused_head, fp8_head=frozen.head_fp8() if objective.fp8_head else None,
+    )
 
 
 def block_predictions(
