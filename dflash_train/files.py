@@ -14,7 +14,9 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+from .errors import ConfigError
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -65,6 +67,66 @@ def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> P
 
 def write_json_atomic(path: str | Path, data: Any, mode: int | None = None, **dump: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, **({"indent": 1} | dump)) + "\n", mode)
+
+
+def check_new_output(path: str | Path, flag: str, inputs: Iterable[str | Path] = ()) -> Path:
+    """Refuse, before any work starts, an output path that would overwrite something: one that
+    exists (a file, a folder or a dangling link), one below a file, or one inside or equal to any
+    of the command's `inputs` (its models, data and prompts are never written into)."""
+    out = Path(path)
+    if os.path.lexists(out):
+        kind = "a folder" if out.is_dir() else "a file"
+        raise ConfigError(f"{flag} {path} already exists ({kind}); choose a new path (nothing is ever overwritten)")
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
+            break
+    resolved = out.resolve()
+    for item in inputs:
+        if not item:
+            continue
+        source = Path(item).resolve()
+        if resolved == source or source in resolved.parents:
+            raise ConfigError(f"{flag} {path} is inside the input {item}; write outputs outside a command's inputs")
+    return out
+
+
+def umask_mode(executable: bool = False) -> int:
+    """The mode a plain `open()` would give a new file (or folder, `executable=True`) under the
+    process's umask: mkstemp/mkdtemp create private ones, which a server running as another user
+    cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
+def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path`, which must not exist: fsynced and complete or absent, never over a
+    file that appeared meanwhile. If one did, the data goes to the first free `NAME.N.SUFFIX`
+    beside it (returned), so neither the other file nor this result is lost."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, umask_mode())
+        for attempt in range(1000):
+            target = path if attempt == 0 else path.with_name(f"{path.stem}.{attempt}{path.suffix}")
+            try:
+                os.link(temp, target)  # creates the name only if it is free, atomically
+            except FileExistsError:
+                continue
+            break
+        else:
+            raise FileExistsError(f"{path} and 999 numbered siblings exist")
+    finally:
+        Path(temp).unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return target
 
 
 def write_dir_atomically(final_dir: str | Path, build: Callable[[Path], None]) -> Path:

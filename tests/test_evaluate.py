@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import json
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -1049,3 +1050,47 @@ def test_smollm2_greedy_speculative_is_lossless_and_matches_the_reference(tmp_pa
         theirs = reference_module.dflash_generate(reference, target.model, torch.tensor([ids]), 48, stops, return_stats=True)
         assert spec.tokens == theirs.output_ids[0, len(ids):].tolist()
         assert spec.acceptance_lengths == list(theirs.acceptance_lengths)
+
+
+def test_eval_json_never_overwrites_or_writes_into_its_inputs(chat_pair, sharded_eval, tmp_path, capsys):
+    """D1 (data loss): `--json` onto the drafter's config, the target's weights, the prompts file, a
+    folder, or a new file inside an input folder is refused with exit 2 before any model loads, and
+    every input keeps its bytes; eval-merge refuses its own input shard."""
+    from dflash_train import cli
+
+    drafter_copy = tmp_path / "drafter"
+    shutil.copytree(chat_pair / "drafter", drafter_copy)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a haiku about rivers.\n")
+    (tmp_path / "jsondir").mkdir()
+    shard = sharded_eval / "shard0.json"
+    guarded = [drafter_copy / "config.json", chat_pair / "target" / "model.safetensors", prompts, shard]
+    before = {path: path.read_bytes() for path in guarded}
+    base = ["eval", "--target", str(chat_pair / "target"), "--drafter", str(drafter_copy), "--bench", str(prompts),
+            "--limit", "1", "--max-new-tokens", "4", "--device", "cpu"]
+    cases = {
+        str(drafter_copy / "config.json"): "already exists",
+        str(chat_pair / "target" / "model.safetensors"): "already exists",
+        str(prompts): "already exists",
+        str(tmp_path / "jsondir"): "already exists (a folder)",
+        str(drafter_copy / "eval.json"): "is inside the input",
+        str(prompts / "eval.json"): "is a file, not a folder",
+    }
+    for json_path, message in cases.items():
+        assert cli.main([*base, "--json", json_path]) == 2, json_path
+        err = capsys.readouterr().err
+        assert message in err and "--json" in err, err
+    assert cli.main(["eval-merge", f"{shard},{sharded_eval / 'shard2.json'}", "--json", str(shard)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in guarded} == before
+    assert sorted(p.name for p in drafter_copy.iterdir()) == sorted(p.name for p in (chat_pair / "drafter").iterdir())
+
+
+def test_write_new_file_atomic_keeps_a_file_that_appeared_meanwhile(tmp_path):
+    from dflash_train.files import write_new_file_atomic
+
+    first = write_new_file_atomic(tmp_path / "out.json", b"one")
+    second = write_new_file_atomic(tmp_path / "out.json", b"two")  # the name was taken after the check
+    assert first == tmp_path / "out.json" and second == tmp_path / "out.1.json"
+    assert first.read_bytes() == b"one" and second.read_bytes() == b"two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.1.json", "out.json"]  # no temporary left

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, UserError, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
+from ..files import check_new_output, write_new_file_atomic
 
 
 @dataclasses.dataclass
@@ -51,6 +52,8 @@ class EvalConfig:
             raise ConfigError(f"dtype {self.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
         if self.thinking not in THINKING:
             raise ConfigError(f"thinking {self.thinking!r}: use {', '.join(THINKING)}")
+        if self.json:
+            check_new_output(self.json, "--json", [self.target, self.drafter, *(b for b in self.bench if Path(b).exists())])
 
 
 
@@ -123,10 +126,8 @@ def run_eval(config: EvalConfig) -> int:
             "pair": pair,
             "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
         }
-        out = Path(config.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=1) + "\n")
-        print(f"wrote {out}")
+        out = write_new_file_atomic(config.json, (json.dumps(payload, indent=1) + "\n").encode())
+        print(f"wrote {out}" + ("" if out == Path(config.json) else f" ({config.json} appeared during the run)"))
     failed = sum(s["errors"] for s in summaries.values())
     if failed:
         print(f"{failed} prompt(s) failed; see the first traceback above", file=sys.stderr)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 from ..config import ConfigError, option
+from ..files import check_new_output, write_new_file_atomic
 from ..eval.stats import format_benchmark, format_summary, merge_eval_results
 
 
@@ -18,6 +18,8 @@ class EvalMergeConfig:
     def validate(self) -> None:
         if not self.inputs:
             raise ConfigError("eval-merge needs SHARD.json,SHARD.json,... (or --inputs)")
+        if self.json:
+            check_new_output(self.json, "--json", self.inputs)
 
 
 def run_eval_merge(config: EvalMergeConfig) -> int:
@@ -28,9 +30,7 @@ def run_eval_merge(config: EvalMergeConfig) -> int:
     print()
     print("\n".join(format_summary(summaries)))
     if config.json:
-        out = Path(config.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=1) + "\n")
+        out = write_new_file_atomic(config.json, (json.dumps(payload, indent=1) + "\n").encode())
         print(f"wrote {out} (merged {len(payload['shards'])} shards)")
     return 1 if any(s["errors"] for s in summaries.values()) else 0
 
