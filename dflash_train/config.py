@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError, UserError  # noqa: F401 - re-exported: most modules import them from here
+from .files import check_folder_name
 
 C = TypeVar("C")
 
@@ -412,7 +413,8 @@ class TrainConfig:
         if self.mode != "variants":
             return []
         types_by_name = _field_types(TrainConfig)
-        configs, names = [], set()
+        configs: list[tuple[str, TrainConfig]] = []
+        names: dict[str, str] = {}
         for i, overrides in enumerate(self.variants):
             where = f"variants[{i}]"
             if not isinstance(overrides, dict):
@@ -425,9 +427,11 @@ class TrainConfig:
                 if name != "name":
                     values[name] = _convert(value, types_by_name[name], f"{where}: {key}")
             label = str(overrides.get("name") or f"variant{i}")
-            if label in names:
-                raise ConfigError(f"{where}: name {label!r} is used twice")
-            names.add(label)
+            folder = check_folder_name(label, f"{where}: name")  # the variant trains into OUT/<name>
+            if folder in names:
+                raise ConfigError(f"{where}: name {label!r} is used twice (names are folders: "
+                                  f"{names[folder]!r} is the same folder)")
+            names[folder] = label
             variant = dataclasses.replace(self, mode="replicas", variants=[], **values)
             try:
                 variant.validate()

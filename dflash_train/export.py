@@ -11,8 +11,9 @@ staged folder is checked against every rule of `export_rules.RULES` before it ta
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 from .config import UserError
 from .drafter import DFlashDrafter, DrafterConfig
 from .export_rules import TargetShape, check_folder, expected_weight_names, failures
-from .files import write_dir_atomically
+from .files import hold_output, recover_interrupted_write, write_dir_atomically
 
 __all__ = ["ExportError", "check_export_target", "expected_weight_names", "export_drafter", "export_model",
            "hf_config", "load_exported_drafter"]
@@ -83,12 +84,20 @@ def check_export_target(
 ) -> None:
     """Refuse an `--out` whose contents an export would destroy.
 
-    Never (not even with `force`): a file, or a folder holding `source` (the checkpoint being
-    exported: its run folder, `checkpoints/`, the current directory above them). Without
-    `force`: any non-empty folder that is not an earlier export of the same run."""
+    Never (not even with `force`): a file, a folder holding `source` (the checkpoint being
+    exported: its run folder, `checkpoints/`, the current directory above them), a folder
+    holding the current directory (replacing it would leave the shell in a deleted folder).
+    Without `force`: any non-empty folder that is not an earlier export of the same run."""
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out_dir}: is a file, not a folder")
+    try:
+        here = Path.cwd().resolve()
+    except OSError:  # the current folder was deleted: nothing to protect
+        here = None
+    if here is not None and (out == here or out in here.parents):
+        raise ExportError(f"--out {out_dir}: holds the current folder, which the export would replace; "
+                          "name a new folder (e.g. --out exp) or run the command from elsewhere")
     if source is not None:
         held = Path(source).resolve()
         if out == held or out in held.parents:
@@ -122,12 +131,28 @@ def export_drafter(
     run_dir: str | Path | None = None,
     source: str | Path | None = None,
     force: bool = False,
+    log: TextIO | None = None,
 ) -> Path:
     """Write the HF folder atomically (staging folder, fsync, rename; an old export is renamed
     aside, not deleted, until the new one is in place). `run_dir` is recorded as the export's
     provenance; `check_export_target` decides (with `source` and `force`) whether `out_dir` may
-    be replaced."""
-    check_export_target(out_dir, run_dir, source=source, force=force)
+    be replaced. One live process exports to `out_dir` at a time; what an export killed midway
+    left beside it is cleaned first (an old folder it had hidden is put back, and so judged by
+    `check_export_target` like any other), each said on `log`."""
+    with hold_output(out_dir, "--out"):
+        for line in recover_interrupted_write(Path(out_dir).resolve()):
+            print(f"export: {line}", file=log or sys.stdout)
+        check_export_target(out_dir, run_dir, source=source, force=force)
+        # Resolved: `--out .` or `x/..` cannot be renamed by those names.
+        _write_export(drafter_config, state_dict, Path(out_dir).resolve(), dtype=dtype, extra_files=extra_files,
+                      run_dir=run_dir)
+    return Path(out_dir)
+
+
+def _write_export(
+    drafter_config: DrafterConfig, state_dict: dict[str, torch.Tensor], out_dir: Path, *, dtype: torch.dtype,
+    extra_files: dict[str, str] | None, run_dir: str | Path | None,
+) -> Path:
     # The drafter's own target dims: the written folder is checked against what it was trained on.
     target = TargetShape(drafter_config.hidden_size, drafter_config.num_target_layers, drafter_config.vocab_size)
 
@@ -144,8 +169,7 @@ def export_drafter(
             rules = "; ".join(f"{v.rule.name}: {v.detail}" for v in broken)
             raise ExportError(f"the export breaks the serving engines' loader rules ({rules}); nothing was written")
 
-    out_dir = write_dir_atomically(Path(out_dir), build)
-    return out_dir
+    return write_dir_atomically(out_dir, build)
 
 
 def export_model(
@@ -156,9 +180,10 @@ def export_model(
     run_dir: str | Path | None = None,
     source: str | Path | None = None,
     force: bool = False,
+    log: TextIO | None = None,
 ) -> Path:
     return export_drafter(drafter.config, drafter.state_dict(), out_dir, dtype=dtype, run_dir=run_dir,
-                          source=source, force=force)
+                          source=source, force=force, log=log)
 
 
 def _read_export_config(folder: Path) -> dict[str, Any]:

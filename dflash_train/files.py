@@ -1,22 +1,33 @@
-"""Atomic file and folder writes: a reader sees the old content or the new, never a mix.
+"""Outputs: atomic writes, and the one rule every command that writes follows.
 
 Every write here goes to a hidden sibling first, is fsynced, and is renamed into place; the
 parent folder is fsynced after the rename so the new name survives a power cut. A folder that
 already exists is renamed aside before the new one takes its name, and removed only once the
-new one is in place: at no moment is neither on disk.
+new one is in place: at no moment is neither on disk. What they create gets the mode a plain
+`open()` would give it under the user's umask (mkstemp/mkdtemp alone make it private).
+
+The rule for outputs: a command never overwrites a file or folder it did not create
+(`check_new_output`) and never writes into its own inputs (`check_outside_inputs`); an output is
+owned by one live process at a time (`hold_output`: a kernel lock, released when the process
+ends however it ends); what a killed writer left beside an output is cleaned, or put back,
+before the output is written again (`recover_interrupted_write`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -51,8 +62,7 @@ def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        if mode is not None:
-            os.chmod(temp, mode)
+        os.chmod(temp, umask_mode() if mode is None else mode)
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
@@ -77,6 +87,13 @@ def check_new_output(path: str | Path, flag: str, inputs: Iterable[str | Path] =
     if os.path.lexists(out):
         kind = "a folder" if out.is_dir() else "a file"
         raise ConfigError(f"{flag} {path} already exists ({kind}); choose a new path (nothing is ever overwritten)")
+    return check_outside_inputs(out, flag, inputs)
+
+
+def check_outside_inputs(path: str | Path, flag: str, inputs: Iterable[str | Path] = ()) -> Path:
+    """Refuse an output path below a file, or inside or equal to one of the command's `inputs`
+    (for outputs a command may resume or add to, which `check_new_output` would refuse)."""
+    out = Path(path)
     for parent in out.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
@@ -92,13 +109,46 @@ def check_new_output(path: str | Path, flag: str, inputs: Iterable[str | Path] =
     return out
 
 
+def check_folder_name(name: str, where: str) -> str:
+    """`name` as the key two folder names are the same under (Unicode-normalised, case-folded for
+    case-insensitive disks); refuses a name that is not one plain folder inside its parent: empty,
+    with a path separator, absolute, `.`/`..`, hidden (our writers' staging names are hidden)."""
+    separators = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+    if not name or any(s in name for s in separators) or "\0" in name or name.startswith(".") or name != name.strip():
+        raise ConfigError(f"{where} {name!r}: use a plain folder name (letters, digits, '-', '_'; no '/', no "
+                          "leading '.', no surrounding spaces): it names a folder inside --out")
+    return unicodedata.normalize("NFC", name).casefold()
+
+
 def umask_mode(executable: bool = False) -> int:
     """The mode a plain `open()` would give a new file (or folder, `executable=True`) under the
     process's umask: mkstemp/mkdtemp create private ones, which a server running as another user
     cannot read."""
-    mask = os.umask(0)
+    return (0o777 if executable else 0o666) & ~_current_umask()
+
+
+def _current_umask() -> int:
+    # Read, not set and restored: setting it would, for an instant, apply to files other threads create.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # no /proc: a file created by another thread meanwhile is private, never open to all
     os.umask(mask)
-    return (0o777 if executable else 0o666) & ~mask
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything below it the modes the umask gives new files and folders: some
+    writers (safetensors' `save_file`, mkstemp, mkdtemp) create private ones whatever the umask."""
+    file_mode, folder_mode = umask_mode(), umask_mode(executable=True)
+    os.chmod(root, folder_mode)
+    for written in root.rglob("*"):
+        if not written.is_symlink():
+            os.chmod(written, folder_mode if written.is_dir() else file_mode)
 
 
 def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
@@ -142,10 +192,12 @@ def write_dir_atomically(final_dir: str | Path, build: Callable[[Path], None]) -
     aside: Path | None = None
     try:
         build(staging)
+        apply_umask(staging)
         fsync_tree(staging)
         if final_dir.exists():
             aside = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old.", dir=final_dir.parent))
             os.replace(final_dir, aside / final_dir.name)
+        _pause_for_tests("before_final_rename")
         os.replace(staging, final_dir)
         fsync_dir(final_dir.parent)
     except BaseException:
@@ -178,6 +230,8 @@ def publish_dir_once(
             os.chmod(staging, 0o755)
             for written in staging.rglob("*"):
                 os.chmod(written, 0o755 if written.is_dir() else 0o644)
+        else:
+            apply_umask(staging)
         fsync_tree(staging)
         try:
             os.rename(staging, final_dir)
@@ -205,20 +259,130 @@ def remove_leftover_staging(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    removed = []
-    for entry in sorted(folder.iterdir()):
-        aside = _ASIDE.fullmatch(entry.name)
-        if aside and entry.is_dir():
-            kept, final = entry / aside["name"], folder / aside["name"]
-            if kept.exists() and not final.exists():
-                os.replace(kept, final)
-                fsync_dir(folder)
+    return [entry for entry in sorted(folder.iterdir()) if _clean_leftover(folder, entry)]
+
+
+def recover_interrupted_write(final: str | Path) -> list[str]:
+    """`remove_leftover_staging` for the one output `final` (only the hidden names its own writes
+    use, so a user's folder holding it is otherwise untouched): what an earlier write of it,
+    killed between its steps, left beside it. Returns one line per thing cleaned or put back.
+    Call while holding `hold_output(final)`."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return []
+    said = []
+    for entry in sorted(final.parent.iterdir()):
+        match = _ASIDE.fullmatch(entry.name) or _STAGING.fullmatch(entry.name)
+        if match and match["name"] == final.name:
+            said.append(_clean_leftover(final.parent, entry))
+    return [line for line in said if line]
+
+
+def _clean_leftover(folder: Path, entry: Path) -> str | None:
+    """Clean one leftover of a killed writer; a line saying what was done, None if `entry` is not one."""
+    aside = _ASIDE.fullmatch(entry.name)
+    if aside and entry.is_dir():
+        kept, final = entry / aside["name"], folder / aside["name"]
+        if kept.exists() and not final.exists():
+            os.replace(kept, final)
+            fsync_dir(folder)
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-        elif _STAGING.fullmatch(entry.name):
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-            removed.append(entry)
-    return removed
+            return (f"put back {final}: a write that was replacing it was killed and had left it hidden "
+                    f"as {entry / aside['name']}")
+        shutil.rmtree(entry, ignore_errors=True)
+        return f"removed {entry}: the old copy of {final} that a killed write had already replaced"
+    if _STAGING.fullmatch(entry.name):
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        return f"removed {entry}: the unfinished copy a killed write left"
+    return None
+
+
+# --- one live process per output -----------------------------------------------------------------
+
+class OutputInUse(UserError):
+    """Another live process holds the output (it is named with its pid)."""
+
+
+class OutputLock:
+    """An exclusive `flock` on `.NAME.lock` beside the output NAME, held while a command writes it.
+    The kernel drops the lock when the holding process ends, kill -9 included, so a crash never
+    leaves an output locked; the file is removed on release (and the inode is re-checked after
+    locking, so a process that opened it just before that removal does not lock a dead file)."""
+
+    def __init__(self, output: str | Path, flag: str):
+        resolved = Path(output).resolve()
+        if resolved.parent == resolved:
+            raise ConfigError(f"{flag} {output}: the root folder cannot be an output")
+        self.output, self.flag = Path(output), flag
+        self.path = resolved.parent / f".{resolved.name}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        check_outside_inputs(self.output, self.flag)  # a parent that is a file: one line, not a traceback
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask applies
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise OutputInUse(f"{self.flag} {self.output} is in use by another live process ({holder}); "
+                                  f"wait for it to end, or choose another {self.flag}") from None
+            try:
+                current = os.stat(self.path)
+            except FileNotFoundError:
+                current = None
+            opened = os.fstat(fd)
+            if current is not None and (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev):
+                break
+            os.close(fd)  # the holder removed the file as we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode("utf-8", "replace"))
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if os.path.samestat(os.stat(self.path), os.fstat(self._fd)):
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # closing drops the lock
+        self._fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self if self._fd is not None else self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold_output(output: str | Path, flag: str) -> OutputLock:
+    """Take the output `output` (named by `flag` in messages) for this process, or refuse with
+    `OutputInUse` naming the live holder's pid. Use as `with hold_output(out, "--out"):`."""
+    return OutputLock(output, flag).acquire()
+
+
+def _lock_holder(fd: int) -> str:
+    """What the holder wrote into the lock file (it writes right after locking: wait a moment)."""
+    for _ in range(20):
+        text = os.pread(fd, 400, 0).decode("utf-8", "replace").strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return "its pid is not recorded yet"
+
+
+def _pause_for_tests(point: str) -> None:
+    """Sleep at a named point of a write when DFLASH_TEST_PAUSE_AT says so, so a test can kill a
+    real process exactly there (`POINT:SECONDS`); it prints the point first, to be waited for."""
+    wanted = os.environ.get("DFLASH_TEST_PAUSE_AT", "")
+    if wanted.partition(":")[0] == point:
+        print(f"paused at {point}", file=sys.stderr, flush=True)
+        time.sleep(float(wanted.partition(":")[2] or 60))

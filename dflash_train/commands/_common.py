@@ -49,12 +49,11 @@ def default_prompt_set(settings: Any) -> Any:
     return build_prompt_set(benchmark_prompt_texts(), settings, cache_dir=default_cache_dir())
 
 
-def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[[Any], str]) -> None:
+def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[[Any], str]) -> Path:
     """`prompts` as a .jsonl of {id, source, messages} rows (what `regenerate --prompts FILE`
-    reads), written atomically; never over a file that appeared since the flags were checked."""
-    from ..files import write_text_atomic
+    reads), written atomically; never over a file that appeared since the flags were checked
+    (then beside it, as `files.write_new_file_atomic` says). Returns the path written."""
+    from ..files import write_new_file_atomic
 
-    if Path(out).exists():
-        raise ConfigError(f"--out {out} already exists; choose another file (it is never overwritten)")
     lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
-    write_text_atomic(out, "".join(line + "\n" for line in lines))
+    return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))

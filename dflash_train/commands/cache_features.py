@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from ..config import THINKING, ConfigError, option
+from ..files import check_outside_inputs, hold_output
 from ._common import check_target_flags, load_target_for
 
 
@@ -39,9 +40,15 @@ class CacheFeaturesConfig:
             raise ConfigError(f"num_layers must be at least 1, got {self.num_layers}")
         if self.shard_size_mb <= 0:
             raise ConfigError(f"shard_size_mb must be > 0, got {self.shard_size_mb}")
+        check_outside_inputs(self.out, "--out", [self.target, *self.data])
 
 
 def run_cache_features(config: CacheFeaturesConfig) -> int:
+    with hold_output(config.out, "--out"):  # one writer of a cache folder at a time
+        return _run_cache_features(config)
+
+
+def _run_cache_features(config: CacheFeaturesConfig) -> int:
     import torch
 
     from ..data.feature_cache import DTYPES, write_feature_cache

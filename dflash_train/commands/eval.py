@@ -3,6 +3,7 @@ tokens/s and the speed-up over target-only decoding, on benchmarks or a prompts 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ from typing import Any
 
 from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, UserError, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
-from ..files import check_new_output, write_new_file_atomic
+from ..files import check_new_output, hold_output, write_new_file_atomic
 
 
 @dataclasses.dataclass
@@ -58,6 +59,12 @@ class EvalConfig:
 
 
 def run_eval(config: EvalConfig) -> int:
+    # A second eval writing the same --json would run in full only to land beside the first's.
+    with hold_output(config.json, "--json") if config.json else contextlib.nullcontext():
+        return _run_eval(config)
+
+
+def _run_eval(config: EvalConfig) -> int:
     import torch
 
     from ..data.render import render_prompt, stop_token_ids

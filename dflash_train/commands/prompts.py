@@ -4,10 +4,11 @@ file that `regenerate --prompts FILE` (or anything else) can use."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from pathlib import Path
 
 from ..config import ConfigError, option
+from ..files import check_new_output, hold_output
 from ..data.prompt_set import SPLITS
 
 
@@ -30,14 +31,19 @@ class PromptsConfig:
             raise ConfigError(f"limit must be >= 0 (0 = all), got {self.limit}")
         if self.out and not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file")
-        if self.out and Path(self.out).exists():
-            raise ConfigError(f"--out {self.out} already exists; choose another file (it is never overwritten)")
+        if self.out:
+            check_new_output(self.out, "--out")
         for name in ("max_per_file", "max_short_per_file", "max_per_task"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 def run_prompts(config: PromptsConfig) -> int:
+    with hold_output(config.out, "--out") if config.out else contextlib.nullcontext():
+        return _run_prompts(config)
+
+
+def _run_prompts(config: PromptsConfig) -> int:
     from ..data.prompt_set import PromptSetSettings
     from ._common import default_prompt_set, write_new_prompt_file
 
@@ -49,6 +55,6 @@ def run_prompts(config: PromptsConfig) -> int:
     print(prompt_set.summary(taken, config.split))
     print(prompt_set.stats.summary())
     if config.out:
-        write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id])  # checked again: the build is long
-        print(f"wrote {len(taken)} {config.split} prompts to {config.out}")
+        written = write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id])
+        print(f"wrote {len(taken)} {config.split} prompts to {written}")
     return 0

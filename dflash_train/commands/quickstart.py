@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig, option
+from ..files import check_outside_inputs, hold_output
 from ..progress import format_seconds
 
 GPU_RECIPE = """\
@@ -49,6 +50,9 @@ class QuickstartConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.block_size < 2:
             raise ConfigError("block_size must be at least 2")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file; the quickstart writes a folder (new, or one it wrote before)")
+        check_outside_inputs(self.out, "--out")
 
 
 def _stage(title: str) -> float:
@@ -83,6 +87,11 @@ def plot_training_curve(metrics_path: Path, png_path: Path) -> Path:
 
 
 def run_quickstart(config: QuickstartConfig) -> int:
+    with hold_output(config.out, "--out"):  # its stages resume what they find: one live quickstart per folder
+        return _run_quickstart(config)
+
+
+def _run_quickstart(config: QuickstartConfig) -> int:
     from ..gguf import smollm2_target_dir
     from ..pipeline.trainer import train
     from .cache_features import CacheFeaturesConfig, run_cache_features

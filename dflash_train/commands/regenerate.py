@@ -15,6 +15,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 from ..config import THINKING, ConfigError, option
+from ..files import check_outside_inputs, hold_output
 from ._common import check_target_flags, load_target_for
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class RegenerateConfig:
             raise ConfigError("limit and max_prompt_tokens must be >= 0 (0 = no limit / automatic)")
         if self.split not in SPLIT_CHOICES:
             raise ConfigError(f"split {self.split!r}: use {', '.join(SPLIT_CHOICES)}")
+        check_outside_inputs(self.out, "--out", [self.target, *([self.prompts] if self.prompts != "default" else [])])
 
 
 def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats]:
@@ -128,6 +130,11 @@ def _in_split(rows, split: str, stats):
 
 
 def run_regenerate(config: RegenerateConfig) -> int:
+    with hold_output(config.out, "--out"):  # two runs appending to one file would answer every prompt twice
+        return _run_regenerate(config)
+
+
+def _run_regenerate(config: RegenerateConfig) -> int:
     from ..data.regenerate import GenerationSettings, check_output, output_record, regenerate
     from ..target import resolve_device
 

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from ..config import ConfigError, option
+from ..files import check_new_output, hold_output
 from ..data.prompt_set import SPLITS
 from ..data.self_prompts import SelfPromptSettings
 from ._common import check_target_flags, load_target_for
@@ -43,8 +44,7 @@ class SelfPromptsConfig:
             raise ConfigError(f"--target {self.target}: no such file or folder")
         if not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file")
-        if Path(self.out).exists():
-            raise ConfigError(f"--out {self.out} already exists; choose another file (it is never overwritten)")
+        check_new_output(self.out, "--out", [self.target])
         if self.count < 1:
             raise ConfigError(f"--count must be at least 1, got {self.count}")
         if self.split not in SPLITS:
@@ -53,6 +53,11 @@ class SelfPromptsConfig:
 
 
 def run_self_prompts(config: SelfPromptsConfig) -> int:
+    with hold_output(config.out, "--out"):
+        return _run_self_prompts(config)
+
+
+def _run_self_prompts(config: SelfPromptsConfig) -> int:
     from ..data.regenerate import GenerationSettings
     from ..data.self_prompts import SOURCE, sample_requests, user_request_prefix
     from ..decode.batched import local_engine
@@ -71,11 +76,10 @@ def run_self_prompts(config: SelfPromptsConfig) -> int:
                                     top_p=settings.top_p, seed=settings.seed)
     engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
     report = sample_requests(engine, target.tokenizer, settings, benchmarks)
-    if report.kept:
-        write_new_prompt_file(config.out, report.kept, lambda _: SOURCE)  # checked again: sampling is long
-    print(report.summary(config.out if report.kept else ""))
+    written = write_new_prompt_file(config.out, report.kept, lambda _: SOURCE) if report.kept else None
+    print(report.summary(str(written or "")))
     if report.short:
-        kept = f"the {len(report.kept)} kept are in {config.out}" if report.kept else "nothing was written"
+        kept = f"the {len(report.kept)} kept are in {written}" if written else "nothing was written"
         raise RunFailed(f"only {len(report.kept)} of {config.count} requests kept ({report.short}); {kept}")
-    print(f"wrote {len(report.kept)} self-written {config.split} prompts to {config.out}")
+    print(f"wrote {len(report.kept)} self-written {config.split} prompts to {written}")
     return 0

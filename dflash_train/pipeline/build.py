@@ -28,7 +28,7 @@ from ..attention import resolve_backend
 from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint, set_aside_after, verified_checkpoints
 from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
 from ..drafter import DFlashDrafter, DrafterConfig
-from ..files import remove_leftover_staging, write_json_atomic
+from ..files import check_outside_inputs, remove_leftover_staging, write_json_atomic
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig, fused_head_unsupported
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
@@ -100,10 +100,14 @@ RUN_FOLDER_FILES = ("pipeline.jsonl", "summary.json")
 
 
 def prepare_run_folder(config: TrainConfig, plans: list[DrafterPlan]) -> Path:
-    """The run folder, created if new. Without --resume it must hold nothing a run writes (a
-    second run would mix its metrics and checkpoints with the first's); with it, what an
-    interrupted checkpoint write left behind is cleaned up."""
+    """The run folder, created if new; call it holding the folder's lock (`files.hold_output`),
+    so that no live process writes there meanwhile. It is never inside one of the run's inputs.
+    Without --resume it must hold nothing a run writes (a second run would mix its metrics and
+    checkpoints with the first's); with it, what an interrupted checkpoint write left behind is
+    cleaned up."""
     out = Path(config.out)
+    check_outside_inputs(out, "--out", [config.target, config.features, *config.data,
+                                        *([config.eval_bench] if Path(config.eval_bench).is_file() else [])])
     if not config.resume:
         held = [out / name for name in RUN_FOLDER_FILES if (out / name).exists()]
         held += [plan.run_dir / name for plan in plans for name in RUN_FILES if (plan.run_dir / name).exists()]

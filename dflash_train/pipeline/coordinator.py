@@ -327,7 +327,7 @@ class Coordinator:
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
         return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.export_dtype, "cpu"),
-                            run_dir=plan.run_dir, force=True)  # OUT/export belongs to the run
+                            run_dir=plan.run_dir, force=True, log=self.log)  # OUT/export belongs to the run
 
 
 def non_finite_parameters(model: torch.nn.Module) -> list[str]:

@@ -18,11 +18,13 @@ the nodes, gradients are all-reduced across them, every stop is agreed, and rank
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
+from ..files import hold_output
 from ..target import Target
 from .batches import stream_identity
 from .build import (
@@ -70,11 +72,12 @@ def train(
     graphs = choose_cuda_graphs(config, [*layout.target_devices, *layout.drafter_devices])
     tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
     with NodeGroup(launch, backend=gradient_backend(config.dist_backend, layout.drafter_devices),
-                   timeout=config.dist_timeout) as nodes:
+                   timeout=config.dist_timeout) as nodes, contextlib.ExitStack() as owned:
         if nodes.distributed:
             print(f"nodes: {nodes.describe()}", file=log)
         plans = plan_drafters(config, layout)
-        if nodes.writes:  # rank 0 owns the run folder (the others write nothing)
+        if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
+            owned.enter_context(hold_output(out, "--out"))
             prepare_run_folder(config, plans)
         supply = load_feature_supply(config, layout, target, log)
         if samples is None:
