@@ -91,6 +91,11 @@ def check_export_target(
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out_dir}: is a file, not a folder")
+    if source is not None:
+        held = Path(source).resolve()
+        if out == held or out in held.parents:
+            raise ExportError(f"--out {out_dir}: holds the checkpoint {source} being exported, which would be "
+                              "replaced; choose a new folder")
     try:
         here = Path.cwd().resolve()
     except OSError:  # the current folder was deleted: nothing to protect
@@ -98,11 +103,6 @@ def check_export_target(
     if here is not None and (out == here or out in here.parents):
         raise ExportError(f"--out {out_dir}: holds the current folder, which the export would replace; "
                           "name a new folder (e.g. --out exp) or run the command from elsewhere")
-    if source is not None:
-        held = Path(source).resolve()
-        if out == held or out in held.parents:
-            raise ExportError(f"--out {out_dir}: holds the checkpoint {source} being exported, which would be "
-                              "replaced; choose a new folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if run_dir is not None and _exported_run(out) == str(Path(run_dir).resolve()):

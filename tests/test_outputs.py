@@ -18,7 +18,7 @@ import pytest
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, TrainConfig
-from dflash_train.files import OutputInUse, hold_output, write_bytes_atomic, write_dir_atomically
+from dflash_train.files import write_bytes_atomic, write_dir_atomically
 from dflash_train.pipeline.trainer import train
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
@@ -204,6 +204,8 @@ def held(tmp_path):
 
 
 def test_a_held_output_is_refused_and_freed_when_its_holder_is_killed(tmp_path, held):
+    from dflash_train.files import OutputInUse, hold_output
+
     out = tmp_path / "out.jsonl"
     holder = held(out)
     with pytest.raises(OutputInUse, match=rf"--out {out} is in use by another live process \(pid {holder.pid}:"):
