@@ -341,7 +341,9 @@ class OutputLock:
                 break
             os.close(fd)  # the holder removed the file as we opened it: lock the new one
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode("utf-8", "replace"))
+        # The program and its first argument (`dflash-train train`): enough to recognise it, no flag values.
+        program = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]) if sys.argv and sys.argv[0] else "python"
+        os.write(fd, f"pid {os.getpid()}: {program[:100]}\n".encode("utf-8", "replace"))
         self._fd = fd
         return self
 
