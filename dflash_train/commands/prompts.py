@@ -8,8 +8,8 @@ import contextlib
 import dataclasses
 
 from ..config import ConfigError, option
-from ..files import check_new_output, hold_output
 from ..data.prompt_set import SPLITS
+from ..files import check_new_output, hold_output
 
 
 @dataclasses.dataclass

@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from ..config import ConfigError, option
-from ..files import check_new_output, hold_output
 from ..data.prompt_set import SPLITS
 from ..data.self_prompts import SelfPromptSettings
+from ..files import check_new_output, hold_output
 from ._common import check_target_flags, load_target_for
 
 DEFAULTS = SelfPromptSettings(count=1)  # the flags' defaults are the settings' own (light imports: no torch)
