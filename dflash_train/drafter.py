@@ -13,6 +13,8 @@ Given the target's hidden states at a few layers (the context) and a block
     hidden  = norm(x)  ->  frozen target LM head  ->  logits
 
 Positions: context j -> j; block token k of a block anchored at a -> a + k.
+DFlash2 (`arch = "dflash2"`, dflash2.py): the same, with a grouped dynamic causal convolution
+around each layer's attention and MLP, and a candidate selector after the head.
 Two entry points share every weight: `forward` (training: N blocks at once under the
 DFlash mask) and `draft` (inference: one block, context k/v kept in a cache).
 """
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attend
+from .dflash2 import ARCHITECTURES, CandidateSelector, GroupedDynamicCausalConv, check_dflash2_dims
 from .target import TargetError, TargetSpec, check_target_layer_ids, default_target_layer_ids
 
 
@@ -49,6 +52,12 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     final_logit_softcapping: float | None = None
     hidden_act: str = field(default="silu")
+    # DFlash2 only (dflash2.py); a DFlash drafter ignores them. Checkpoints without them are DFlash.
+    arch: str = "dflash"
+    conv_kernel_size: int = 4
+    conv_group_size: int = 64
+    selector_rank: int = 64
+    selector_top_k: int = 16
 
     @classmethod
     def from_target(
@@ -60,6 +69,7 @@ class DrafterConfig:
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
         num_captured_layers: int | None = None,
+        **dflash2: Any,
     ) -> "DrafterConfig":
         """Drafter dims from the target; target layers default to the DESIGN rule with
         as many captured layers as draft layers (the paper's choice)."""
@@ -87,6 +97,7 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             input_embedding_scale=spec.input_embedding_scale,
             final_logit_softcapping=spec.final_logit_softcapping,
+            **dflash2,
         )
         config.validate()
         return config
@@ -107,6 +118,13 @@ class DrafterConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise TargetError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.arch not in ARCHITECTURES:
+            raise TargetError(f"arch {self.arch!r}: use {' or '.join(ARCHITECTURES)}")
+        if self.arch == "dflash2":
+            problem = check_dflash2_dims(self.hidden_size, self.vocab_size, self.conv_kernel_size,
+                                         self.conv_group_size, self.selector_rank, self.selector_top_k)
+            if problem:
+                raise TargetError(problem)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,10 +217,25 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.attention_conv = self.mlp_conv = None
+        if config.arch == "dflash2":
+            self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, context_k, context_v, mask, segment: int | None = None) -> torch.Tensor:
+        """`segment`: the block length the DFlash2 convolutions stay inside (None: all of x)."""
+        segment = segment or x.shape[1]
+        x = x + self.around(self.attention_conv, lambda h: self.self_attn(h, cos, sin, context_k, context_v, mask),
+                            self.input_layernorm(x), segment)
+        return x + self.around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x), segment)
+
+    @staticmethod
+    def around(conv: GroupedDynamicCausalConv | None, sub_block, h: torch.Tensor, segment: int) -> torch.Tensor:
+        """sub_block(h), or for DFlash2 its convolved form finish(sub_block(prepare(h)))."""
+        if conv is None:
+            return sub_block(h)
+        h, finish_kernel = conv.prepare(h, segment)
+        return conv.finish(sub_block(h), finish_kernel, segment)
 
 
 class DrafterCache:
@@ -240,6 +273,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.candidate_selector = None
+        if config.arch == "dflash2":
+            self.candidate_selector = CandidateSelector(hidden, config.vocab_size, config.selector_rank,
+                                                        config.selector_top_k)
         inv_freq, self.rope_scaling = _rope_frequencies(config)
         # float32 buffer that survives `.to(torch.bfloat16)`: rounded frequencies drift the
         # rotation angles by radians within a few hundred positions (the reference keeps
@@ -281,7 +318,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for layer in self.layers:
             context_k, context_v = layer.self_attn.keys_values(context, cos_ctx, sin_ctx)
-            x = layer(x, cos, sin, context_k, context_v, mask)
+            x = layer(x, cos, sin, context_k, context_v, mask, self.config.block_size)
         return self.norm(x)
 
     def draft(

@@ -1,9 +1,11 @@
 """Export a trained drafter as the Hugging Face folder that the reference and serving engines load.
 
-config.json carries `architectures: ["DFlashDraftModel"]`, the drafter dims, `block_size`,
+config.json carries `architectures: ["DFlashDraftModel"]` (DFlash2: `["DFlash2DraftModel"]`, with
+`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k` in dflash_config), the drafter dims, `block_size`,
 `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids, block_size,
 num_target_layers}`; weights are safetensors named `layers.*`, `fc.weight`,
-`hidden_norm.weight`, `norm.weight` — no embedding and no LM head (they stay the target's).
+`hidden_norm.weight`, `norm.weight` (DFlash2 adds `layers.*.{attention,mlp}_conv.*` and
+`candidate_selector.*`) — no embedding and no LM head (they stay the target's).
 Serving engines skip unknown weight names and fill missing keys with their own defaults, so the
 staged folder is checked against every rule of `export_rules.RULES` before it takes its name.
 """
@@ -20,7 +22,7 @@ from safetensors.torch import save_file
 
 from .config import UserError
 from .drafter import DFlashDrafter, DrafterConfig
-from .export_rules import TargetShape, check_folder, expected_weight_names, failures
+from .export_rules import DFLASH2_KEYS, TargetShape, check_folder, expected_weight_names, failures
 from .files import hold_output, recover_interrupted_write, write_dir_atomically
 
 __all__ = ["ExportError", "check_export_target", "expected_weight_names", "export_drafter", "export_model",
@@ -48,12 +50,16 @@ def hf_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         dflash_config["input_embedding_scale"] = config.input_embedding_scale
     if config.final_logit_softcapping:
         dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
+    architecture = "DFlashDraftModel"
+    if config.arch == "dflash2":
+        architecture = "DFlash2DraftModel"  # the reference's class; vLLM and SGLang register the same name
+        dflash_config.update({key: getattr(config, key) for key in DFLASH2_KEYS})
     legacy_scaling = None if rope.get("rope_type", "default") == "default" else {
         k: v for k, v in rope.items() if k != "rope_theta"
     }
     return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "architectures": [architecture],
+        "auto_map": {"AutoModel": f"dflash.{architecture}"},
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_hidden_layers,
@@ -227,7 +233,7 @@ def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu"
             weights.update(load_file(str(path)))
         except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
             raise ExportError(f"{path}: cannot be read as safetensors ({error})") from None
-    expected = expected_weight_names(config.num_hidden_layers)
+    expected = expected_weight_names(config.num_hidden_layers, dflash2=config.arch == "dflash2")
     unknown, missing = set(weights) - expected, expected - set(weights)
     if unknown:
         raise ExportError(f"{folder}: weights this drafter layout does not have: {sorted(unknown)[:5]}")
@@ -263,4 +269,13 @@ def _drafter_config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         mask_token_id=int(dflash["mask_token_id"]),
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
         final_logit_softcapping=dflash.get("final_logit_softcapping"),
+        **_dflash2_fields(raw),
     )
+
+
+def _dflash2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """arch and DFlash2's sizes from a DFlash2 config (dflash_config first, then the top level)."""
+    if "DFlash2DraftModel" not in (raw.get("architectures") or []):
+        return {}
+    dflash = raw["dflash_config"]
+    return {"arch": "dflash2", **{key: int(dflash[key] if key in dflash else raw[key]) for key in DFLASH2_KEYS}}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Per drafter layer, the names both loaders map (SGLang stacks q/k/v into qkv_proj and gate/up
@@ -43,14 +44,21 @@ LAYER_WEIGHTS = (
 )
 BIAS_WEIGHTS = tuple(f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
 TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# DFlash2 (DFlash2DraftModel): the convolutions of every layer and the candidate selector; the
+# codebooks are bare [vocab, rank] tensors (see the dflash2_* rules below).
+DFLASH2_LAYER_WEIGHTS = tuple(f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv")
+                              for name in ("base_kernel", "kernel_projection.weight"))
+DFLASH2_TOP_WEIGHTS = ("candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
+                       "candidate_selector.successor_codebook")
 
 _DIMS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "vocab_size", "max_position_embeddings")
 
 
-def expected_weight_names(num_layers: int, attention_bias: bool = False) -> set[str]:
-    per_layer = LAYER_WEIGHTS + (BIAS_WEIGHTS if attention_bias else ())
-    return set(TOP_WEIGHTS) | {f"layers.{i}.{key}" for i in range(num_layers) for key in per_layer}
+def expected_weight_names(num_layers: int, attention_bias: bool = False, dflash2: bool = False) -> set[str]:
+    per_layer = LAYER_WEIGHTS + (BIAS_WEIGHTS if attention_bias else ()) + (DFLASH2_LAYER_WEIGHTS if dflash2 else ())
+    top = TOP_WEIGHTS + (DFLASH2_TOP_WEIGHTS if dflash2 else ())
+    return set(top) | {f"layers.{i}.{key}" for i in range(num_layers) for key in per_layer}
 
 
 @dataclass(frozen=True)
@@ -138,8 +146,9 @@ def _architecture(folder: DraftFolder) -> str | None:
     # models/dflash.py EntryClass = DFlashDraftModel. Both build the config with AutoConfig,
     # and DFlashQwen3Model (like the reference's config_class) expects a Qwen3Config.
     architectures = folder.config.get("architectures")
-    if architectures != [ARCHITECTURE]:
-        return f"architectures is {architectures!r}; both engines dispatch on [{ARCHITECTURE!r}]"
+    if architectures not in ([ARCHITECTURE], [DFLASH2_ARCHITECTURE]):
+        return (f"architectures is {architectures!r}; both engines dispatch on [{ARCHITECTURE!r}] "
+                f"(DFlash2: [{DFLASH2_ARCHITECTURE!r}])")
     if folder.config.get("model_type") != "qwen3":
         return (f"model_type is {folder.config.get('model_type')!r}; the engines read the drafter config as "
                 "transformers' Qwen3Config (model_type 'qwen3')")
@@ -327,7 +336,7 @@ def _weight_names(folder: DraftFolder) -> str | None:
     if prefixed:
         return f"names start with 'model.' ({prefixed[:2]}): vLLM adds that prefix itself"
     (layers,) = _need(folder, "num_hidden_layers")
-    expected = expected_weight_names(layers, bool(folder.config.get("attention_bias", False)))
+    expected = expected_weight_names(layers, bool(folder.config.get("attention_bias", False)), _is_dflash2(folder))
     missing, unknown = sorted(expected - names), sorted(names - expected)
     if missing or unknown:
         return (f"weights do not match the DFlash layout the loaders map: missing {missing[:4]}, "
@@ -379,6 +388,64 @@ def _projection_shapes(folder: DraftFolder) -> str | None:
     return f"{len(wrong)} weights of the wrong shape: {'; '.join(wrong[:3])}" if wrong else None
 
 
+# --- DFlash2 (architectures ["DFlash2DraftModel"]); a DFlash folder passes these as "skip".
+# Read in: the reference, PyPI dflash 0.1.0 dflash/model.py (GroupedDynamicCausalConv,
+# CandidateSelector, DFlash2DraftModel); vLLM vllm/model_executor/models/qwen3_dflash2.py
+# (DFlashGroupedConv, CandidateSelector, DFlash2Qwen3Model); SGLang
+# python/sglang/srt/models/dflash.py (CandidateSelector, DFlash2DraftModel).
+
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _is_dflash2(folder: DraftFolder) -> bool:
+    return folder.config.get("architectures") == [DFLASH2_ARCHITECTURE]
+
+
+def _dflash2_config(folder: DraftFolder) -> str | None:
+    # vLLM DFlash2Qwen3DecoderLayer / DFlash2Qwen3Model read int(config.dflash_config[key]) for the
+    # four keys, with no top-level fallback (a KeyError at load); SGLang DFlash2DraftModel raises
+    # without dflash_config.selector_rank; the reference reads dflash_config, then the top level.
+    # vLLM DFlashGroupedConv raises unless conv_group_size divides hidden_size; the reference's
+    # view(..., groups, group_size) fails the same way; top-k over the vocabulary needs k <= vocab.
+    if not _is_dflash2(folder):
+        raise _Skip("not a DFlash2 folder")
+    missing = [k for k in DFLASH2_KEYS if k not in folder.dflash]
+    if missing:
+        return f"dflash_config lacks {', '.join(missing)} (vLLM reads them only there)"
+    wrong = [f"{k}={folder.dflash[k]!r}" for k in DFLASH2_KEYS if not _is_int(folder.dflash[k]) or folder.dflash[k] < 1]
+    if wrong:
+        return f"not positive integers: {', '.join(wrong)}"
+    hidden, vocab = _need(folder, "hidden_size", "vocab_size")
+    if hidden % folder.dflash["conv_group_size"]:
+        return f"conv_group_size {folder.dflash['conv_group_size']} does not divide hidden_size {hidden}"
+    if folder.dflash["selector_top_k"] > vocab:
+        return f"selector_top_k {folder.dflash['selector_top_k']} is more than the vocabulary ({vocab})"
+    return None
+
+
+def _dflash2_shapes(folder: DraftFolder) -> str | None:
+    # The shapes every loader allocates: base_kernel [2, taps, hidden], kernel_projection
+    # [2 * taps * hidden / group_size, hidden] (vLLM ReplicatedLinear, the reference nn.Linear),
+    # hidden_projection [rank, hidden], and the codebooks as bare [vocab, rank] parameters (vLLM
+    # and SGLang nn.Parameter; the reference maps the bare name onto its nn.Embedding's .weight).
+    if not _is_dflash2(folder):
+        raise _Skip("not a DFlash2 folder")
+    if folder.weights is None or _dflash2_config(folder) is not None:
+        raise _Skip("needs weight_names and dflash2_config")
+    hidden, layers, vocab = _need(folder, "hidden_size", "num_hidden_layers", "vocab_size")
+    taps, group, rank = (folder.dflash[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank"))
+    want = {"candidate_selector.hidden_projection.weight": (rank, hidden),
+            "candidate_selector.predecessor_codebook": (vocab, rank),
+            "candidate_selector.successor_codebook": (vocab, rank)}
+    for i in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            want[f"layers.{i}.{conv}.base_kernel"] = (2, taps, hidden)
+            want[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * (hidden // group), hidden)
+    wrong = [f"{name} {list(folder.weights[name])} (expected {list(shape)})"
+             for name, shape in want.items() if name in folder.weights and tuple(folder.weights[name]) != shape]
+    return f"{len(wrong)} DFlash2 weights of the wrong shape: {'; '.join(wrong[:3])}" if wrong else None
+
+
 def _target(folder: DraftFolder) -> str | None:
     # The drafter reads the target's states (fc input), embeds with the target's table (mask id,
     # vocab) and decodes with its head (vLLM maps a different draft vocabulary through d2t).
@@ -412,6 +479,10 @@ RULES: tuple[Rule, ...] = (
     Rule("weight_names", "exactly the names the loaders map", "SGLang models/dflash.py load_weights; vLLM qwen3_dflash.py load_weights", _weight_names),
     Rule("fc_shape", "fc.weight [hidden, n_ids x hidden]", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _fc_shape),
     Rule("projection_shapes", "every layer weight shaped from the config", "SGLang/vLLM linear layers", _projection_shapes),
+    Rule("dflash2_config", "conv_kernel_size, conv_group_size (divides hidden_size), selector_rank, selector_top_k in dflash_config",
+         "vLLM qwen3_dflash2.py; SGLang models/dflash.py DFlash2DraftModel; the reference dflash/model.py", _dflash2_config),
+    Rule("dflash2_shapes", "conv kernels, projections and [vocab, rank] codebooks shaped from the config",
+         "vLLM qwen3_dflash2.py; SGLang models/dflash.py CandidateSelector; the reference dflash/model.py", _dflash2_shapes),
     Rule("target", "hidden size, vocabulary and layer count of the target", "the pairing itself", _target),
 )
 
