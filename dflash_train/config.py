@@ -259,6 +259,7 @@ def canonical_dtype(name: str, key: str) -> str:
 VARIANT_KEYS = (
     "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
+    "arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight", "selector_miss",
 )
 # Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
 FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
@@ -288,10 +289,17 @@ class TrainConfig:
     num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)")
     target_layer_ids: list[int] = option([], "target layers to capture; empty = DESIGN rule with num_layers layers")
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
+    arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)")
+    conv_kernel_size: int = option(4, "dflash2: taps of each layer's causal convolutions (along the block)")
+    conv_group_size: int = option(64, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size")
+    selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)")
+    selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among")
     loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
     gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)")
     dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]")
     loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits")
+    selector_weight: float = option(1.0, "dflash2: weight of the selector's cross-entropy next to the backbone's (>= 0)")
+    selector_miss: str = option("drop", "dflash2: a true token outside the top-k candidates: drop (leave the slot out of the selector loss) or insert (put it in place of the lowest candidate)")
     lr: float = option(6e-4, "peak learning rate (AdamW), > 0")
     weight_decay: float = option(0.0, "AdamW weight decay, >= 0")
     adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
@@ -330,8 +338,9 @@ class TrainConfig:
 
     SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
         "data": ("data", "features", "thinking", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
-        "model": ("target", "block_size", "num_layers", "target_layer_ids", "mask_token_id"),
-        "objective": ("loss", "gamma", "dpace_alpha", "num_anchors", "loss_chunk_rows"),
+        "model": ("target", "block_size", "num_layers", "target_layer_ids", "mask_token_id", "arch", "conv_kernel_size",
+                  "conv_group_size", "selector_rank", "selector_top_k"),
+        "objective": ("loss", "gamma", "dpace_alpha", "num_anchors", "loss_chunk_rows", "selector_weight", "selector_miss"),
         "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
                       "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
         "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
@@ -347,6 +356,8 @@ class TrainConfig:
         if self.mode == "variants" and not self.variants:
             raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
         _choice("loss", self.loss, ("decay", "dpace"))
+        _choice("arch", self.arch, ("dflash", "dflash2"))
+        _choice("selector_miss", self.selector_miss, ("drop", "insert"))
         _choice("thinking", self.thinking, tuple(THINKING))
         _choice("attention", self.attention, ("auto", "flex", "sdpa"))
         _choice("compile", self.compile, ("auto", "on", "off"))
@@ -355,7 +366,8 @@ class TrainConfig:
         _choice("precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("tensorboard", self.tensorboard, ("auto", "on", "off"))
         for name in ("steps", "batch_size", "grad_accum", "max_seq_len", "num_anchors", "prefetch", "save_every",
-                     "log_every", "num_layers", "keep_checkpoints", "eval_limit", "eval_max_new_tokens"):
+                     "log_every", "num_layers", "keep_checkpoints", "eval_limit", "eval_max_new_tokens",
+                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be at least 1 (got {getattr(self, name)})")
         for name in ("eval_every", "loss_chunk_rows", "min_supervised_tokens", "stop_after_bad_steps", "seed"):
@@ -384,6 +396,8 @@ class TrainConfig:
                 raise ConfigError(f"{_flag(name)} must be in [0, 1) (got {getattr(self, name)})")
         if not 0 <= self.dpace_alpha <= 1:
             raise ConfigError(f"--dpace-alpha must be in [0, 1] (got {self.dpace_alpha})")
+        if not self.selector_weight >= 0:
+            raise ConfigError(f"--selector-weight must be >= 0 (got {self.selector_weight})")
         _choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         devices = [*(self.target_devices or [self.device]), *(self.drafter_devices or [self.device])]
         if self.cuda_graphs == "on" and "cpu" in devices:

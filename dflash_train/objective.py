@@ -260,6 +260,32 @@ def frozen_head_cross_entropy(
         return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, kernel)
 
 
+@torch.no_grad()
+def frozen_head_top_k(
+    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, k: int, *, chunk_rows: int = 0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DFlash2 selector's candidates for hidden [T, H] through the frozen head [V, H], in row
+    chunks (never T × V logits at once): the top-k logits [T, k] (float32, softcapped as the
+    drafter's logits are) and their ids [T, k], and each row's label logit [T]. No gradient: the
+    backbone learns the logits from its own cross-entropy; the selector re-scores them."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows)
+    values, ids, label_logits = [], [], []
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_rows):
+            logits = (hidden[start:start + chunk_rows] @ head_weight.t()).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            top_values, top_ids = torch.topk(logits, k, dim=-1)
+            values.append(top_values)
+            ids.append(top_ids)
+            label_logits.append(logits.gather(1, labels[start:start + chunk_rows, None])[:, 0])
+    return torch.cat(values), torch.cat(ids), torch.cat(label_logits)
+
+
 _FUSED_PROBES: dict[tuple[torch.device, float], str | None] = {}
 
 
@@ -320,6 +346,10 @@ class ObjectiveConfig:
     compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
     fused_head: bool = False  # head_kernel.py's softmax kernel instead (GPU training, where its probe passed)
     fp8_head: bool = False  # frozen-head products in FP8 (fp8.py)
+    # DFlash2 drafters: the candidate selector's cross-entropy over the head's top-k, teacher forced
+    # (the true previous token as predecessor), weighted like the slot's backbone CE times this.
+    selector_weight: float = 1.0
+    selector_miss: str = "drop"  # a true token outside the top-k: "drop" the slot or "insert" the token
 
     def __post_init__(self) -> None:
         if self.loss not in ("decay", "dpace"):
@@ -328,6 +358,10 @@ class ObjectiveConfig:
             raise ValueError(f"dpace_alpha {self.dpace_alpha}: must be in [0, 1]")
         if self.num_anchors < 1:
             raise ValueError("num_anchors must be at least 1")
+        if self.selector_miss not in ("drop", "insert"):
+            raise ValueError(f"selector_miss {self.selector_miss!r}: use 'drop' or 'insert'")
+        if not self.selector_weight >= 0:
+            raise ValueError(f"selector_weight {self.selector_weight}: must be >= 0")
         if self.gamma is None:
             self.gamma = default_gamma(self.block_size)
 

@@ -29,9 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, unwrap_drafter
 from .objective import ObjectiveConfig, block_metrics, loss_weights
-from .step import DrafterBatch, FrozenTargetParts, block_predictions, fused_clip_and_step, head_cross_entropy
+from .step import (
+    DrafterBatch,
+    FrozenTargetParts,
+    block_predictions,
+    dflash2_loss,
+    fused_clip_and_step,
+    head_cross_entropy,
+    selector_cross_entropy,
+)
 
 METRICS = ("position_correct", "position_count", "accepted_sum", "blocks")  # block_metrics' sums, in output order
 
@@ -125,8 +133,15 @@ def static_drafter_loss(
     ce = ce.index_copy(0, into, scored_ce)[:slots].view(label_valid.shape)
     correct = torch.zeros(slots + 1, dtype=torch.bool, device=into.device)
     correct = correct.index_copy(0, into, scored_correct)[:slots].view(label_valid.shape)
-    loss = (loss_weights(ce, label_valid, objective) * ce).sum() * inputs.inverse_normalizer
-    return loss, block_metrics(correct, label_valid, inputs.anchor_valid)
+    if unwrap_drafter(drafter).candidate_selector is None:
+        loss = (loss_weights(ce, label_valid, objective) * ce).sum() * inputs.inverse_normalizer
+        return loss, block_metrics(correct, label_valid, inputs.anchor_valid)
+    # DFlash2: the selector's rows go through the same dump slot (step.drafter_loss has the why).
+    row_ce, row_correct = selector_cross_entropy(drafter, hidden, labels, source, frozen, objective)
+    selector_ce = torch.zeros(slots + 1, dtype=row_ce.dtype, device=into.device).index_copy(0, into, row_ce)
+    selector_correct = torch.zeros(slots + 1, dtype=torch.bool, device=into.device).index_copy(0, into, row_correct)
+    loss = dflash2_loss(ce, selector_ce[:slots].view(label_valid.shape), label_valid, objective) * inputs.inverse_normalizer
+    return loss, block_metrics(selector_correct[:slots].view(label_valid.shape), label_valid, inputs.anchor_valid)
 
 
 def tensor_lr_step(

@@ -9,6 +9,7 @@ slots 1..B−1 through the frozen LM head, and updates the drafter:
         block inputs   = embed([anchor, MASK, ...]) at positions a, a+1, ..., a+B−1
         hidden         = drafter(target features, block inputs, DFlash mask)
         CE per slot    = chunked cross-entropy through the frozen head (scored slots only)
+        (DFlash2)      + selector_weight · the candidate selector's CE over the head's top-k
         loss           = Σ w·CE / global normaliser            (so micro-batches and replicas add)
         backward
     sum gradients across replicas (if any)
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from .attention import make_mask
-from .drafter import DFlashDrafter, embed_block_tokens
+from .drafter import DFlashDrafter, embed_block_tokens, unwrap_drafter
 from .fp8 import Fp8Weight
 from .objective import (
     ObjectiveConfig,
@@ -35,6 +36,8 @@ from .objective import (
     block_metrics,
     block_token_ids,
     frozen_head_cross_entropy,
+    frozen_head_top_k,
+    loss_weights,
     weighted_loss,
 )
 
@@ -82,13 +85,49 @@ def drafter_loss(
     # targets would cost vocabulary-sized matmuls for a zero weight.
     rows = scored_slot_index(label_valid, batch.scored_rows)
     scored_ce, scored_correct = head_cross_entropy(hidden, labels, rows, frozen, objective)
-    ce = torch.zeros(label_valid.numel(), dtype=scored_ce.dtype, device=scored_ce.device)
-    ce = ce.index_copy(0, rows, scored_ce).view(label_valid.shape)
-    correct = torch.zeros(label_valid.numel(), dtype=torch.bool, device=rows.device)
-    correct = correct.index_copy(0, rows, scored_correct).view(label_valid.shape)
+    ce = slot_grid(scored_ce, rows, label_valid)
+    correct = slot_grid(scored_correct, rows, label_valid)
 
-    loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
-    return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+    if unwrap_drafter(drafter).candidate_selector is None:
+        loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
+        return loss, block_metrics(correct, label_valid, batch.anchor_valid)
+    selector_ce, selector_correct = selector_cross_entropy(drafter, hidden, labels, rows, frozen, objective)
+    loss = dflash2_loss(ce, slot_grid(selector_ce, rows, label_valid), label_valid, objective) / max(batch.loss_normalizer, 1e-12)
+    # The selector's teacher-forced top-1 is the proposal while the block's drafts are right so far,
+    # so its leading correct slots are exactly what a greedy verify accepts (simulated τ).
+    return loss, block_metrics(slot_grid(selector_correct, rows, label_valid), label_valid, batch.anchor_valid)
+
+
+def slot_grid(values: torch.Tensor, rows: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
+    """Per-row values of the scored slots `rows` laid out as label_valid's grid [b, N, B] (zeros elsewhere)."""
+    grid = torch.zeros(label_valid.numel(), dtype=values.dtype, device=values.device)
+    return grid.index_copy(0, rows, values).view(label_valid.shape)
+
+
+def dflash2_loss(ce: torch.Tensor, selector_ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig) -> torch.Tensor:
+    """Σ w·(CE + selector_weight · selector CE), w the backbone's slot weights (decay or D-PACE)."""
+    weights = loss_weights(ce, label_valid, objective)
+    return (weights * (ce + objective.selector_weight * selector_ce)).sum()
+
+
+def selector_cross_entropy(
+    drafter: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, frozen: FrozenTargetParts,
+    objective: ObjectiveConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DFlash2 selector's CE and top-1 correctness on the block slots `rows` (flat indices
+    into hidden [b, N·B, H] and labels [b, N, B]), with the true previous token (for slot 1, the
+    anchor) as predecessor; a slot whose token is outside the head's top-k follows
+    `objective.selector_miss` (CE 0 and never correct when dropped)."""
+    selector = unwrap_drafter(drafter).candidate_selector
+    slot_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    slot_labels = labels.flatten()[rows]
+    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten()[rows]
+    unary, candidates, label_logits = frozen_head_top_k(
+        slot_hidden.detach(), frozen.head_weight, slot_labels, selector.top_k, chunk_rows=objective.loss_chunk_rows,
+        softcap=frozen.logit_softcap)
+    ce, correct, _ = selector.teacher_forced(slot_hidden, unary, candidates, predecessors, slot_labels, label_logits,
+                                             objective.selector_miss)
+    return ce, correct
 
 
 def head_cross_entropy(

@@ -115,3 +115,166 @@ def test_conv_stays_inside_blocks_and_starts_as_identity():
     conv = fresh.layers[0].attention_conv
     out, finish_kernel = conv.prepare(h, 4)
     assert torch.equal(out, h) and torch.equal(conv.finish(h, finish_kernel, 4), h)
+
+
+# --- the objective: train exactly what inference runs --------------------------------------------
+
+BLOCK = 4
+ANCHORS = [3, 9, 10, 21]
+
+
+def _inference_hidden(target, drafter, ids, anchor):
+    context = target.features(ids[:, :anchor], drafter.config.target_layer_ids)
+    block = torch.full((1, BLOCK), drafter.config.mask_token_id)
+    block[0, 0] = ids[0, anchor]
+    with torch.no_grad():
+        return drafter.draft(DrafterCache(drafter.config.num_hidden_layers), context, torch.arange(anchor)[None],
+                             embed_block_tokens(block, target.embed_weight),
+                             torch.arange(anchor, anchor + BLOCK)[None])[0]
+
+
+def _dflash2_loss_and_metrics(target, drafter, ids, loss_mask, miss, weight=0.5):
+    from dflash_train.objective import ObjectiveConfig, block_labels
+    from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
+
+    anchors = torch.tensor([ANCHORS + [0]])
+    anchor_valid = torch.tensor([[True] * len(ANCHORS) + [False]])
+    objective = ObjectiveConfig(block_size=BLOCK, num_anchors=len(ANCHORS) + 1, gamma=3.0, selector_weight=weight,
+                                selector_miss=miss)
+    _, label_valid = block_labels(ids, loss_mask, anchors, anchor_valid, BLOCK)
+    batch = DrafterBatch(target.features(ids, drafter.config.target_layer_ids), ids, loss_mask, anchors, anchor_valid,
+                         objective.normalizer(label_valid))
+    with torch.no_grad():
+        loss, metrics = drafter_loss(drafter, FrozenTargetParts(target.embed_weight, target.head_weight), batch,
+                                     objective, "sdpa")
+    return float(loss), metrics
+
+
+def _dflash2_loss_from_inference(target, drafter, ids, loss_mask, miss, weight=0.5):
+    """By hand from inference-style drafts: slot k of anchor a predicts ids[a + k] with the true
+    ids[a + k − 1] as the selector's predecessor; plus the greedy path's leading matches."""
+    from dflash_train.objective import decay_weights
+
+    selector = drafter.candidate_selector
+    w = decay_weights(BLOCK, 3.0)
+    total = norm = accepted = 0.0
+    for a in ANCHORS:
+        hidden = _inference_hidden(target, drafter, ids, a)
+        logits = hidden @ target.head_weight.t()
+        with torch.no_grad():
+            path, _, _ = selector.select(hidden[None, 1:], logits[None, 1:], ids[0, a:a + 1], 0.0)
+        leading = 0
+        for k in range(1, BLOCK):
+            if a + k >= ids.shape[1] or not loss_mask[0, a + k]:
+                break
+            leading += 1
+            if path[0, k - 1] != ids[0, a + k]:
+                leading -= 1
+                break
+        accepted += leading
+        for k in range(1, BLOCK):
+            if a + k >= ids.shape[1] or not loss_mask[0, a + k]:
+                continue
+            label = ids[0, a + k]
+            ce = torch.nn.functional.cross_entropy(logits[k][None], label[None])
+            unary, candidates = torch.topk(logits[k], selector.top_k)
+            if label not in candidates:
+                if miss == "drop":
+                    total += float(w[k] * ce)
+                    norm += float(w[k])
+                    continue
+                lowest = int(unary.argmin())
+                candidates[lowest], unary[lowest] = label, logits[k, label]
+            with torch.no_grad():
+                scores = selector.scores(selector.hidden_projection(hidden[k])[None], ids[0, a + k - 1][None],
+                                         unary[None], candidates[None])[0]
+            selector_ce = torch.nn.functional.cross_entropy(scores[None], (candidates == label).float().argmax()[None])
+            total += float(w[k] * (ce + weight * selector_ce))
+            norm += float(w[k])
+    return total / norm, accepted
+
+
+@pytest.mark.parametrize("miss", ["drop", "insert"])
+def test_dflash2_training_loss_and_simulated_tau_equal_inference(miss):
+    target = tiny_target("qwen3", head_scale=40.0)
+    drafter = random_dflash2(target, block_size=BLOCK, std=0.3, selector_top_k=3)
+    ids = torch.randint(0, 90, (1, 24))
+    for a in (3, 21):  # the drafter's own greedy path after these anchors: accepted slots to count
+        hidden = _inference_hidden(target, drafter, ids, a)
+        with torch.no_grad():
+            path, _, _ = drafter.candidate_selector.select(hidden[None, 1:], (hidden @ target.head_weight.t())[None, 1:],
+                                                           ids[0, a:a + 1], 0.0)
+        ids[0, a + 1:a + BLOCK] = path[0, :24 - a - 1]
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[0, 12] = False
+    loss, metrics = _dflash2_loss_and_metrics(target, drafter, ids, loss_mask, miss)
+    expected, accepted = _dflash2_loss_from_inference(target, drafter, ids, loss_mask, miss)
+    assert abs(loss - expected) < 1e-4, (loss, expected)
+    assert float(metrics["accepted_sum"]) == accepted >= 5
+    # The two rules differ on this data (some true tokens are outside the top-3).
+    other = _dflash2_loss_and_metrics(target, drafter, ids, loss_mask, "insert" if miss == "drop" else "drop")[0]
+    assert abs(other - loss) > 1e-3
+
+
+def test_dflash2_training_blocks_equal_inference_blocks():
+    """The convolutions stay inside each block in the training forward (N blocks side by side)."""
+    from dflash_train.attention import make_mask
+    from dflash_train.objective import block_token_ids
+
+    target = tiny_target("llama")
+    drafter = random_dflash2(target, block_size=BLOCK, std=0.3)
+    ids = torch.randint(0, 90, (1, 24))
+    anchors = torch.tensor([ANCHORS])
+    block = block_token_ids(ids, anchors, BLOCK, 95).flatten(1)
+    with torch.no_grad():
+        hidden = drafter(target.features(ids, drafter.config.target_layer_ids),
+                         embed_block_tokens(block, target.embed_weight),
+                         (anchors[..., None] + torch.arange(BLOCK)).flatten(1), make_mask("sdpa", anchors, 24, BLOCK))
+    for i, a in enumerate(ANCHORS):
+        torch.testing.assert_close(hidden[0, i * BLOCK:(i + 1) * BLOCK], _inference_hidden(target, drafter, ids, a),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_selector_miss_rules():
+    from dflash_train.dflash2 import CandidateSelector
+
+    selector = CandidateSelector(8, 20, 4, 3)
+    selector.reset_parameters(torch.Generator().manual_seed(0), std=0.5)
+    hidden = torch.randn(2, 8)
+    unary = torch.tensor([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    candidates = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    labels = torch.tensor([6, 9])  # row 1: the true token is not a candidate
+    args = (hidden, unary, candidates, torch.tensor([1, 2]), labels, torch.tensor([0.0, 0.5]))
+    ce, correct, counts = selector.teacher_forced(*args, "drop")
+    assert counts.tolist() == [True, False] and ce[1] == 0 and not correct[1] and ce[0] > 0
+    ce, correct, counts = selector.teacher_forced(*args, "insert")
+    assert counts.tolist() == [True, True] and ce[1] > 0
+    ce[1].backward()
+    assert selector.successor_codebook.grad[9].abs().sum() > 0  # the inserted token's row learns
+    assert selector.successor_codebook.grad[7].abs().sum() == 0  # the lowest candidate was replaced
+
+
+def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert"):
+    from dflash_train.objective import ObjectiveConfig
+    from dflash_train.pipeline.build import init_drafter
+    from dflash_train.step import FrozenTargetParts, make_optimizer, training_step, warmup_cosine
+    from dflash_train.synthetic import TINY, drafter_config, make_batch
+
+    config = drafter_config(TINY, 4)
+    config.arch, config.conv_kernel_size, config.conv_group_size = "dflash2", 2, 16
+    config.selector_rank, config.selector_top_k = 8, 8
+    drafter = init_drafter(config, seed=0)
+    batch, _, _ = make_batch(config, 1, 32, 6, "cpu", torch.float32)
+    objective = ObjectiveConfig(block_size=4, num_anchors=6, selector_miss=miss)
+    generator = torch.Generator().manual_seed(1)
+    frozen = FrozenTargetParts(torch.randn(TINY["vocab"], TINY["hidden"], generator=generator),
+                               torch.randn(TINY["vocab"], TINY["hidden"], generator=generator))
+    optimizer = make_optimizer(drafter, 3e-3, 0.0, (0.9, 0.95))
+    scheduler = warmup_cosine(optimizer, 12, 0.0, 1.0)
+    start = {name: param.detach().clone() for name, param in drafter.named_parameters()}
+    losses = [training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend="sdpa",
+                            clip_grad=1.0, autocast_dtype=None).loss for _ in range(12)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    for name in ("layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
+                 "candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight"):
+        assert not torch.equal(start[name], dict(drafter.named_parameters())[name]), name

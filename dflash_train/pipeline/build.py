@@ -27,6 +27,7 @@ import torch
 from ..attention import resolve_backend
 from ..checkpoint import load_drafter, read_state, restore_trainer, resumable_checkpoint, set_aside_after, verified_checkpoints
 from ..config import FIXED_BY_CHECKPOINT, THINKING, ConfigError, TrainConfig
+from ..dflash2 import GroupedDynamicCausalConv
 from ..drafter import DFlashDrafter, DrafterConfig
 from ..files import check_outside_inputs, remove_leftover_staging, write_json_atomic
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
@@ -273,6 +274,7 @@ def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Tar
         plan.drafter_config = DrafterConfig.from_target(
             target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
             mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
+            **dflash2_fields(plan.config),
         )
         compiled_head = all(compiles_drafter(config, device) for device in plan.devices)
         plan.objective = ObjectiveConfig(
@@ -281,9 +283,18 @@ def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Tar
             compiled_head=compiled_head,
             fused_head=compiled_head and uses_fused_head(plan, target.spec.final_logit_softcapping, log),
             fp8_head=plan.config.fp8 != "off",
+            selector_weight=plan.config.selector_weight, selector_miss=plan.config.selector_miss,
         )
         if plan.config.fp8 != "off":
             check_fp8_support(plan, target)
+
+
+def dflash2_fields(config: TrainConfig) -> dict:
+    """The drafter's architecture and, for DFlash2, its sizes (a DFlash drafter keeps the defaults)."""
+    if config.arch != "dflash2":
+        return {"arch": config.arch}
+    return {key: getattr(config, key) for key in ("arch", "conv_kernel_size", "conv_group_size", "selector_rank",
+                                                   "selector_top_k")}
 
 
 def uses_fused_head(plan: DrafterPlan, softcap: float | None, log: TextIO) -> bool:
@@ -399,7 +410,9 @@ def common_checkpoints(plans: list[DrafterPlan], newest: dict[str, int], log: Te
 
 
 def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
-    saved = state.get("drafter_config", {})
+    # Fields a checkpoint predates (DFlash2's) hold their defaults: an older DFlash run still resumes.
+    defaults = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **state.get("drafter_config", {})}
     wanted = plan.drafter_config.to_dict()
     changed = [f"{key} {saved.get(key)!r} -> {wanted.get(key)!r}" for key in sorted(set(saved) | set(wanted))
                if saved.get(key) != wanted.get(key)]
@@ -464,6 +477,9 @@ def init_drafter(config: DrafterConfig, seed: int) -> DFlashDrafter:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        for module in drafter.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_to_identity()  # DFlash2 starts as the DFlash drafter with these weights
     return drafter
 
 

@@ -119,7 +119,7 @@ def train(
 
 def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
     drafters = "; ".join(
-        f"{p.name}: {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
+        f"{p.name}: {p.drafter_config.arch}, {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
         f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
         f"on {', '.join(map(str, p.devices))}"
         for p in plans
