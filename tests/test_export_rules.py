@@ -112,10 +112,47 @@ BREAKS = {
 }
 
 
-def test_our_export_passes_every_rule(valid_export):
+# DFlash2 folders: the DFlash2 rules judge them (a DFlash folder skips them), each broken alone.
+DFLASH2_RULES = ("dflash2_config", "dflash2_shapes")
+DFLASH2_BREAKS = {
+    "dflash2_config: selector_rank only at the top level (vLLM reads dflash_config)": ("dflash2_config", _edit_config(
+        _both(_drop("dflash_config", "selector_rank"), _set("selector_rank", 8)))),
+    "dflash2_config: group size does not divide hidden": ("dflash2_config", _edit_config(
+        _set("dflash_config", "conv_group_size", 24))),
+    "dflash2_config: top-k past the vocabulary": ("dflash2_config", _edit_config(_set("dflash_config", "selector_top_k", 97))),
+    "dflash2_shapes: codebook of another rank": ("dflash2_shapes", _edit_weights(
+        lambda w: w.update({"candidate_selector.successor_codebook": torch.zeros(96, 4)}))),
+    "dflash2_shapes: base kernel of other taps": ("dflash2_shapes", _edit_weights(
+        lambda w: w.update({"layers.1.mlp_conv.base_kernel": torch.zeros(2, 2, 64)}))),
+    "weight_names: a DFlash2 folder without its selector": ("weight_names", _edit_weights(
+        lambda w: w.pop("candidate_selector.hidden_projection.weight"))),
+}
+
+
+@pytest.fixture(scope="module")
+def valid_dflash2_export(tmp_path_factory):
+    target = tiny_target("qwen3")
+    config = DrafterConfig.from_target(target.spec, num_layers=2, block_size=5, mask_token_id=95,
+                                       target_layer_ids=[1, 3, 4], arch="dflash2", conv_kernel_size=3,
+                                       conv_group_size=16, selector_rank=8, selector_top_k=6)
+    return export_model(DFlashDrafter(config), tmp_path_factory.mktemp("valid2") / "export", dtype=torch.float32)
+
+
+def test_our_export_passes_every_rule(valid_export, valid_dflash2_export):
     verdicts = check_folder(valid_export, TARGET)
     assert [v.rule.name for v in verdicts] == [r.name for r in RULES]
-    assert {v.rule.name: v.status for v in verdicts} == {r.name: "ok" for r in RULES}
+    assert {v.rule.name: v.status for v in verdicts} == {r.name: "skip" if r.name in DFLASH2_RULES else "ok" for r in RULES}
+    assert {v.rule.name: v.status for v in check_folder(valid_dflash2_export, TARGET)} == {r.name: "ok" for r in RULES}
+
+
+@pytest.mark.parametrize("case", list(DFLASH2_BREAKS))
+def test_a_dflash2_folder_breaking_one_rule_fails_only_that_rule(valid_dflash2_export, tmp_path, case):
+    rule, breaks = DFLASH2_BREAKS[case]
+    folder = tmp_path / "broken"
+    shutil.copytree(valid_dflash2_export, folder)
+    breaks(folder)
+    failed = {v.rule.name: v.detail for v in failures(check_folder(folder, TARGET))}
+    assert list(failed) == [rule], failed
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,7 +165,7 @@ def test_every_family_exports_through_the_rules(tmp_path, family):
 
 
 def test_every_rule_has_a_case_that_breaks_it():
-    assert {rule for rule, _ in BREAKS.values()} | {"target"} == {r.name for r in RULES}
+    assert {rule for rule, _ in [*BREAKS.values(), *DFLASH2_BREAKS.values()]} | {"target"} == {r.name for r in RULES}
 
 
 @pytest.mark.parametrize("case", list(BREAKS))
@@ -194,8 +231,8 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     assert main(["export", "--check", str(valid_export), "--target", str(target_dir)]) == 0
     out = capsys.readouterr().out
     for rule in RULES:
-        assert f"ok    {rule.name}" in out
-    assert "14 rules: 14 ok, 0 failed, 0 skipped" in out
+        assert f"{'skip' if rule.name in DFLASH2_RULES else 'ok  '}  {rule.name}" in out
+    assert "16 rules: 14 ok, 0 failed, 2 skipped" in out
     assert _tree(valid_export) == before
 
     broken = tmp_path / "broken"
@@ -203,7 +240,7 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     _edit_config(_set("hidden_act", "gelu"))(broken)
     assert main(["export", "--check", str(broken)]) == 1
     out = capsys.readouterr().out
-    assert "FAIL  hidden_act" in out and "1 failed, 1 skipped" in out
+    assert "FAIL  hidden_act" in out and "1 failed, 3 skipped" in out
 
     assert main(["export", "--check", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
@@ -217,4 +254,4 @@ def test_check_command_runs_without_torch(valid_export):
     result = subprocess.run([sys.executable, "-c", code, str(valid_export)], capture_output=True, text=True,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
-    assert "14 rules: 13 ok, 0 failed, 1 skipped" in result.stdout
+    assert "16 rules: 13 ok, 0 failed, 3 skipped" in result.stdout

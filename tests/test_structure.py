@@ -25,13 +25,14 @@ FLOORS = {
     "static_step": 6,  # the training step with static shapes (what CUDA graphs capture)
     "synthetic": 6,  # synthetic drafter batches of a shape (benchmarks, GPU tests)
     "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache
+    "dflash2": 5,  # DFlash2's convolutions and candidate selector, parts of the drafter
     "target": 4, "gguf": 4,  # the frozen target (a GGUF file is one way to load it)
     "feature_forward": 4,  # the target's feature forward as plain module calls (capturable)
     "objective": 3, "fp8": 3, "head_kernel": 3,  # the loss, its FP8 products, its fused softmax kernel
     # the bottom: the mask, settings, errors, and the small utilities everything may use
     "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "graph_capture": 2, "": 2,  # "" = __init__
 }
-CORE = ("attention", "drafter", "objective", "step", "fp8", "head_kernel")
+CORE = ("attention", "drafter", "dflash2", "objective", "step", "fp8", "head_kernel")
 # What the core must not touch: threads, files and processes, the command line.
 NOT_FOR_THE_CORE = {"threading", "queue", "os", "pathlib", "shutil", "tempfile", "json", "signal", "subprocess",
                     "argparse", "sys"}
