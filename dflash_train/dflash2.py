@@ -119,7 +119,9 @@ class CandidateSelector(nn.Module):
             scores = self.scores(projected[:, position], predecessor, unary[:, position], candidates[:, position])
             if temperature > 0:
                 q = torch.softmax(scores.float() / temperature, dim=-1)
-                index = torch.multinomial(q, 1, generator=generator)[:, 0]
+                # Drawn where the generator lives (a decoder's may sit on the target's device).
+                where = generator.device if generator is not None else q.device
+                index = torch.multinomial(q.to(where), 1, generator=generator)[:, 0].to(q.device)
                 q_rows.append(q)
             else:
                 index = scores.argmax(dim=-1)

@@ -278,3 +278,83 @@ def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert
     for name in ("layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
                  "candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight"):
         assert not torch.equal(start[name], dict(drafter.named_parameters())[name]), name
+
+
+# --- our decoders decode DFlash2 drafters ----------------------------------------------------------
+
+
+def test_our_decoders_give_the_references_tokens_and_acceptance_lengths(tmp_path, monkeypatch, family="llama"):
+    """Static and Hugging Face decoders: greedy output equals target-only decoding, and every verify
+    step accepts what the reference's own loop accepts on our export (the same selector paths)."""
+    import time
+
+    import dflash.model as reference_module
+    from dflash import DFlash2DraftModel
+
+    from dflash_train.decode.loop import generate
+
+    from test_evaluate import fit_drafter
+
+    monkeypatch.setattr(reference_module, "_cuda_time", time.perf_counter)  # its timer syncs CUDA
+    target = tiny_target(family, head_scale=8.0)
+    torch.manual_seed(1)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=95,
+                                       target_layer_ids=[1, 3, 5], **{**DFLASH2, "selector_top_k": 4})
+    drafter = DFlashDrafter(config)
+    drafter.candidate_selector.reset_parameters(torch.Generator().manual_seed(2), std=0.5)  # choices beyond the argmax
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 90, (6,), generator=generator).tolist() for _ in range(4)]
+    fit_drafter(target, drafter, [p + generate(target, None, p, 40).tokens for p in prompts], 6, steps=40)
+    export_model(drafter, tmp_path / "export", dtype=torch.float32)
+    reference = DFlash2DraftModel.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(3)
+    lengths = []
+    for prompt, max_new in ((prompts[0], 1), (prompts[1], 30), ([9, 2, 6], 17)):
+        base = generate(target, None, prompt, max_new)
+        theirs = reference_module.dflash_generate(reference, target.model, torch.tensor([prompt]), max_new, None,
+                                                  return_stats=True)
+        for decoder in ("static", "hf"):
+            ours = generate(target, drafter, prompt, max_new, decoder=decoder)
+            assert ours.decoder == decoder
+            assert ours.tokens == base.tokens, (decoder, prompt, max_new)
+            assert ours.tokens == theirs.output_ids[0, len(prompt):].tolist()
+            assert ours.acceptance_lengths == theirs.acceptance_lengths, decoder
+        lengths += theirs.acceptance_lengths
+    assert max(lengths) > 1  # some drafts were accepted: the paths were compared, not only rejected
+
+
+def test_dflash2_sampling_matches_the_targets_own_distribution(monkeypatch):
+    """Exact rejection sampling with the selector's sparse q (over its k candidates) at T = 1."""
+    from test_evaluate import chi_square_p_value, exact_marginals, sample_positions
+
+    import dflash_train.decode.loop as loop
+
+    vocab, count = 12, 4
+    target = tiny_target("llama", vocab=vocab, hidden=32, layers=3, head_scale=10)
+    torch.manual_seed(1)
+    config = DrafterConfig.from_target(target.spec, num_layers=2, block_size=3, mask_token_id=vocab - 1,
+                                       target_layer_ids=[0, 2], arch="dflash2", conv_kernel_size=2, conv_group_size=16,
+                                       selector_rank=4, selector_top_k=3)
+    drafter = DFlashDrafter(config).eval()
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0, 1.0)  # peaked and far from the target: many rejections
+    prompt = [1, 5, 3, 7, 2]
+    marginals = exact_marginals(target.model, prompt, count, vocab)
+    # The static decoder (what `auto` picks here); the Hugging Face one differs only in `draft_hidden`,
+    # which the greedy test above holds to the reference.
+    tokens, lengths = sample_positions(target, drafter, prompt, count, runs=400, seed=0)
+    assert {1, 2, 3} <= set(lengths)
+    for i in range(count):
+        assert chi_square_p_value(torch.bincount(tokens[:, i], minlength=vocab), marginals[i]) > 1e-3, i
+
+    # The same test catches a q taken from the head's softmax instead of the selector's.
+    def head_q(runner, drafter, features, start, bonus, length, temperature, generator):
+        hidden, logits = runner.draft_hidden(features, start, bonus, length)
+        path, _, _ = drafter.candidate_selector.select(hidden[None], logits[None], bonus, temperature, generator)
+        return path[0], torch.softmax(logits / temperature, -1)  # the bug: not the distribution drawn from
+
+    monkeypatch.setattr(loop, "selector_drafts", head_q)
+    broken, _ = sample_positions(target, drafter, prompt, count, runs=200, seed=1)
+    assert min(chi_square_p_value(torch.bincount(broken[:, i], minlength=vocab), marginals[i]) for i in (1, 2)) < 1e-4
+

@@ -92,7 +92,20 @@ def _draft_logits(
 ) -> torch.Tensor:
     """Drafter logits [length − 1, vocab] (float32, on the target's device) for the block
     [bonus, MASK × (length − 1)] anchored at `start`; `new_features` are the context positions
-    start − n .. start − 1 not yet in the drafter cache.
+    start − n .. start − 1 not yet in the drafter cache."""
+    return _head_logits(drafter, target, _draft_hidden(drafter, target, cache, new_features, start, bonus, length))
+
+
+def _draft_hidden(
+    drafter: DFlashDrafter,
+    target: Target,
+    cache: DrafterCache,
+    new_features: torch.Tensor,
+    start: int,
+    bonus: torch.Tensor,
+    length: int,
+) -> torch.Tensor:
+    """The drafter's hidden states [length − 1, hidden] (on its own device) behind `_draft_logits`.
 
     The drafter may live on another device or in another dtype than the target: features and
     block embeddings travel to it, and only its B − 1 output rows travel back, so the LM head
@@ -110,8 +123,12 @@ def _draft_logits(
         embeds.to(device, dtype),
         torch.arange(start, start + length, device=device)[None],
     )
+    return hidden[0, 1:]
+
+
+def _head_logits(drafter: DFlashDrafter, target: Target, hidden: torch.Tensor) -> torch.Tensor:
     head = target.head_weight
-    logits = F.linear(hidden[0, 1:].to(head.device, head.dtype), head).float()
+    logits = F.linear(hidden.to(head.device, head.dtype), head).float()
     softcap = drafter.config.final_logit_softcapping
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -138,6 +155,19 @@ class HFDecoder:
 
     def draft(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
         return _draft_logits(self.drafter, self.target, self.drafter_cache, features, start, bonus, length)
+
+    def draft_hidden(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` with the drafter's hidden states [length − 1, hidden] (a DFlash2 selector's input)."""
+        hidden = _draft_hidden(self.drafter, self.target, self.drafter_cache, features, start, bonus, length)
+        return hidden, _head_logits(self.drafter, self.target, hidden)
+
+    def greedy_drafts(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return self.draft(features, start, bonus, length).argmax(-1)
+        hidden, logits = self.draft_hidden(features, start, bonus, length)
+        anchor = bonus.to(hidden.device)
+        return selector.select(hidden[None], logits[None].to(hidden.device), anchor, 0.0)[0][0].to(bonus.device)
 
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _target_forward(self.target, block, start, self.cache, self.layer_ids if features else None)

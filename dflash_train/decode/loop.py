@@ -105,6 +105,21 @@ def rejection_sample(
     return accepted, int(_sample(dist, generator))
 
 
+def selector_drafts(
+    runner, drafter: DFlashDrafter, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int,
+    temperature: float, generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash2 drafter's sampled path [length − 1] and, for `rejection_sample`, each draft's
+    distribution given the drafts before it, as dense rows [length − 1, vocab] (q over the
+    selector's k candidates, zero elsewhere), on the target's device."""
+    hidden, logits = runner.draft_hidden(features, start, bonus, length)
+    device = hidden.device
+    path, candidates, q = drafter.candidate_selector.select(
+        hidden[None], logits[None].to(device), bonus.to(device), temperature, generator)
+    dense = torch.zeros_like(logits).scatter_(1, candidates[0].to(logits.device), q[0].to(logits.device))
+    return path[0].to(bonus.device), dense
+
+
 def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
@@ -218,7 +233,10 @@ def generate(
             host, step_features = runner.greedy(features, start, bonus, length)
             new = host[1 : host[0] + 2]
         else:
-            if length > 1:
+            if length > 1 and drafter.candidate_selector is not None:
+                drafts, draft_probs = selector_drafts(runner, drafter, features, start, bonus, length, temperature, generator)
+                block = torch.cat([bonus, drafts])[None]
+            elif length > 1:
                 draft_logits = runner.draft(features, start, bonus, length)
                 draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
                 drafts = _sample(draft_probs, generator)

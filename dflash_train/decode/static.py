@@ -454,6 +454,10 @@ class StaticDrafter:
             self._write(i, positions, *layer.self_attn.keys_values(context, cos, sin))
 
     def step(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(self.hidden(features, count, start, block_ids))
+
+    def hidden(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's final hidden states [L − 1, hidden] of draft positions 1..L−1 (see `step`)."""
         drafter, config = self.drafter, self.drafter.config
         length, rows = block_ids.shape[1], features.shape[1]
         row = torch.arange(rows, device=self.device)
@@ -470,15 +474,33 @@ class StaticDrafter:
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
+            if layer.attention_conv is not None:  # DFlash2: the block's states convolved before attention
+                h, finish_kernel = layer.attention_conv.prepare(h, length)
             self._write(i, positions, *attn.keys_values(torch.cat([context, h], dim=1), cos_all, sin_all))
-            out = grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], bias, self.scale)
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            out = attn.o_proj(grouped_attention(attn.queries(h, cos, sin), self.keys[i], self.values[i], bias, self.scale))
+            if layer.attention_conv is not None:
+                out = layer.attention_conv.finish(out, finish_kernel, length)
+            x = x + out
+            x = x + layer.around(layer.mlp_conv, layer.mlp, layer.post_attention_layernorm(x), length)
+        return drafter.norm(x)[0, 1:]
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits through the target's frozen head (softcapped where the target caps)."""
+        config = self.drafter.config
         head = self.target.head_weight
-        logits = F.linear(drafter.norm(x)[0, 1:].to(head.dtype), head).float()
+        logits = F.linear(hidden.to(head.dtype), head).float()
         if config.final_logit_softcapping:
             logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
         return logits
+
+    def greedy_drafts(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The T = 0 drafts [L − 1]: the argmax, or a DFlash2 drafter's selector path from the anchor."""
+        hidden = self.hidden(features, count, start, block_ids)
+        logits = self.head_logits(hidden)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return logits.argmax(-1)
+        return selector.select(hidden[None], logits[None], block_ids[:, 0], 0.0)[0][0]
 
     def _write(self, index: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys[index].index_copy_(2, positions, keys)
@@ -661,7 +683,7 @@ class StaticState:
     def _greedy(self, length: int) -> torch.Tensor:
         block, ids = self.block[:, :length], self.verify_ids[:, :length]
         block[0, :1].copy_(self.bonus)
-        drafts = self.drafter.step(self.new_features, self.count, self.start, block).argmax(-1)
+        drafts = self.drafter.greedy_drafts(self.new_features, self.count, self.start, block)
         ids[0, :1].copy_(self.bonus)
         ids[0, 1:].copy_(drafts)
         logits, features = self.target.single(ids, self.start)
@@ -790,6 +812,27 @@ class StaticDecoder:
         block[0, :1].copy_(bonus)
         return state.drafter.step(features, state.count, state.start, block)
 
+    def draft_hidden(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` eagerly, returning the drafter's hidden states [length − 1, hidden] with the logits
+        (what a DFlash2 drafter's selector needs)."""
+        state = self.state
+        state.start.fill_(start)
+        state.count.fill_(features.shape[1])
+        block = state.block[:, :length].clone()
+        block[0, :1].copy_(bonus)
+        hidden = state.drafter.hidden(features, state.count, state.start, block)
+        return hidden, state.drafter.head_logits(hidden)
+
+    def greedy_drafts(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
+        if self.state.drafter.drafter.candidate_selector is None:
+            return self.draft(features, start, bonus, length).argmax(-1)
+        state = self.state
+        state.start.fill_(start)
+        state.count.fill_(features.shape[1])
+        block = state.block[:, :length].clone()
+        block[0, :1].copy_(bonus)
+        return state.drafter.greedy_drafts(features, state.count, state.start, block)
+
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = self.state
         state.start.fill_(start)
@@ -830,9 +873,9 @@ class StaticDecoder:
 
 
 def greedy_by_parts(decoder, features, start: int, bonus: torch.Tensor, length: int) -> tuple[list[int], torch.Tensor | None]:
-    """A greedy step from a decoder's `draft` and `verify`: argmax drafts, verify, agreement."""
+    """A greedy step from a decoder's `greedy_drafts` and `verify`: drafts, verify, agreement."""
     if length > 1:
-        drafts = decoder.draft(features, start, bonus, length).argmax(-1)
+        drafts = decoder.greedy_drafts(features, start, bonus, length)
         block = torch.cat([bonus, drafts])[None]
     else:
         block = bonus[None]
