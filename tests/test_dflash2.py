@@ -358,3 +358,41 @@ def test_dflash2_sampling_matches_the_targets_own_distribution(monkeypatch):
     broken, _ = sample_positions(target, drafter, prompt, count, runs=200, seed=1)
     assert min(chi_square_p_value(torch.bincount(broken[:, i], minlength=vocab), marginals[i]) for i in (1, 2)) < 1e-4
 
+
+
+# --- everything else a DFlash drafter has: variants, in-training tau, checkpoints, resume, export --
+
+
+def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_resume_and_export(tmp_path):
+    import dataclasses
+    import os
+    from pathlib import Path
+
+    from dflash_train.checkpoint import latest_checkpoint, load_drafter
+    from dflash_train.pipeline.trainer import train
+    from dflash_train.target import Target
+    from test_evaluate import char_tokenizer
+    from tiny import pattern_samples, tiny_hf_model, tiny_train_config
+
+    target = Target(tiny_hf_model("llama", vocab=104), char_tokenizer())
+    variants = [{"name": "dflash"},
+                {"name": "dflash2", "arch": "dflash2", "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
+                 "selector_miss": "insert", "selector_weight": 0.5}]
+    config = tiny_train_config(tmp_path, mode="variants", variants=variants, steps=4, save_every=2, log_every=1,
+                               num_anchors=8, eval_every=2, eval_limit=1, eval_max_new_tokens=8,
+                               eval_bench=str(Path(__file__).parent / "data" / "eval_prompts.jsonl"))
+    samples = pattern_samples(16, max_len=60)
+    train(config, samples=samples, target=target, log=open(os.devnull, "w"), stop_at=2)
+    summary = train(dataclasses.replace(config, resume=True), samples=samples, target=target, log=open(os.devnull, "w"))
+    for name in ("dflash", "dflash2"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3, 4], name
+        assert [r["step"] for r in records if "tau_real" in r] == [2, 4], name
+        assert all(1.0 <= r["tau_real"] <= 4.0 for r in records if "tau_real" in r)
+        assert summary["drafters"][name]["export"]
+    drafter = load_drafter(latest_checkpoint(tmp_path / "dflash2"))
+    assert drafter.config.arch == "dflash2" and drafter.config.selector_top_k == 4
+    exported = json.loads((tmp_path / "dflash2" / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"]
+    assert json.loads((tmp_path / "dflash" / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert not failures(check_folder(tmp_path / "dflash2" / "export"))
