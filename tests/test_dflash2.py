@@ -396,3 +396,30 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
     assert exported["architectures"] == ["DFlash2DraftModel"]
     assert json.loads((tmp_path / "dflash" / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert not failures(check_folder(tmp_path / "dflash2" / "export"))
+
+
+def test_eval_command_decodes_a_dflash2_export_losslessly(tmp_path, capsys):
+    import transformers
+    from pathlib import Path
+
+    from dflash_train import cli
+    from dflash_train.target import Target
+    from test_evaluate import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    config = DrafterConfig.from_target(Target(model).spec, num_layers=1, block_size=4,
+                                       mask_token_id=tokenizer.mask_token_id, target_layer_ids=[0, 2], **DFLASH2)
+    export_model(DFlashDrafter(config), tmp_path / "drafter", dtype=torch.float32)
+    out = tmp_path / "eval.json"
+    code = cli.main(["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                     "--bench", str(Path(__file__).parent / "data" / "eval_prompts.jsonl"), "--limit", "2",
+                     "--max-new-tokens", "12", "--device", "cpu", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(out.read_text())["benchmarks"]["eval_prompts"]["summary"]
+    assert summary["prompts"] == 2 and summary["errors"] == 0 and summary["identical_to_baseline"] == 2
