@@ -17,6 +17,11 @@ dflash = pytest.importorskip("dflash", reason="reference package: pip install --
 DFLASH2 = dict(arch="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Tiny models: spinning OpenMP threads on shared cores cost seconds per test."""
+
+
 def random_dflash2(target, *, block_size=5, layers=2, std=0.2, seed=0, **overrides) -> DFlashDrafter:
     torch.manual_seed(seed)
     config = DrafterConfig.from_target(target.spec, num_layers=layers, block_size=block_size, mask_token_id=95,
@@ -423,3 +428,45 @@ def test_eval_command_decodes_a_dflash2_export_losslessly(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     summary = json.loads(out.read_text())["benchmarks"]["eval_prompts"]["summary"]
     assert summary["prompts"] == 2 and summary["errors"] == 0 and summary["identical_to_baseline"] == 2
+
+
+@pytest.mark.parametrize("miss", ["drop", "insert"])
+def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_nothing(miss):
+    """The step the CUDA graphs capture, run eagerly on the CPU: its padded rows leave the DFlash2
+    loss and metrics unchanged, and 4 steps of 2 micro-batches equal training_step's."""
+    import copy
+
+    from dflash_train.objective import ObjectiveConfig
+    from dflash_train.pipeline.build import init_drafter
+    from dflash_train.static_step import InputShape, StaticInputs, rows_bucket, static_drafter_loss
+    from dflash_train.step import drafter_loss, training_step
+    from test_step_graphs import LAYERS, _compare, _frozen, _graphed, _steps, _trainer
+
+    target = tiny_target("llama", layers=6, head_scale=20)
+    objective = ObjectiveConfig(block_size=4, num_anchors=24, loss_chunk_rows=16, selector_miss=miss)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=95, target_layer_ids=LAYERS,
+                                       **{**DFLASH2, "selector_top_k": 3})
+    drafter, frozen = init_drafter(config, 0), _frozen(target)
+    steps = _steps(target, objective, steps=4, batches_per_step=2)
+    batch = steps[0][0]
+    inputs = StaticInputs(InputShape(batch.input_ids.shape[0], batch.input_ids.shape[1], 24,
+                                     batch.target_features.shape[-1], torch.float32), torch.device("cpu"))
+    inputs.fill(batch)
+    with torch.no_grad():
+        exact = static_drafter_loss(drafter, frozen, inputs, batch.scored_rows, objective, "sdpa")
+        padded = static_drafter_loss(drafter, frozen, inputs, rows_bucket(batch.scored_rows, 16) + 16, objective, "sdpa")
+        classic = drafter_loss(drafter, frozen, batch, objective, "sdpa")
+    assert torch.equal(exact[0], padded[0]) and all(torch.equal(exact[1][k], padded[1][k]) for k in exact[1])
+    torch.testing.assert_close(exact[0], classic[0], rtol=1e-6, atol=0)
+    assert all(torch.equal(exact[1][k], classic[1][k]) for k in exact[1])
+
+    static_drafter = copy.deepcopy(drafter)
+    classic_opt, classic_sched = _trainer(target, objective, drafter)
+    static_opt, static_sched = _trainer(target, objective, static_drafter)
+    graphed = _graphed(target, objective, static_drafter, static_opt, static_sched)
+    classic_results, static_results = [], []
+    for micro in steps:
+        classic_results.append(training_step(drafter, classic_opt, classic_sched, micro, frozen, objective,
+                                             attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None))
+        static_results.append(graphed.step(micro, None))
+    _compare(classic_results, static_results, drafter, static_drafter, classic_opt, static_opt)
