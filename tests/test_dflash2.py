@@ -470,3 +470,15 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
                                              attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None))
         static_results.append(graphed.step(micro, None))
     _compare(classic_results, static_results, drafter, static_drafter, classic_opt, static_opt)
+
+
+def test_fp8_all_names_a_dflash2_dimension_fp8_cannot_multiply(tmp_path):
+    import os
+
+    from dflash_train.config import ConfigError
+    from dflash_train.pipeline.trainer import train
+    from tiny import pattern_samples, tiny_train_config
+
+    config = tiny_train_config(tmp_path / "run", fp8="all", arch="dflash2", conv_kernel_size=3, conv_group_size=16)
+    with pytest.raises(ConfigError, match="conv_kernel_size"):
+        train(config, samples=pattern_samples(8, max_len=60), target=tiny_target("llama"), log=open(os.devnull, "w"))

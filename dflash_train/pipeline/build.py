@@ -320,6 +320,10 @@ def check_fp8_support(plan: DrafterPlan, target: Target) -> None:
             "num_attention_heads × head_dim": spec.num_attention_heads * spec.head_dim,
             "num_key_value_heads × head_dim": spec.num_key_value_heads * spec.head_dim,
         })
+        if plan.config.arch == "dflash2":  # its kernel projections and selector projection are linears too
+            dims.update({"2 × conv_kernel_size × hidden_size / conv_group_size":
+                         2 * plan.config.conv_kernel_size * (spec.hidden_size // plan.config.conv_group_size),
+                         "selector_rank": plan.config.selector_rank})
     try:
         check_fp8_dims(dims)
     except ValueError as error:
