@@ -54,8 +54,8 @@ class DrafterConfig:
     hidden_act: str = field(default="silu")
     # DFlash2 only (dflash2.py); a DFlash drafter ignores them. Checkpoints without them are DFlash.
     arch: str = "dflash"
-    conv_kernel_size: int = 4
-    conv_group_size: int = 64
+    conv_kernel_size: int = 2  # the released DFlash2 drafters' values, which engines' kernels are written for
+    conv_group_size: int = 16
     selector_rank: int = 64
     selector_top_k: int = 16
 
