@@ -824,14 +824,12 @@ class StaticDecoder:
         return hidden, state.drafter.head_logits(hidden)
 
     def greedy_drafts(self, features: torch.Tensor, start: int, bonus: torch.Tensor, length: int) -> torch.Tensor:
-        if self.state.drafter.drafter.candidate_selector is None:
+        """The T = 0 drafts [length − 1] of a step taken by parts (see `greedy_by_parts`)."""
+        selector = self.state.drafter.drafter.candidate_selector
+        if selector is None:
             return self.draft(features, start, bonus, length).argmax(-1)
-        state = self.state
-        state.start.fill_(start)
-        state.count.fill_(features.shape[1])
-        block = state.block[:, :length].clone()
-        block[0, :1].copy_(bonus)
-        return state.drafter.greedy_drafts(features, state.count, state.start, block)
+        hidden, logits = self.draft_hidden(features, start, bonus, length)
+        return selector.select(hidden[None], logits[None], bonus, 0.0)[0][0]
 
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = self.state
