@@ -276,14 +276,18 @@ def frozen_head_top_k(
     values, ids, label_logits = [], [], []
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, hidden.shape[0], chunk_rows):
-            logits = (hidden[start:start + chunk_rows] @ head_weight.t()).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
+            # In the head's dtype, as a serving engine ranks them; only k + 1 values per row are
+            # widened and softcapped (tanh is increasing: the top-k of capped logits is the same).
+            logits = hidden[start:start + chunk_rows] @ head_weight.t()
             top_values, top_ids = torch.topk(logits, k, dim=-1)
-            values.append(top_values)
+            values.append(_softcapped(top_values.float(), softcap))
             ids.append(top_ids)
-            label_logits.append(logits.gather(1, labels[start:start + chunk_rows, None])[:, 0])
+            label_logits.append(_softcapped(logits.gather(1, labels[start:start + chunk_rows, None])[:, 0].float(), softcap))
     return torch.cat(values), torch.cat(ids), torch.cat(label_logits)
+
+
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 _FUSED_PROBES: dict[tuple[torch.device, float], str | None] = {}
