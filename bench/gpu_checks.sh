@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks behind docs/PERF.md and docs/RESULTS.md, run on the lent H200 machine from the
-# repository root: `bash bench/gpu_checks.sh env tests race step`. Each stage is time-boxed,
+# repository root: `bash bench/gpu_checks.sh env tests step`. Each stage is time-boxed,
 # logs to $OUT/<stage>.log and never stops the stages after it.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,9 +29,8 @@ for name in "$@"; do
     case "$name" in
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
         tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
-            tests/test_pipeline.py tests/test_reference.py tests/test_compile_safety.py tests/test_training.py ;;
+            tests/test_pipeline.py tests/test_reference.py tests/test_compile_gate.py tests/test_training.py ;;
         gpu-tests) stage gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
-        race) stage race ${RACE_LIMIT:-180} python3 bench/compile_race_gpu.py --smoke --devices cuda:0,cuda:1 --budget-s $(( ${RACE_LIMIT:-180} - 20 )) --json "$OUT/race.json" ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         # FP8 (train --fp8): A in every mode with a profile of each, then B and D with every product in FP8.
         fp8-a) stage fp8-a ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --fp8 off,head,all --profile A --profile-dir "$OUT" --json "$OUT/step_fp8_a.json" ;;

@@ -245,7 +245,7 @@ def run_once(args, dims, targets, layer_ids, samples, tokens_per_s, min_len, tar
         "target_samples_per_s_alone": round(tokens_per_s / ((min_len + args.max_seq_len) / 2), 3),
         "pipeline_samples_per_s_steady": round(samples_per_step / seconds, 3) if seconds > 0 else None,
         "steady_steps": len(steady), "steady_steps_per_s": round(1 / seconds, 3) if seconds > 0 else None,
-        "gpu_busy_fraction_second_half": gpu_busy, "recompiles": summary["recompiles"],
+        "gpu_busy_fraction_second_half": gpu_busy, "compiles": summary["compiles"],
         "workers": summary["workers"], "summary": summary,
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("summary", "workers")}, indent=2))

@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
     "eval-merge": Command("eval_merge", "EvalMergeConfig", "run_eval_merge",
                           "merge the --json files of `eval --offset --limit` shards into one run's numbers", "inputs"),
     "doctor": Command("doctor", "DoctorConfig", "run_doctor",
-                      "will a run work here? versions, compile fixes, GPUs (bf16, FP8, peers), flex, disk, a target's probe"),
+                      "will a run work here? versions, compile gate, GPUs (bf16, FP8, peers), flex, disk, a target's probe"),
 }
 
 

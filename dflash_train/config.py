@@ -325,7 +325,7 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
     log_every: int = option(10, "a log line every K steps")
     resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
-    fail_on_recompile: bool = option(False, "error on any compile after a bucket's first step")
+    fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
     export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training (bfloat16, float16, float32; empty = no export)")
     eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)")
     eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")

@@ -46,7 +46,7 @@ def test_doctor_in_process_reports_every_check_and_passes_here(target_dir, cache
     assert lines["torch"].startswith(f"ok {torch.__version__}")
     assert lines["transformers"].startswith("ok 5.")
     assert "triton" in lines
-    assert lines["compile fixes"].startswith("ok ") and "needed and installed" in lines["compile fixes"]
+    assert lines["compile gate"].startswith("ok ") and "runs eagerly" in lines["compile gate"]
     if not torch.cuda.is_available():
         assert lines["GPU"].startswith("info no CUDA GPU")
         assert lines["flex attention"].startswith("skip ") and "backward is not implemented on CPU" in lines["flex attention"]
@@ -64,7 +64,7 @@ def test_doctor_in_a_subprocess(target_dir, tmp_path):
                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = _lines(result.stdout)
-    assert {"python", "torch", "transformers", "triton", "compile fixes", "GPU", "flex attention", "disk: cache",
+    assert {"python", "torch", "transformers", "triton", "compile gate", "GPU", "flex attention", "disk: cache",
             "target", "static decoder"} <= set(lines)
     assert len(result.stdout.splitlines()) <= 24  # one screen
 

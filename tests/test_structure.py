@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 FLOORS = {
     "commands": 10,  # one module per CLI command
     "cli": 9,  # the static command table
-    "pipeline": 8,  # build steps, workers, coordinator, reporting, compile safety
+    "pipeline": 8,  # build steps, workers, coordinator, reporting, compile gate
     "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
     "decode": 6, "step": 6, "export": 6, "export_rules": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
     "static_step": 6,  # the training step with static shapes (what CUDA graphs capture)

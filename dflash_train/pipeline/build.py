@@ -36,11 +36,12 @@ from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
 from ..target import Target, load_target, resolve_device, resolve_mask_token_id
 from .batches import BatchPlanner, HostBatch, auto_buckets, stream_differences
 from .compile_cache import CompileCacheReport
+from .compile_gate import CompileGate, recompile_limit_for
 from .distributed import Launch, NodeGroup, NodeStep, place_devices
 from .runtime import StopSignal
 from .startup import GraphChoice, Warmup, attach_step, feature_dtype, graphed_sources
 from .workers import (
-    BatchRouter, Checkpointer, CompileWatch, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
+    BatchRouter, Checkpointer, DrafterSetup, DrafterWorker, EvaluationSchedule, FeatureSource,
     GradientReducer, Replica, StepHook, StepRange, TargetSetup, TargetWorker,
 )
 
@@ -439,7 +440,7 @@ def step_range(config: TrainConfig, resume: ResumePoint, stop_at: int | None, lo
     return StepRange(resume.start_step, end)
 
 
-# --- compile safety ----------------------------------------------------------------------------
+# --- compile gate ------------------------------------------------------------------------------
 
 def shape_buckets(config: TrainConfig) -> list[int]:
     return sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
@@ -449,24 +450,18 @@ def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device
     return {d: resolve_backend(config.attention, d) for d in layout.drafter_devices}
 
 
-def prepare_compile_safety(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], log: TextIO) -> bool:
-    """Install the multi-thread compile fixes (process-wide, idempotent) when anything compiles;
-    returns whether it does. Under CUDA graphs the target's feature forward compiles too (in its
-    thread's warm-up, which runs alone: startup.Warmup), once per bucket and target thread."""
+def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan]) -> CompileGate | None:
+    """The run's compile gate when anything compiles (pipeline/compile_gate.py), else None. Under
+    CUDA graphs the target's feature forward compiles too (in its thread's warm-up, which runs
+    alone: startup.Warmup), once per bucket and target thread."""
     backends = attention_backends(config, layout)
     compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices) or any(
         compiles_target(config, d) for d in layout.target_devices)
-    if compiles:
-        from .compile_safety import check_threaded_compile_supported, install_compile_safety, recompile_limit_for
-
-        threads = sum(len(plan.devices) for plan in plans)
-        report = install_compile_safety(
-            recompile_limit=recompile_limit_for(len(shape_buckets(config)), max(threads, len(layout.target_devices))),
-            fail_on_recompile_limit_hit=True,
-        )
-        print(f"compile safety: {report}", file=log)
-        check_threaded_compile_supported(threads, report)  # fail closed on a torch the fixes do not know
-    return compiles
+    if not compiles:
+        return None
+    threads = max(sum(len(plan.devices) for plan in plans), len(layout.target_devices))
+    return CompileGate(recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads),
+                       after_warmup="fail" if config.fail_on_recompile else "eager")
 
 
 # --- pipeline: replicas, evaluator, queues, workers ----------------------------------------------
@@ -595,6 +590,7 @@ class Pipeline:
     reducers: list[GradientReducer]
     targets: list[Target]
     warmup: Warmup | None = None
+    gate: CompileGate | None = None  # when the run compiles
 
     @property
     def workers(self) -> list:
@@ -613,7 +609,7 @@ def step_share(config: TrainConfig, plans: list[DrafterPlan], nodes: NodeGroup) 
 
 def build_pipeline(
     config: TrainConfig, layout: Layout, plans: list[DrafterPlan], supply: FeatureSupply,
-    sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, compiles: bool, evaluation: EvaluationSchedule | None,
+    sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, gate: CompileGate | None, evaluation: EvaluationSchedule | None,
     step_hook: StepHook | None, save_checkpoints: bool, graphs: GraphChoice, log: TextIO,
     compile_cache: CompileCacheReport | None = None, nodes: NodeGroup | None = None, stream: dict | None = None,
 ) -> Pipeline:
@@ -624,7 +620,8 @@ def build_pipeline(
     global_batches, share = step_share(config, plans, nodes)
     batches_per_step = len(share)
     slots = [(plan, rank) for plan in plans for rank in range(len(plan.devices))]
-    warmup = Warmup(len(sources) + len(slots), stop, log, run_dir=Path(config.out), compile_cache=compile_cache)
+    warmup = Warmup(len(sources) + len(slots), stop, log, run_dir=Path(config.out), compile_cache=compile_cache,
+                    gate=gate)
     router = BatchRouter(len(supply.targets), len(slots), batches_per_step=batches_per_step, grad_accum=grad_accum,
                          every_drafter_trains_every_batch=config.mode == "variants", depth=config.prefetch)
     union = layer_union(plans)
@@ -661,7 +658,6 @@ def build_pipeline(
                 thread_name=thread_name, replica=replica, inbox=router.inbox(slot, indices, stop), steps=steps,
                 stop=stop, reports=reports, reducer=reducer, checkpointer=checkpointer if rank0 else None,
                 evaluation=evaluation if rank0 and nodes.writes else None,
-                compile_watch=CompileWatch(thread_name, config.fail_on_recompile) if compiles else None,
                 hook=step_hook, warmup=warmup,
             )))
 
@@ -674,11 +670,11 @@ def build_pipeline(
     sources = graphed_sources(sources, graphs, shape_buckets(config), config.batch_size,
                               compiled=lambda device: compiles_target(config, device))
     target_workers = [
-        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, compile_safety=compiles,
-                                 warmup=warmup))
+        TargetWorker(TargetSetup(f"target-{t}", t, source, planner, router, steps, stop, warmup=warmup))
         for t, source in enumerate(sources)
     ]
-    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets, warmup)
+    return Pipeline(stop, reports, router, planner, target_workers, drafter_workers, reducers, supply.targets, warmup,
+                    gate)
 
 
 def rank0_busy_after(checkpointer: Checkpointer | None, evaluation: EvaluationSchedule | None, end: int):

@@ -38,8 +38,8 @@ from ..target import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
 from .distributed import NodeGroup
 from .reporting import (
-    RunningStats, Sink, StepAssembler, drafter_compiles, eval_line, pipeline_bottleneck, pipeline_note,
-    recompile_snapshot, step_line, step_record, summary_text, worker_stats,
+    RunningStats, Sink, StepAssembler, eval_line, pipeline_bottleneck, pipeline_note, step_line, step_record,
+    summary_text, worker_stats,
 )
 from .startup import StartupClock
 from .runtime import StopSignal
@@ -221,7 +221,7 @@ class Coordinator:
             self.progress.print(eval_line(record, measured, name if many else None))
         first = name == self.plans[0].name
         if first:
-            startup = self.clock.observe(record, drafter_compiles(self.pipeline.drafter_workers))
+            startup = self.clock.observe(record, self.compiles)
             if startup:
                 self.progress.print(startup)
         for sink in self.sinks:
@@ -237,11 +237,11 @@ class Coordinator:
             workers = self.pipeline.workers
             limit = pipeline_bottleneck(workers, depth, self.config.prefetch)
             self.progress.print(step_line(record, name if many else None, self.config.steps, eta)
-                                + pipeline_note(workers, depth, limit))
+                                + pipeline_note(workers, depth, limit, self.pipeline.gate))
             if first:
                 pipeline_record = {"step": step, "elapsed_s": round(elapsed, 2), "mean_queue_depth": round(depth, 3),
-                                   "workers": worker_stats(workers), "bottleneck": limit.label,
-                                   "bottleneck_detail": limit.detail, "compiles": recompile_snapshot()}
+                                   "workers": worker_stats(workers, self.pipeline.gate), "bottleneck": limit.label,
+                                   "bottleneck_detail": limit.detail, "compiles": self.compile_snapshot()}
                 for sink in self.sinks:
                     sink.write_pipeline(pipeline_record)
 
@@ -250,6 +250,14 @@ class Coordinator:
             self.failure = verdict
             self.progress.print(f"stopping: {verdict}")
             self.stop.stop(f"failed: {verdict}")
+
+    @property
+    def compiles(self) -> int:
+        """Compiles so far (warm-up included); 0 when nothing compiles."""
+        return self.pipeline.gate.compiles if self.pipeline.gate is not None else 0
+
+    def compile_snapshot(self) -> dict:
+        return self.pipeline.gate.snapshot() if self.pipeline.gate is not None else {}
 
     def mean_queue_depth(self) -> float:
         return self.queue_depth_sum / max(1, self.queue_samples)
@@ -268,11 +276,11 @@ class Coordinator:
             "interrupted_by": self.interrupts.signal_name,
             "elapsed_s": round(elapsed, 2),
             "drafters": {},
-            "workers": worker_stats(pipeline.workers),
+            "workers": worker_stats(pipeline.workers, pipeline.gate),
             "mean_queue_depth": round(self.mean_queue_depth(), 2),
             "gradient_sync_s": round(sum(r.seconds for r in pipeline.reducers), 2),
             **self.nodes_summary(),
-            "recompiles": recompile_snapshot(),
+            "compiles": self.compile_snapshot(),
             "startup": self.clock.summary(),
             "bottleneck": str(pipeline_bottleneck(pipeline.workers, self.mean_queue_depth(), self.config.prefetch)),
         }

@@ -187,7 +187,8 @@ def step_line(record: dict, name: str | None, total: int, eta: float) -> str:
     )
 
 
-def worker_stats(workers) -> dict:
+def worker_stats(workers, gate=None) -> dict:
+    """Each worker's load; a drafter's compiles too when the run compiles (`gate`: its CompileGate)."""
     stats = {}
     for w in workers:
         load = worker_load(w)
@@ -195,10 +196,9 @@ def worker_stats(workers) -> dict:
                  "gpu_busy": None if load.gpu is None else round(load.gpu, 3), "items": w.times.items,
                  "computing_s": round(w.times.computing, 2), "waiting_s": round(w.times.waiting, 2),
                  "gpu_wait_s": round(w.meter.gpu_wait_seconds, 2)}
-        if isinstance(w, DrafterWorker):
-            watch = w.setup.compile_watch
-            entry.update(compiles=watch.compiles if watch else 0,
-                         recompiles_after_warmup=watch.recompiles_after_warmup if watch else 0)
+        if isinstance(w, DrafterWorker) and gate is not None:
+            counts = gate.worker_compiles(w.name)
+            entry.update(compiles=counts["warm_up"] + counts["after_warmup"], recompiles_after_warmup=counts["after_warmup"])
         stats[w.name] = entry
     return stats
 
@@ -207,39 +207,20 @@ def pipeline_bottleneck(workers, depth: float, queue_bound: int) -> Bottleneck:
     return bottleneck([worker_load(w) for w in workers], depth, queue_bound)
 
 
-def drafter_compiles(workers) -> int:
-    """Compiles counted so far by the drafter workers' CompileWatches (warm-up included)."""
-    return sum(w.setup.compile_watch.compiles for w in workers if w.setup.compile_watch is not None)
-
-
 def _short(name: str) -> str:
     return name.split("[")[0].replace("target-", "t").replace("drafter-", "d")
 
 
-def pipeline_note(workers, depth: float, limit: Bottleneck | None = None) -> str:
+def pipeline_note(workers, depth: float, limit: Bottleneck | None = None, gate=None) -> str:
     """Who is the bottleneck at a glance: host and GPU busy fraction per worker, mean queue depth,
-    and the verdict of `utilisation.bottleneck`."""
+    the verdict of `utilisation.bottleneck`, and the run's compiles (`gate`: its CompileGate)."""
     loads = [worker_load(w) for w in workers]
     busy = " ".join(f"{_short(load.name)} host {load.host:.2f}" + (f" gpu {load.gpu:.2f}" if load.gpu is not None else "")
                     for load in loads)
-    watches = [w.setup.compile_watch for w in workers if isinstance(w, DrafterWorker) and w.setup.compile_watch]
     note = f" | busy {busy} | queue {depth:.1f}" + (f" | limit {limit.label}" if limit is not None else "")
-    if not watches:
+    if gate is None:
         return note
-    compiled = sum(w.compiles for w in watches)
-    recompiled = sum(w.recompiles_after_warmup for w in watches)
-    return note + f" | compiles {compiled} (recompiles {recompiled})"
-
-
-def recompile_snapshot() -> dict:
-    try:
-        from .compile_safety import recompile_snapshot as snapshot
-    except ImportError:
-        return {}
-    try:
-        return snapshot()
-    except Exception:  # noqa: BLE001 - metrics must never fail a finished run
-        return {}
+    return note + f" | compiles {gate.compiles} (recompiles {gate.compiles_after_warmup})"
 
 
 def summary_text(summary: dict, total_steps: int) -> str:

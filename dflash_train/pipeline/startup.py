@@ -7,13 +7,15 @@
                 done up front) and each live target its graphed feature forward
     warm up     every worker compiles and captures its buckets in its own thread before step 1,
                 one worker at a time (`Warmup.lock`: no thread trains, compiles or captures while
-                another captures), with a progress line per bucket; then all start together
+                another captures), with a progress line per bucket; then all start together, and
+                the compile gate closes (pipeline/compile_gate.py: nothing compiles after it)
     clock       time to the first step and to full speed (the first step after the last compile),
                 printed after step 1 and written to the first metrics record and summary.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -25,6 +27,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from .compile_cache import CompileCacheReport, save_compile_cache
+from .compile_gate import CompileGate
 from .feature_graphs import GraphedFeatures
 from .runtime import PipelineStopped, StopSignal
 from .step_graphs import GraphedStep, step_shapes, warm_compile
@@ -110,8 +113,9 @@ class Warmup:
     """Every worker's warm-up, one worker at a time, then a start line all workers cross together."""
 
     def __init__(self, workers: int, stop: StopSignal, log: TextIO, *, run_dir: Path | None = None,
-                 compile_cache: CompileCacheReport | None = None):
+                 compile_cache: CompileCacheReport | None = None, gate: CompileGate | None = None):
         self.stop = stop
+        self.gate = gate
         self.log = log
         self.lock = threading.Lock()
         self.barrier = threading.Barrier(workers, action=self._all_ready)  # the action runs before any is released
@@ -125,7 +129,7 @@ class Warmup:
     def say(self, line: str) -> None:
         print(f"warm-up: {line}", file=self.log, flush=True)
 
-    def run(self, worker: Any, prepare: Prepare | None, compile_watch: Any = None) -> None:
+    def run(self, worker: Any, prepare: Prepare | None) -> None:
         """In the worker's thread: its warm-up (if any), then wait until every worker is ready."""
         if self.began is None:
             self.began = time.monotonic()
@@ -133,10 +137,8 @@ class Warmup:
             with self.lock:
                 self.stop.check()
                 started = time.monotonic()
-                before = compile_watch.count() if compile_watch is not None else 0
-                note = prepare(lambda line: self.say(f"{worker.name}: {line}"))
-                if compile_watch is not None:
-                    compile_watch.account(("warm-up",), before)
+                with self.gate.warming(worker.name) if self.gate is not None else contextlib.nullcontext():
+                    note = prepare(lambda line: self.say(f"{worker.name}: {line}"))
                 self.seconds[worker.name] = round(time.monotonic() - started, 2)
                 self.notes[worker.name] = note
                 self.say(f"{worker.name} ready in {self.seconds[worker.name]:.1f}s: {note}")
@@ -147,6 +149,8 @@ class Warmup:
         worker.meter.start(worker.times.waiting)
 
     def _all_ready(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
         self.ready = time.monotonic()
         if self.seconds:
             self.say(f"all workers ready after {self.ready - (self.began or self.ready):.1f}s; training starts")
@@ -177,7 +181,7 @@ class StartupClock:
     fields: dict = field(default_factory=dict)
 
     def observe(self, record: dict, compiles: int) -> str | None:
-        """Called for each step record of the first drafter with the drafters' compile count so far;
+        """Called for each step record of the first drafter with the run's compile count so far;
         adds the start-up numbers to the first record and returns the line to print then."""
         elapsed = record["elapsed_s"]
         first = self.first_step_s is None

@@ -28,8 +28,8 @@ from ..files import hold_output
 from ..target import Target
 from .batches import stream_identity
 from .build import (
-    build_evaluation, build_pipeline, check_batch_size, describe_drafters, find_resume_point, layer_union,
-    load_feature_supply, load_samples, plan_drafters, prepare_compile_safety, prepare_run_folder, resolve_layout,
+    build_evaluation, build_pipeline, check_batch_size, compile_gate, describe_drafters, find_resume_point,
+    layer_union, load_feature_supply, load_samples, plan_drafters, prepare_run_folder, resolve_layout,
     set_aside_later_checkpoints, step_range, step_share,
 )
 from .compile_cache import load_compile_cache
@@ -94,10 +94,13 @@ def train(
         if nodes.writes:
             set_aside_later_checkpoints(plans, resume, log)
         steps = step_range(config, resume, stop_at, log)
-        compiles = prepare_compile_safety(config, layout, plans, log)
-        compile_cache = load_compile_cache(out, log) if compiles else None
+        gate = compile_gate(config, layout, plans)
+        if gate is not None:  # entered before any worker starts, left after all have ended
+            owned.enter_context(gate)
+            print(f"compile gate: {gate.describe()}", file=log)
+        compile_cache = load_compile_cache(out, log) if gate is not None else None
         evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
-        pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, compiles=compiles,
+        pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, gate=gate,
                                   evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
                                   graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream)
         print(layout_line(config, plans, pipeline, steps.start, nodes) + f"\ncuda graphs: {graphs.reason}", file=log)

@@ -10,7 +10,7 @@ CUDA events, never through the host.
 
 Each worker takes one setup object. A drafter worker talks to small named collaborators: its
 `Inbox` (batches), the `GradientReducer` (replicas), its `Checkpointer` (rank 0 only: who
-checkpoints), the shared `EvaluationSchedule` (rank 0 only) and its `CompileWatch`; what a step
+checkpoints) and the shared `EvaluationSchedule` (rank 0 only); what a step
 computes is `step.training_step`; who logs it is the coordinator, from the `StepReport`s.
 """
 
@@ -20,7 +20,7 @@ import functools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -30,7 +30,6 @@ from ..checkpoint import save_checkpoint
 from ..objective import ObjectiveConfig
 from ..step import DrafterBatch, FrozenTargetParts, StepResult, training_step
 from .batches import BatchPlanner, HostBatch
-from .compile_safety import RecompileAfterWarmupError, configure_worker_thread, recompile_snapshot
 from .distributed import FlatGradients, NodeStep
 from .runtime import POLL_SECONDS, PipelineStopped, StopBarrier, StopSignal, Worker, get, put
 from .streams import mark, receive, wait_for
@@ -137,7 +136,6 @@ class TargetSetup:
     router: BatchRouter
     steps: StepRange
     stop: StopSignal
-    compile_safety: bool = False
     warmup: "Warmup | None" = None  # the start-up gate: warm-ups one at a time, then all start
 
 
@@ -157,8 +155,6 @@ class TargetWorker(Worker):
         setup = self.setup
         if setup.source.device.type == "cuda":
             torch.cuda.set_device(setup.source.device)
-        if setup.compile_safety:
-            configure_worker_thread()
         if setup.warmup is not None:
             setup.warmup.run(self, getattr(setup.source, "prepare", None))
         for step in setup.steps:
@@ -392,33 +388,6 @@ class EvaluationSchedule:
             return self.evaluator.measure(drafter)
 
 
-@dataclass
-class CompileWatch:
-    """Counts a drafter thread's compiles: a shape's first step compiles (warm-up, per bucket);
-    any compile on a shape seen before is a recompile, and an error with --fail-on-recompile."""
-
-    thread_name: str
-    fail_on_recompile: bool = False
-    seen_shapes: set = field(default_factory=set)
-    compiles: int = 0
-    recompiles_after_warmup: int = 0
-
-    def count(self) -> int:
-        return recompile_snapshot().get(self.thread_name, {}).get("compiles", 0)
-
-    def account(self, shape: tuple, before: int) -> None:
-        new = self.count() - before
-        self.compiles += new
-        if shape in self.seen_shapes and new > 0:
-            self.recompiles_after_warmup += new
-            if self.fail_on_recompile:
-                raise RecompileAfterWarmupError(
-                    f"{self.thread_name}: {new} compile(s) on an already-compiled shape {shape} "
-                    f"(--fail-on-recompile); see TORCH_LOGS=recompiles for the failing guard"
-                )
-        self.seen_shapes.add(shape)
-
-
 StepHook = Callable[["DrafterWorker", int], None]  # (worker, step) after each step: tests and benches
 
 
@@ -435,7 +404,6 @@ class DrafterSetup:
     reducer: GradientReducer | None = None  # replicas: gradients summed after every backward
     checkpointer: Checkpointer | None = None  # rank 0 of a drafter, unless checkpoints are off
     evaluation: EvaluationSchedule | None = None  # rank 0, with --eval-every
-    compile_watch: CompileWatch | None = None  # when the run compiles
     hook: StepHook | None = None
     warmup: "Warmup | None" = None  # the start-up gate: warm-ups one at a time, then all start
 
@@ -521,10 +489,8 @@ class DrafterWorker(Worker):
         if replica.device.type == "cuda":
             torch.cuda.set_device(replica.device)
         replica.drafter.train()
-        if setup.compile_watch is not None:
-            configure_worker_thread()
         if setup.warmup is not None:
-            setup.warmup.run(self, replica.prepare, setup.compile_watch)
+            setup.warmup.run(self, replica.prepare)
         sync = functools.partial(setup.reducer.sync, replica.rank) if setup.reducer is not None else None
         end = setup.steps.end
         try:
@@ -537,16 +503,12 @@ class DrafterWorker(Worker):
                 # only when that step starts).
                 incoming = self._receive(step + 1) if step + 1 < end else None
                 started = time.perf_counter()
-                shape = tuple(tuple(b.input_ids.shape) for b in micro_batches)
-                compiles_before = setup.compile_watch.count() if setup.compile_watch is not None else 0
                 current.wait_until_ready(replica.device)  # before the span: waiting for the target is not drafter time
                 span = self.meter.begin(replica.device)
                 result = replica.step(micro_batches, sync)
                 self.meter.end(span, replica.device)
                 self.meter.add_gpu_wait(replica.take_gpu_wait())
                 seconds = time.perf_counter() - started
-                if setup.compile_watch is not None:
-                    setup.compile_watch.account(shape, compiles_before)
                 self.times.computing += seconds
                 self.times.waiting += waited
                 self.times.items += 1
