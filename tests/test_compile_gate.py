@@ -128,6 +128,7 @@ def test_this_torch_holds_the_gate():
     assert gate_problem() is None
 
 
+@pytest.mark.filterwarnings("ignore:.*a compile after every warm-up")  # the probe's compiles, stance left on
 def test_a_torch_whose_stance_does_not_hold_is_refused(monkeypatch):
     """Fail closed on behaviour, not on a version: a torch where set_stance leaves compiling on
     (here a set_stance that does nothing) is refused before any worker starts, naming the way out."""

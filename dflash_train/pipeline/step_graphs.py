@@ -271,7 +271,11 @@ class GraphedStep:
                     torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.classic_reason = reason
         warnings.warn(f"CUDA graphs: {self.name} runs the eager training step: {reason}", stacklevel=2)
-        return f"eager training step ({reason})"
+        # Its compiles too happen here, in the warm-up: after it nothing compiles (compile_gate.py).
+        compiled = warm_compile(drafter=self.drafter, frozen=self.frozen, objective=self.objective,
+                                attention_backend=self.attention_backend, autocast_dtype=self.autocast_dtype,
+                                shapes=self.shapes, say=say)
+        return f"eager training step ({reason}); {compiled}"
 
     def _prepare_graphs(self, say: Say) -> str:
         current = torch.cuda.current_stream(self.device)
@@ -463,9 +467,9 @@ def warm_compile(
             with autocast:
                 loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
             loss.backward()
-        except Exception as error:  # noqa: BLE001 - the first real step of this length compiles it instead
+        except Exception as error:  # noqa: BLE001 - its steps run uncompiled instead (compile_gate.py)
             warnings.warn(f"warm-up: length {length} did not compile up front ({error_summary(error)}); "
-                          "its first step compiles it", stacklevel=2)
+                          "its steps run uncompiled (--fail-on-recompile: the first one stops the run)", stacklevel=2)
             continue
         finally:
             drafter.zero_grad(set_to_none=True)
