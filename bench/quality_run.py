@@ -19,8 +19,8 @@ last call stopped (WORK keeps everything between calls):
                 with --self-prompts N as well, they go to WORK/answers-imported.jsonl, regenerate
                 answers only the N self-written prompts into WORK/self-answers.jsonl (resumable as
                 above), and WORK/answers.jsonl is then written as the imported rows + those
-    train       the QUALITY.md recipe (bench/quality_smollm2.py `quality_config`) with the loss chosen
-                on the dev split (--loss, default dpace; QUALITY.md's is decay) on those rows into
+    train       the bar recipe (bench/quality_smollm2.py `quality_config`) with the loss chosen
+                on the dev split (--loss, default dpace; the bar's is decay) on those rows into
                 WORK/run, stopped gracefully at its time box and resumed from the last checkpoint
                 by the next call; exported to WORK/run/export when the steps are done
                 (or with --final, or when --train-total-seconds is spent: the last checkpoint)
@@ -142,7 +142,7 @@ class QualityRunConfig:
     num_layers: int | None = option(None, "drafter layers (empty = the recipe's 5)")
     num_anchors: int | None = option(None, "anchors per sequence (empty = the recipe's 256)")
     block_size: int | None = option(None, "draft block size (empty = the recipe's 16)")
-    loss: str = option("dpace", "dpace (chosen on the dev split: docs/RESULTS.md) or decay (QUALITY.md's, gamma 7)")
+    loss: str = option("dpace", "dpace (chosen on the dev split: docs/RESULTS.md) or decay (the bar recipe's, gamma 7)")
     gamma: float | None = option(None, "decay gamma (empty = the recipe's 7)")
     buckets: list[int] = option([768], "padded sequence lengths (`train --seq-buckets`)")
     save_every: int = option(250, "checkpoint every K steps (a stop at the box also checkpoints)")
@@ -698,7 +698,7 @@ class StageFailed(RuntimeError):
 
 
 def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str | None = None) -> TrainConfig:
-    """The QUALITY.md recipe with this run's overrides, resuming whatever `out` holds."""
+    """The bar recipe with this run's overrides, resuming whatever `out` holds."""
     from quality_smollm2 import quality_config
 
     config = call.config

@@ -1,8 +1,8 @@
-"""The QUALITY.md run: train a drafter for SmolLM2-135M-Instruct on the regenerated data, then
+"""The SmolLM2 bar run (docs/RESULTS.md): train a drafter for SmolLM2-135M-Instruct on the regenerated data, then
 measure tau by speculative decoding on HumanEval and MT-Bench, its speed-up over target-only
 decoding, and a tau-vs-steps curve, all in one call of a lent GPU machine.
 
-Recipe of the bar (QUALITY.md): 5 layers, block 16, target layers [1, 8, 14, 20, 27], mask
+Recipe of the bar (SpecForge's run, docs/RESULTS.md): 5 layers, block 16, target layers [1, 8, 14, 20, 27], mask
 token 16, batch 8, max length 768, 256 anchors, gamma 7, AdamW lr 6e-4, 4% warm-up, cosine,
 clip 1.0, rows with >= 32 supervised tokens. A wall-clock guard stops training gracefully
 (checkpoint, then export) if the step budget would overrun the machine's time.
@@ -331,7 +331,7 @@ def summary_lines(train_result: dict[str, Any], evaluation: dict[str, Any] | Non
 
 def quality_config(target_dir: str, data: str, out: str, *, steps: int, device: str, buckets: list[int] | None = None,
                    fp8: str = "off", cuda_graphs: str = "auto", smoke: bool = False, **values: Any) -> TrainConfig:
-    """The QUALITY.md recipe as a TrainConfig (also what bench/graphed_step.py times)."""
+    """The bar recipe as a TrainConfig (also what bench/graphed_step.py times)."""
     config = TrainConfig(
         target=target_dir, data=[data], out=out, steps=steps, batch_size=8, max_seq_len=768,
         seq_buckets=[768] if buckets is None else buckets, min_supervised_tokens=32, block_size=16,

@@ -4,7 +4,7 @@
     python bench/static_decode_speed.py --dims smollm2 --json out.json      # GPU, bf16
 
 Random-init target and drafter of real shapes (no download): `smollm2` = SmolLM2-135M (30 layers,
-hidden 576, 9/3 heads, vocab 49,152) with the QUALITY.md drafter (5 layers, B = 16, target
+hidden 576, 9/3 heads, vocab 49,152) with the bar recipe's drafter (5 layers, B = 16, target
 layers 1, 8, 14, 20, 27); `qwen3-8b` = Qwen3-8B's shape (the target of `bench/pipeline.py`)
 with a 5-layer drafter. For each decoder it times, at a context of --context tokens:
 

@@ -287,7 +287,7 @@ class TrainConfig:
     block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens)")
     num_layers: int = option(5, "drafter decoder layers")
     num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)")
-    target_layer_ids: list[int] = option([], "target layers to capture; empty = DESIGN rule with num_layers layers")
+    target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers")
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
     arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)")
     conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters")

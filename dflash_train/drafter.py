@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §1), with parameter names the reference and serving engines load.
+"""The DFlash drafter (docs/SEMANTICS.md), with parameter names the reference and serving engines load.
 
 Given the target's hidden states at a few layers (the context) and a block
 [anchor token, MASK × (B−1)], it predicts the B−1 tokens after the anchor in one pass:
@@ -71,7 +71,7 @@ class DrafterConfig:
         num_captured_layers: int | None = None,
         **dflash2: Any,
     ) -> "DrafterConfig":
-        """Drafter dims from the target; target layers default to the DESIGN rule with
+        """Drafter dims from the target; target layers default to the rule of docs/SEMANTICS.md with
         as many captured layers as draft layers (the paper's choice)."""
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(spec.num_hidden_layers, num_captured_layers or num_layers)

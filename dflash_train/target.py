@@ -1,6 +1,6 @@
 """The frozen target: load a Hugging Face causal LM, capture the hidden states a drafter needs.
 
-Contract (DESIGN §1): layer id k is the output of decoder layer k, i.e. Hugging Face
+Contract (docs/SEMANTICS.md): layer id k is the output of decoder layer k, i.e. Hugging Face
 `hidden_states[k + 1]` (index 0 is the embedding output; the last index is after the final
 norm, so asking for the last layer gives the normed state, exactly as HF reports it). The
 forward stops after the deepest requested layer. The drafter shares the target's input
@@ -94,7 +94,7 @@ def hidden_state_index(layer_id: int) -> int:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN §1 rule: n = 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1))."""
+    """The rule of docs/SEMANTICS.md: n = 1 -> [L // 2]; else round(1 + i * (L - 4) / (n - 1))."""
     if num_draft_layers < 1:
         raise TargetError("the number of target layers to capture must be at least 1")
     if num_draft_layers == 1:

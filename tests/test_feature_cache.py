@@ -238,7 +238,7 @@ def test_cli_prints_the_size_estimate_first_and_rows_last(tiny_dir, tmp_path, ca
     assert lines[-2:] == ["rows: read=64 used=55 skipped=9",
                           f"  skipped 9: no valid anchor  (first: {REGENERATED_64}:5)"]
     cache = FeatureCache(out)
-    assert cache.layer_ids == [1, 3] and len(cache) == 55  # the DESIGN rule for 6 layers, n = 2
+    assert cache.layer_ids == [1, 3] and len(cache) == 55  # the SEMANTICS.md rule for 6 layers, n = 2
     # Running it again finds everything written and writes nothing.
     assert cli_main(args) == 0
     assert "this run    0 samples" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from dflash_train.data.prompts import (
 )
 from dflash_train.data.readers import RowStats
 
-# The QUALITY.md data set: $DFLASH_REGENERATED_4000, else the team's shared folder beside the checkout.
+# The bar recipe's data set (docs/RESULTS.md): $DFLASH_REGENERATED_4000, else its copy in a `shared` data folder beside the checkout.
 REGENERATED_4000 = Path(os.environ.get(
     "DFLASH_REGENERATED_4000",
     Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",

@@ -19,8 +19,8 @@ from dflash_train.data.samples import (
 )
 
 DATA = Path(__file__).parent / "data"
-REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"  # first 64 rows of shared/data/smollm2-regenerated-4000.jsonl.gz
-# The QUALITY.md data set: $DFLASH_REGENERATED_4000, else the team's shared folder beside the checkout.
+REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"  # first 64 rows of smollm2-regenerated-4000.jsonl.gz (below)
+# The bar recipe's data set (docs/RESULTS.md): $DFLASH_REGENERATED_4000, else its copy in a `shared` data folder beside the checkout.
 REGENERATED_4000 = Path(os.environ.get(
     "DFLASH_REGENERATED_4000",
     Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",

@@ -189,8 +189,8 @@ def test_graphed_step_in_bf16_stays_within_the_eager_spread():
 def test_graphed_fp8_step_follows_the_eager_fp8_step():
     """`--fp8 all` under `--cuda-graphs on` (FP8 drafter linears and frozen head, bf16 autocast),
     12 steps: captured, and its weights are closer to the eager FP8 run's than FP8 is to bf16 (a
-    replay that froze a scale or an amax at capture would drift away). The ninth session's bench
-    saw this combination train no step in the 21 s after its warm-up: this is the small case."""
+    replay that froze a scale or an amax at capture would drift away). On 2026-12-02 the recipe-size
+    bench (one H200) saw this combination train no step in the 21 s after its warm-up: this is the small case."""
     target = _target(torch.bfloat16)
     fp8_objective, bf16_objective = _objective(), _objective()
     fp8_objective.fp8_head = True

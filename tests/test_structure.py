@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
-# Floors, top to bottom (DESIGN.md §2): a module may import its own floor or lower ones.
+# Floors, top to bottom (docs/ARCHITECTURE.md): a module may import its own floor or lower ones.
 # A dotted prefix names every module under it ("pipeline" covers pipeline.trainer, ...).
 FLOORS = {
     "commands": 10,  # one module per CLI command

@@ -42,7 +42,7 @@ def test_forward_stops_after_deepest_layer():
 
 def test_default_layer_rule():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
-    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M (QUALITY.md)
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M (the bar recipe, docs/RESULTS.md)
     assert default_target_layer_ids(36, 1) == [18]
 
 

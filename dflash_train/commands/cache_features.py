@@ -22,7 +22,7 @@ class CacheFeaturesConfig:
     out: str = option("", "cache folder (new or empty; an interrupted cache there is resumed)")
     max_seq_len: int = option(2048, "longer conversations are truncated (training may truncate further)")
     min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
-    target_layer_ids: list[int] = option([], "target layers to store; empty = DESIGN rule with num_layers layers")
+    target_layer_ids: list[int] = option([], "target layers to store; empty = the rule of docs/SEMANTICS.md with num_layers layers")
     num_layers: int = option(5, "how many layers the default rule picks (the drafter's depth, by default)")
     batch_size: int = option(0, "sequences per target forward; 0 = 32 on CUDA, 8 on CPU")
     shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)")

@@ -22,7 +22,7 @@ from ..files import check_outside_inputs, hold_output
 from ..progress import format_seconds
 
 GPU_RECIPE = """\
-For a strong drafter, on a GPU (one H200 trains the QUALITY.md recipe in ~2.5 minutes):
+For a strong drafter, on a GPU (one H200 trains the SmolLM2 bar recipe of docs/RESULTS.md in ~2.5 minutes):
   dflash-train regenerate --target TARGET_DIR --prompts default --limit 20000 --max-new-tokens 1024 --out data.jsonl
   dflash-train train --target TARGET_DIR --data data.jsonl --out run --steps 20000 --batch-size 8 \\
       --max-seq-len 2048 --num-anchors 512 --block-size 16 --num-layers 5 --eval-every 2000

@@ -21,7 +21,7 @@ folder of the registry), sampled by seed. Scanning a task stops after `20 × max
 rows, or after 100 rows if none of them was usable (a short-answer task throughout): about 36k
 of the registry's 940k rows are parsed (a few seconds), and < 1 % of the prompts are lost.
 
-Calibration on the 4,000-row SmolLM2 regeneration (shared/data): of the prompts this filter
+Calibration on the 4,000-row SmolLM2 regeneration (the bar recipe's data, docs/RESULTS.md): of the prompts this filter
 keeps, 77 % got answers of ≥ 31 tokens from SmolLM2, against 55 % of those it drops for asking a
 short answer (SmolLM2 often ignores "answer only ..."; a stronger target would not, which is why
 such prompts go).

@@ -1,6 +1,6 @@
 """Speculative decoding with a DFlash drafter: the reference decode loop, whichever decoder runs it.
 
-The decoder follows the reference inference loop (DESIGN §1, PyPI `dflash.dflash_generate`) step
+The decoder follows the reference inference loop (docs/SEMANTICS.md, PyPI `dflash.dflash_generate`) step
 for step, so τ measured here is the τ a serving engine sees:
 
     prefill the target on the prompt (keeping hidden states)   -> first token (the first "bonus")
