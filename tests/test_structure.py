@@ -21,7 +21,7 @@ FLOORS = {
     "cli": 9,  # the static command table
     "pipeline": 8,  # build steps, workers, coordinator, reporting, compile gate
     "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
-    "decode": 6, "step": 6, "export": 6, "export_rules": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
+    "decode": 6, "step": 6, "export": 6, "export_rules": 6, "export_gguf": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
     "static_step": 6,  # the training step with static shapes (what CUDA graphs capture)
     "synthetic": 6,  # synthetic drafter batches of a shape (benchmarks, GPU tests)
     "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache

@@ -1,5 +1,6 @@
-"""`dflash-train export`: write the Hugging Face folder of a trained drafter from a run or checkpoint,
-or (`--check DIR`) judge any drafter folder against the serving engines' loader rules."""
+"""`dflash-train export`: write the Hugging Face folder of a trained drafter from a run or checkpoint
+(or, `--format gguf`, the GGUF file llama.cpp serves), or (`--check DIR`) judge any drafter folder
+against the serving engines' loader rules."""
 
 from __future__ import annotations
 
@@ -7,25 +8,41 @@ import dataclasses
 
 from ..config import DTYPE_NAMES, ConfigError, option
 
+EXPORT_FORMATS = ("hf", "gguf")
+
 
 @dataclasses.dataclass
 class ExportConfig:
     checkpoint: str = option("", "a run folder (its latest checkpoint) or a checkpoint folder")
-    out: str = option("", "the Hugging Face folder to write (new, empty, or an earlier export of this run)")
+    out: str = option("", "the Hugging Face folder to write (new, empty, or an earlier export of this run); "
+                          "with --format gguf a new .gguf file")
+    format: str = option("hf", "hf: the Hugging Face folder SGLang, vLLM and Transformers load; gguf: the file "
+                               "llama.cpp serves (llama-server -md FILE --spec-type draft-dflash), needs --target")
     dtype: str = option("bfloat16", "weight dtype: bfloat16, float16 or float32")
     force: bool = option(False, "replace a non-empty --out that is not an earlier export of this run")
     check: str = option("", "write nothing: check this drafter folder (ours, a z-lab release, another trainer's) "
                             "against the SGLang and vLLM loader rules; exit 1 if one fails")
     target: str = option("", "with --check: the target's Hugging Face folder, to compare hidden size, vocabulary "
-                             "and layer count against")
+                             "and layer count against; with --format gguf: the target's GGUF file (the one "
+                             "llama-server -m loads), whose tokenizer the drafter file carries")
 
     def validate(self) -> None:
+        if self.format not in EXPORT_FORMATS:
+            raise ConfigError(f"--format {self.format!r}: use {' or '.join(EXPORT_FORMATS)}")
         if self.check:
-            if self.checkpoint or self.out or self.force:
-                raise ConfigError("--check DIR writes nothing: pass it without RUN_DIR_OR_CHECKPOINT, --out or --force")
+            if self.checkpoint or self.out or self.force or self.format != "hf":
+                raise ConfigError("--check DIR writes nothing: pass it without RUN_DIR_OR_CHECKPOINT, --out, --force "
+                                  "or --format")
             return
-        if self.target:
-            raise ConfigError("--target is only for --check (an export takes the target's dims from the checkpoint)")
+        if self.format == "gguf":
+            if not self.target:
+                raise ConfigError("--format gguf needs --target TARGET.gguf: the target's GGUF file, whose tokenizer "
+                                  "the drafter file carries")
+            if self.force:
+                raise ConfigError("--format gguf writes a new file and never replaces one: pass it without --force")
+        elif self.target:
+            raise ConfigError("--target is only for --check and --format gguf (an export takes the target's dims from "
+                              "the checkpoint)")
         if not self.checkpoint or not self.out:
             raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR (or --check DIR)")
         if self.dtype not in DTYPE_NAMES:
@@ -40,14 +57,36 @@ def run_export(config: ExportConfig) -> int:
     from ..checkpoint import load_drafter, resolve_checkpoint
     from ..export import export_model
 
+    if config.format == "gguf":
+        from ..export_gguf import check_gguf_output
+
+        check_gguf_output(config.out, config.target)  # before any model loads
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
+    if config.format == "gguf":
+        return _export_gguf(config, checkpoint, drafter)
     out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
                        source=checkpoint, force=config.force)
     cfg = drafter.config
     print(f"exported {checkpoint} -> {out} (passes every SGLang/vLLM loader rule: dflash-train export --check {out})")
     print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}, {config.dtype}")
+    return 0
+
+
+def _export_gguf(config: ExportConfig, checkpoint, drafter) -> int:
+    import torch
+
+    from ..export_gguf import write_gguf_drafter
+
+    cfg = drafter.config
+    out = write_gguf_drafter(cfg, drafter.state_dict(), config.out, target=config.target,
+                             dtype=getattr(torch, config.dtype), model_dir=checkpoint.parent.parent)
+    print(f"exported {checkpoint} -> {out} (llama.cpp DFlash GGUF, tokenizer of {config.target})")
+    print(f"  dflash: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
+          f"target layers {cfg.target_layer_ids} (+1 in the file), mask token {cfg.mask_token_id}, {config.dtype}")
+    print(f"  serve: llama-server -m {config.target} -md {out} --spec-type draft-dflash "
+          f"--spec-draft-n-max {cfg.block_size - 1}")
     return 0
 
 
