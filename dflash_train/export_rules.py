@@ -1,13 +1,9 @@
 """What SGLang and vLLM need from a DFlash drafter folder, as one table of named rules.
 
-Read in the engines' loader sources (cited per rule below):
-  SGLang  python/sglang/srt/models/dflash.py            (model, weight loader)
-          python/sglang/srt/speculative/dflash_utils.py  (parse_dflash_draft_config, layer types)
-          python/sglang/srt/utils/hf_transformers_utils.py (get_rope_config)
-  vLLM    vllm/model_executor/models/qwen3_dflash.py     (model, causality, weight loader)
-          vllm/model_executor/models/registry.py          (DFlashDraftModel -> qwen3_dflash)
-          vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (aux layers = target_layer_ids + 1)
-          vllm/transformers_utils/config.py               (set_default_rope_theta: 1e6 when unset)
+Read in the released sources of the versions in ENGINES (the PyPI wheels of vLLM 0.33.0 and
+SGLang 0.5.23, the reference `dflash` 0.1.0, llama.cpp b11434's converter). Every rule's `source`
+cites where: "ENGINE VERSION path symbol", one per reader, `;`-separated
+(tests/test_export_rules.py checks that every rule has one). Re-read them when a version moves.
 Both engines parse config.json through transformers' AutoConfig and fill anything missing with
 *their* defaults, and both skip or mis-map weights silently in places, so a folder that loads is
 not yet a folder that drafts. A rule passes only where every loader reads the same value we
@@ -25,6 +21,8 @@ from typing import Any, Callable
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# The releases the rules were read in (a rule's citations name one of these each).
+ENGINES = {"vLLM": "0.33.0", "SGLang": "0.5.23", "dflash": "0.1.0", "llama.cpp": "b11434"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Per drafter layer, the names both loaders map (SGLang stacks q/k/v into qkv_proj and gate/up
@@ -101,7 +99,7 @@ class _Skip(Exception):
 class Rule:
     name: str
     what: str  # one line: what a passing folder has
-    source: str  # where the loaders read it
+    source: str  # citations: "ENGINE VERSION path symbol; ..." (ENGINES), where each reader reads it
     check: Callable[[DraftFolder], str | None]  # None = passes, else why not
 
 
@@ -174,9 +172,10 @@ def _config_keys(folder: DraftFolder) -> str | None:
 
 
 def _dflash_config(folder: DraftFolder) -> str | None:
-    # vLLM finds the auxiliary layers only in dflash_config.target_layer_ids (eagle3_utils) and
-    # reads mask_token_id there first; SGLang's parse_dflash_draft_config and the reference read
-    # every key in dflash_config first and fall back to the top level.
+    # Every reader takes dflash_config first: vLLM (get_eagle3_aux_layers_from_config,
+    # get_parallel_drafting_token_id, DFlashQwen3Model), SGLang's parse_dflash_draft_config and the
+    # reference, then the top level. llama.cpp's converter reads the mask id only from
+    # dflash_config (DFlashModel.set_vocab): without it the GGUF has no mask token.
     if not isinstance(folder.config.get("dflash_config"), dict):
         return "no dflash_config object"
     problems = [f"dflash_config lacks {k}" for k in ("target_layer_ids", "mask_token_id") if k not in folder.dflash]
@@ -192,22 +191,19 @@ def _dflash_config(folder: DraftFolder) -> str | None:
 
 def _target_layer_ids(folder: DraftFolder) -> str | None:
     # SGLang DFlashDraftConfig.resolve_target_layer_ids: a non-empty int list, every id in
-    # [0, num_target_layers), num_target_layers falling back to the drafter's own layer count.
+    # [0, num_target_layers); without num_target_layers DFlashDraftModel bounds them by
+    # max(ids) + 1, which every id passes.
     ids = folder.dflash.get("target_layer_ids")
     if ids is None:
         raise _Skip("needs dflash_config")
     if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
         return f"target_layer_ids {ids!r} is not a non-empty list of integers"
     bound = folder.resolved("num_target_layers")
-    where = "num_target_layers"
-    if bound is None:
-        (bound,) = _need(folder, "num_hidden_layers")
-        where = "the drafter's num_hidden_layers (SGLang's fallback without num_target_layers)"
-    if not _is_int(bound) or bound < 1:
+    if bound is not None and (not _is_int(bound) or bound < 1):
         return f"num_target_layers {bound!r} is not a positive integer"
-    outside = [i for i in ids if not 0 <= i < bound]
+    outside = [i for i in ids if i < 0 or (bound is not None and i >= bound)]
     if outside:
-        return f"target layer ids {outside} are outside [0, {bound}) ({where})"
+        return f"target layer ids {outside} are outside [0, {bound if bound is not None else 'inf'}) (num_target_layers)"
     # vLLM prefers eagle_aux_hidden_state_layer_ids (already shifted by one) when present.
     aux = folder.config.get("eagle_aux_hidden_state_layer_ids")
     if aux and list(aux) != [i + 1 for i in ids]:
@@ -217,7 +213,7 @@ def _target_layer_ids(folder: DraftFolder) -> str | None:
 
 def _mask_token_id(folder: DraftFolder) -> str | None:
     # SGLang parse_dflash_draft_config: an int >= 0 (else it looks up the "<|MASK|>" token);
-    # the id indexes the target's embedding table in every engine.
+    # the id indexes the target's embedding table in every engine (vLLM embed_input_ids).
     value = folder.resolved("mask_token_id")
     if value is None:
         raise _Skip("needs dflash_config")
@@ -228,7 +224,8 @@ def _mask_token_id(folder: DraftFolder) -> str | None:
 
 
 def _block_size(folder: DraftFolder) -> str | None:
-    # SGLang resolve_block_size (default 16 when absent), the reference (default 16): the block
+    # SGLang _handle_dflash sets --speculative-num-draft-tokens from it (16 when absent, with a
+    # warning); llama.cpp's converter writes it as dflash.block_size (16 when absent). The block
     # the drafter was trained for; 1 would draft nothing.
     value = folder.resolved("block_size")
     if value is None:
@@ -262,18 +259,21 @@ def _layer_types_rule(folder: DraftFolder) -> str | None:
 
 
 def _causality(folder: DraftFolder) -> str | None:
-    # SGLang: full_attention -> ENCODER_ONLY (non-causal), sliding_attention -> DECODER (causal),
-    # is_causal is never read. vLLM _dflash_layer_causal: is_causal, then dflash_config.causal,
-    # then layer_types[i] == sliding_attention; dflash_config.use_swa forces sliding everywhere.
-    # The reference: is_causal, then the layer type. Every layer must come out the same in all.
+    # SGLang _get_dflash_attention_type: is_causal, else full_attention -> ENCODER_ONLY
+    # (non-causal), sliding_attention -> DECODER (causal); dflash_config.causal is not read.
+    # vLLM _dflash_layer_causal: is_causal, then dflash_config.causal, then
+    # layer_types[i] == sliding_attention; dflash_config.use_swa forces sliding everywhere
+    # (_resolve_layer_attention). The reference: is_causal, then the layer type. llama.cpp's
+    # converter writes is_causal, else dflash_config.causal. Every layer must agree in all.
     types = _layer_types(folder)
     is_causal = folder.config.get("is_causal")
     override = folder.dflash.get("causal")
     disagree = []
     for i, layer_type in enumerate(types):
-        sglang = layer_type == "sliding_attention"
-        vllm = bool(is_causal) if is_causal is not None else bool(override) if override is not None else sglang
-        reference = bool(is_causal) if is_causal is not None else sglang
+        by_type = layer_type == "sliding_attention"
+        sglang = bool(is_causal) if is_causal is not None else by_type
+        vllm = bool(is_causal) if is_causal is not None else bool(override) if override is not None else by_type
+        reference = bool(is_causal) if is_causal is not None else by_type
         if not sglang == vllm == reference:
             disagree.append(f"layer {i} ({layer_type}): SGLang {'causal' if sglang else 'non-causal'}, "
                             f"vLLM {'causal' if vllm else 'non-causal'}, reference {'causal' if reference else 'non-causal'}")
@@ -283,15 +283,15 @@ def _causality(folder: DraftFolder) -> str | None:
 
 
 def _hidden_act(folder: DraftFolder) -> str | None:
-    # SGLang DFlashMLP raises for anything but silu; vLLM's Qwen2MLP supports only silu too.
+    # SGLang DFlashMLP takes silu (and swigluoai); vLLM's Qwen2MLP raises for anything but silu.
     act = folder.config.get("hidden_act")
     if act != "silu":
-        return f"hidden_act is {act!r}; both engines implement only 'silu' (write it explicitly)"
+        return f"hidden_act is {act!r}; 'silu' is the one activation both engines implement (write it explicitly)"
     return None
 
 
 def _rope(folder: DraftFolder) -> str | None:
-    # SGLang get_rope_config: rope_parameters["rope_theta"], else rope_theta. vLLM
+    # SGLang get_rope_config: rope_parameters["rope_theta"], else rope_theta, else 10000. vLLM
     # DFlashQwen3DecoderLayer: set_default_rope_theta(config, 1e6) puts 1e6 into
     # rope_parameters when no theta was given. Scaling: rope_parameters (transformers 5) or
     # rope_scaling (4.x, null = none). Style: SGLang reads rope_is_neox_style, then
@@ -302,7 +302,7 @@ def _rope(folder: DraftFolder) -> str | None:
     thetas = {k: v for k, v in (("rope_parameters.rope_theta", params.get("rope_theta")),
                                 ("rope_theta", folder.config.get("rope_theta"))) if v is not None}
     if not thetas:
-        return "no rope_theta (vLLM would use 1e6, SGLang fails): write rope_theta and rope_parameters"
+        return "no rope_theta (vLLM would use 1e6, SGLang 1e4): write rope_theta and rope_parameters"
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in thetas.values()):
         return f"rope theta is not a positive number: {thetas}"
     if len(set(thetas.values())) > 1:
@@ -321,7 +321,8 @@ def _rope(folder: DraftFolder) -> str | None:
 
 
 def _weight_names(folder: DraftFolder) -> str | None:
-    # SGLang DFlashDraftModel.load_weights skips any name it cannot resolve; vLLM's load_weights
+    # SGLang DFlashDraftModel.load_weights skips any name it cannot resolve ("Ignore unexpected
+    # weights"); vLLM's DFlashQwen3ForCausalLM.load_weights
     # prefixes "model." to every name (a stored "model." prefix would not map), loads its own
     # embedding / LM head when names contain embed_tokens / lm_head, and asserts on mask_hidden.
     if folder.weights is None:
@@ -465,25 +466,58 @@ def _target(folder: DraftFolder) -> str | None:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("architecture", f"architectures [{ARCHITECTURE!r}], model_type 'qwen3'", "vLLM registry.py; SGLang models/dflash.py", _architecture),
-    Rule("config_keys", "every drafter dim written explicitly (no engine default)", "both engines' getattr defaults", _config_keys),
+    Rule("architecture", f"architectures [{ARCHITECTURE!r}], model_type 'qwen3'",
+         "vLLM 0.33.0 vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py EntryClass", _architecture),
+    Rule("config_keys", "every drafter dim written explicitly (no engine default)",
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.__init__", _config_keys),
     Rule("dflash_config", "target_layer_ids and mask_token_id in dflash_config; block_size, num_target_layers resolvable; no disagreement",
-         "SGLang speculative/dflash_utils.py; vLLM qwen3_dflash.py, eagle3_utils.py", _dflash_config),
-    Rule("target_layer_ids", "ids in [0, num_target_layers)", "SGLang speculative/dflash_utils.py; vLLM eagle3_utils.py", _target_layer_ids),
-    Rule("mask_token_id", "an embedding row", "SGLang speculative/dflash_utils.py; vLLM qwen3_dflash.py", _mask_token_id),
-    Rule("block_size", "an integer >= 2", "SGLang speculative/dflash_utils.py; the reference", _block_size),
-    Rule("layer_types", "one allowed type per drafter layer", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _layer_types_rule),
-    Rule("causality", "every layer equally causal in SGLang, vLLM and the reference", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _causality),
-    Rule("hidden_act", "silu", "SGLang models/dflash.py DFlashMLP; vLLM qwen2.py MLP", _hidden_act),
-    Rule("rope", "rope theta, scaling and style written explicitly and consistently", "SGLang hf_transformers_utils.py; vLLM qwen3_dflash.py", _rope),
-    Rule("weight_names", "exactly the names the loaders map", "SGLang models/dflash.py load_weights; vLLM qwen3_dflash.py load_weights", _weight_names),
-    Rule("fc_shape", "fc.weight [hidden, n_ids x hidden]", "SGLang models/dflash.py; vLLM qwen3_dflash.py", _fc_shape),
-    Rule("projection_shapes", "every layer weight shaped from the config", "SGLang/vLLM linear layers", _projection_shapes),
+         "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config; "
+         "vLLM 0.33.0 vllm/v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.__init__; "
+         "dflash 0.1.0 dflash/model.py DFlashDraftModel.__init__; llama.cpp b11434 conversion/qwen.py DFlashModel.set_vocab", _dflash_config),
+    Rule("target_layer_ids", "ids in [0, num_target_layers)",
+         "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py DFlashDraftConfig.resolve_target_layer_ids; "
+         "vLLM 0.33.0 vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config", _target_layer_ids),
+    Rule("mask_token_id", "an embedding row",
+         "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.embed_input_ids", _mask_token_id),
+    Rule("block_size", "an integer >= 2",
+         "SGLang 0.5.23 python/sglang/srt/arg_groups/speculative_hook.py _handle_dflash; llama.cpp b11434 conversion/qwen.py DFlashModel.set_gguf_parameters",
+         _block_size),
+    Rule("layer_types", "one allowed type per drafter layer",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py _get_dflash_layer_attention_params; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention", _layer_types_rule),
+    Rule("causality", "every layer equally causal in SGLang, vLLM and the reference",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py _get_dflash_attention_type; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _dflash_layer_causal; dflash 0.1.0 dflash/model.py Qwen3DFlashAttention.__init__", _causality),
+    Rule("hidden_act", "silu", "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashMLP.__init__; vLLM 0.33.0 vllm/model_executor/models/qwen2.py Qwen2MLP.__init__",
+         _hidden_act),
+    Rule("rope", "rope theta, scaling and style written explicitly and consistently",
+         "SGLang 0.5.23 python/sglang/srt/utils/hf_transformers/common.py get_rope_config; SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention.__init__; "
+         "vLLM 0.33.0 vllm/transformers_utils/config.py set_default_rope_theta; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__", _rope),
+    Rule("weight_names", "exactly the names the loaders map",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights", _weight_names),
+    Rule("fc_shape", "fc.weight [hidden, n_ids x hidden]",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _fc_shape),
+    Rule("projection_shapes", "every layer weight shaped from the config",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention._build_qkv_proj; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__", _projection_shapes),
     Rule("dflash2_config", "conv_kernel_size, conv_group_size (divides hidden_size), selector_rank, selector_top_k in dflash_config",
-         "vLLM qwen3_dflash2.py; SGLang models/dflash.py DFlash2DraftModel; the reference dflash/model.py", _dflash2_config),
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3DecoderLayer.__init__; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3Model.__init__; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlash2DraftModel.__init__; dflash 0.1.0 dflash/model.py DFlash2DraftModel.__init__", _dflash2_config),
     Rule("dflash2_shapes", "conv kernels, projections and [vocab, rank] codebooks shaped from the config",
-         "vLLM qwen3_dflash2.py; SGLang models/dflash.py CandidateSelector; the reference dflash/model.py", _dflash2_shapes),
-    Rule("target", "hidden size, vocabulary and layer count of the target", "the pairing itself", _target),
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlashGroupedConv.__init__; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py CandidateSelector.__init__; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py CandidateSelector.__init__; dflash 0.1.0 dflash/model.py CandidateSelector.__init__", _dflash2_shapes),
+    Rule("target", "hidden size, vocabulary and layer count of the target",
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.__init__; "
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _target),
 )
 
 
@@ -537,7 +571,8 @@ def failures(verdicts: list[Verdict]) -> list[Verdict]:
 
 
 def render_verdicts(path: str | Path, verdicts: list[Verdict]) -> str:
-    lines = [f"{path}: the SGLang and vLLM loader rules"]
+    read_in = ", ".join(f"{name} {version}" for name, version in ENGINES.items())
+    lines = [f"{path}: the SGLang and vLLM loader rules (read in {read_in})"]
     lines += [f"  {v.status:<4}  {v.rule.name:<18} {v.detail}" for v in verdicts]
     counts = {s: sum(v.status == s for v in verdicts) for s in ("ok", "FAIL", "skip")}
     lines.append(f"{len(verdicts)} rules: {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped")

@@ -3,6 +3,7 @@ folder that breaks it and only it (one real export, then one change per case); e
 broken rule and writes nothing; `export --check DIR` judges any folder without writing."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dflash_train.cli import main
 from dflash_train.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.export import ExportError, export_model
-from dflash_train.export_rules import RULES, TargetShape, check_folder, failures
+from dflash_train.export_rules import ENGINES, RULES, TargetShape, check_folder, failures
 from tiny import FAMILIES, tiny_hf_model, tiny_target
 
 TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, vocab_size=96)  # tiny_target's dims
@@ -91,7 +92,7 @@ BREAKS = {
     "layer_types: one entry for two layers": ("layer_types", _edit_config(_set("layer_types", ["full_attention"]))),
     "layer_types: unknown type": ("layer_types", _edit_config(_set("layer_types", ["full_attention", "chunked_attention"]))),
     "layer_types: sliding without a window": ("layer_types", _edit_config(_set("layer_types", ["full_attention", "sliding_attention"]))),
-    "causality: is_causal (vLLM, reference) vs full_attention (SGLang)": ("causality", _edit_config(_set("is_causal", True))),
+    "causality: dflash_config.use_swa (vLLM slides every layer)": ("causality", _edit_config(_set("dflash_config", "use_swa", True))),
     "causality: dflash_config.causal (vLLM only)": ("causality", _edit_config(_set("dflash_config", "causal", True))),
     "hidden_act: gelu": ("hidden_act", _edit_config(_set("hidden_act", "gelu"))),
     "rope: theta left to the engine": ("rope", _edit_config(_both(_drop("rope_theta"), _drop("rope_parameters")))),
@@ -189,13 +190,38 @@ def test_the_target_rule_compares_against_a_known_target(valid_export, target, w
     assert next(v for v in check_folder(valid_export) if v.rule.name == "target").status == "skip"
 
 
-def test_without_num_target_layers_ids_are_checked_against_the_drafter_layers_as_sglang_does(valid_export, tmp_path):
+def test_without_num_target_layers_only_the_reference_misses_it(valid_export, tmp_path):
+    """SGLang 0.5.23 bounds the ids by max(ids) + 1 when num_target_layers is absent; the reference
+    reads config.num_target_layers: only the dflash_config rule fails, naming the key."""
     folder = tmp_path / "no-count"
     shutil.copytree(valid_export, folder)
     _edit_config(_both(_drop("num_target_layers"), _drop("dflash_config", "num_target_layers")))(folder)
     failed = {v.rule.name: v.detail for v in failures(check_folder(folder))}
-    assert set(failed) == {"dflash_config", "target_layer_ids"}
-    assert "[3, 4] are outside [0, 2)" in failed["target_layer_ids"]  # 2 drafter layers
+    assert list(failed) == ["dflash_config"] and "num_target_layers" in failed["dflash_config"]
+
+
+def test_is_causal_is_honoured_by_every_reader(valid_export, tmp_path):
+    """SGLang 0.5.23 reads is_causal (_get_dflash_attention_type) as vLLM and the reference do:
+    a causal drafter written with is_causal is served causally everywhere."""
+    folder = tmp_path / "causal"
+    shutil.copytree(valid_export, folder)
+    _edit_config(_set("is_causal", True))(folder)
+    assert not failures(check_folder(folder, TARGET))
+
+
+CITATION = re.compile(r"(?P<engine>vLLM|SGLang|dflash|llama\.cpp) (?P<version>\S+) (?P<path>\S+\.py) (?P<symbol>[\w.\[\]']+)")
+
+
+def test_every_rule_cites_where_each_engine_reads_it():
+    for rule in RULES:
+        citations = [part.strip() for part in rule.source.split(";")]
+        assert citations and all(citations), rule.name
+        for citation in citations:
+            match = CITATION.fullmatch(citation)
+            assert match, f"{rule.name}: {citation!r} is not 'ENGINE VERSION path.py symbol'"
+            assert ENGINES[match["engine"]] == match["version"], f"{rule.name}: {citation!r} cites another release"
+        engines = {CITATION.fullmatch(c)["engine"] for c in citations}
+        assert {"vLLM", "SGLang"} & engines, f"{rule.name} cites neither serving engine"
 
 
 def test_a_folder_laid_out_like_the_z_lab_releases_passes(valid_export, tmp_path):
