@@ -41,7 +41,7 @@ COMMANDS: dict[str, Command] = {
                               "store the target's hidden states for a data set (sharded, resumable) to train without running it"),
     "train": Command("train", "TrainConfig", "run_train", "train a drafter (or several) against a frozen target"),
     "export": Command("export", "ExportConfig", "run_export",
-                      "write the Hugging Face folder of a trained drafter (or --check DIR against SGLang's and vLLM's loaders)",
+                      "write the Hugging Face folder of a trained drafter (--format gguf: llama.cpp's GGUF; --check DIR: judge a folder against SGLang's and vLLM's loaders)",
                       "checkpoint"),
     "eval": Command("eval", "EvalConfig", "run_eval",
                     "speculative decoding with an exported drafter: tau, its histogram, tokens/s, speed-up"),
