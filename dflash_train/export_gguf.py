@@ -249,6 +249,7 @@ def write_gguf_drafter(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        tensors.clear()  # the file holds them now: one copy in memory, not two, while it is moved
         return write_new_file_atomic(out_path, staged.read_bytes())
 
 
