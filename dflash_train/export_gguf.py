@@ -35,8 +35,8 @@ from .config import UserError
 from .drafter import DrafterConfig
 from .files import check_new_output, write_new_file_atomic
 
-__all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary", "write_gguf_drafter",
-           "write_gguf_from_export"]
+__all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary",
+           "write_gguf_drafter", "write_gguf_from_checkpoint", "write_gguf_from_export"]
 
 ARCH = "dflash"  # llama.cpp's LLM_ARCH_DFLASH (src/llama-arch.cpp)
 
@@ -251,6 +251,20 @@ def write_gguf_drafter(
         writer.close()
         tensors.clear()  # the file holds them now: one copy in memory, not two, while it is moved
         return write_new_file_atomic(out_path, staged.read_bytes())
+
+
+def write_gguf_from_checkpoint(checkpoint: str | Path, out_path: str | Path, *, target: str | Path,
+                               dtype: torch.dtype = torch.bfloat16) -> tuple[Path, DrafterConfig]:
+    """The GGUF of a run's latest checkpoint (or of one checkpoint folder), named after its run;
+    returns the file and the drafter's config. `export --format gguf` and pipelines call this."""
+    from .checkpoint import load_drafter, resolve_checkpoint
+
+    check_gguf_output(out_path, target)  # before the checkpoint is read
+    checkpoint = resolve_checkpoint(checkpoint)
+    drafter = load_drafter(checkpoint)
+    out = write_gguf_drafter(drafter.config, drafter.state_dict(), out_path, target=target, dtype=dtype,
+                             model_dir=checkpoint.parent.parent)
+    return out, drafter.config
 
 
 def write_gguf_from_export(export_dir: str | Path, out_path: str | Path, *, target: str | Path,

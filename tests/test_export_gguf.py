@@ -21,7 +21,7 @@ import torch
 from dflash_train.checkpoint import save_checkpoint
 from dflash_train.cli import main
 from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.export_gguf import gguf_tensor_name
+from dflash_train.export_gguf import gguf_tensor_name, write_gguf_from_export
 from dflash_train.export_rules import expected_weight_names
 from dflash_train.target import Target
 
@@ -166,6 +166,12 @@ def test_gguf_export_carries_the_target_gguf_tokenizer(tmp_path, tiny_run, capsy
     names = {t[0]: t[1] for t in _tensors(out)}
     assert names["enc.output_norm.weight"] == "F32" and names["blk.0.attn_q.weight"] == "BF16"
     assert sorted(p.name for p in out.parent.iterdir()) == ["drafter.gguf"]  # no staging left behind
+
+    # From the run's Hugging Face export (the pipeline's route): the same file.
+    export = tmp_path / "exports" / "run"
+    assert main(["export", str(tiny_run), "--out", str(export)]) == 0
+    again = write_gguf_from_export(export, tmp_path / "again.gguf", target=target)
+    assert _fields(again) == written and _tensors(again) == _tensors(out)
 
 
 @pytest.mark.parametrize("case", ["folder target", "wrong vocabulary", "wrong hidden size", "existing out",

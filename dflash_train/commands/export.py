@@ -52,19 +52,15 @@ class ExportConfig:
 def run_export(config: ExportConfig) -> int:
     if config.check:
         return run_check(config.check, config.target)
+    if config.format == "gguf":
+        return _export_gguf(config)
     import torch
 
     from ..checkpoint import load_drafter, resolve_checkpoint
     from ..export import export_model
 
-    if config.format == "gguf":
-        from ..export_gguf import check_gguf_output
-
-        check_gguf_output(config.out, config.target)  # before any model loads
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
-    if config.format == "gguf":
-        return _export_gguf(config, checkpoint, drafter)
     out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
                        source=checkpoint, force=config.force)
     cfg = drafter.config
@@ -74,15 +70,14 @@ def run_export(config: ExportConfig) -> int:
     return 0
 
 
-def _export_gguf(config: ExportConfig, checkpoint, drafter) -> int:
+def _export_gguf(config: ExportConfig) -> int:
     import torch
 
-    from ..export_gguf import write_gguf_drafter
+    from ..export_gguf import write_gguf_from_checkpoint
 
-    cfg = drafter.config
-    out = write_gguf_drafter(cfg, drafter.state_dict(), config.out, target=config.target,
-                             dtype=getattr(torch, config.dtype), model_dir=checkpoint.parent.parent)
-    print(f"exported {checkpoint} -> {out} (llama.cpp DFlash GGUF, tokenizer of {config.target})")
+    out, cfg = write_gguf_from_checkpoint(config.checkpoint, config.out, target=config.target,
+                                          dtype=getattr(torch, config.dtype))
+    print(f"exported {config.checkpoint} -> {out} (llama.cpp DFlash GGUF, tokenizer of {config.target})")
     print(f"  dflash: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids} (+1 in the file), mask token {cfg.mask_token_id}, {config.dtype}")
     print(f"  serve: llama-server -m {config.target} -md {out} --spec-type draft-dflash "
