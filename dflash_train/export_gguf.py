@@ -138,8 +138,8 @@ def _rope_keys(writer: Any, rope: dict[str, Any]) -> None:
     elif rope_type == "yarn" and factor is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(factor)
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+        for key, add in (("original_max_position_embeddings", writer.add_rope_scaling_orig_ctx_len),
+                         ("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
                          ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
                          ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
                          ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):

@@ -36,15 +36,25 @@ def _llama_cpp() -> Path | None:
     return root if (root / "llama.cpp" / "convert_hf_to_gguf.py").is_file() else None
 
 
-def _converter(root: Path, *args: str) -> subprocess.Popen:
+# One process runs every conversion (`convert_hf_to_gguf.py ARGS...` once per argument list, as
+# llama.cpp users run it): torch and transformers are imported once, not once per file.
+_CONVERT_ALL = """
+import runpy, sys
+for args in eval(sys.argv[1]):
+    sys.argv = ["convert_hf_to_gguf.py", *args]
+    runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def _convert(root: Path, *conversions: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(root / "deps"))
     env.pop("NO_LOCAL_GGUF", None)  # the converter's own gguf-py, as a llama.cpp user runs it
-    return subprocess.Popen([sys.executable, "convert_hf_to_gguf.py", *args], cwd=root / "llama.cpp", env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-c", _CONVERT_ALL, repr([list(c) for c in conversions])],
+                            cwd=root / "llama.cpp", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(process: subprocess.Popen, what: str) -> None:
-    output, _ = process.communicate(timeout=240)
+    output, _ = process.communicate(timeout=400)
     assert process.returncode == 0, f"llama.cpp's converter failed on the {what}:\n{output[-3000:]}"
 
 
@@ -63,9 +73,10 @@ def _tiny_target(folder: Path, tokenizer_dir: Path, vocab: int) -> Target:
     return Target(model.float())
 
 
-def _run(tmp_path: Path, target: Target, name: str, **drafter) -> Path:
+def _run(tmp_path: Path, target: Target, name: str, config_changes: dict | None = None, **drafter) -> Path:
     config = DrafterConfig.from_target(target.spec, **{"num_layers": 2, "block_size": 8, "mask_token_id": 49151,
                                                        "target_layer_ids": [1, 3, 4], **drafter})
+    config = DrafterConfig(**{**config.to_dict(), **(config_changes or {})})
     torch.manual_seed(1)
     model = DFlashDrafter(config)
     with torch.no_grad():  # norms away from 1 so that a norm written wrongly shows
@@ -86,6 +97,16 @@ def _tensors(path: Path) -> list:
             for t in gguf.GGUFReader(str(path)).tensors]
 
 
+# The second drafter takes the converter's other branches: YaRN RoPE, float16, an embedding
+# scale and a logit softcap (the keys a Gemma-like target's drafter carries).
+VARIANTS = {
+    "smol-drafter": ("bfloat16", {}),
+    "smol-yarn": ("float16", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128, "beta_fast": 16.0},
+                              "input_embedding_scale": 8.0, "final_logit_softcapping": 30.0}),
+}
+
+
 @pytest.mark.timeout(600)
 def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
     root = _llama_cpp()
@@ -93,37 +114,41 @@ def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
         pytest.skip(f"llama.cpp's converter is not here: {LLAMA_CPP_SETUP}")
     target_dir = tmp_path / "target"
     target = _tiny_target(target_dir, smollm2_dir, vocab=49152)
-    name = "smol-drafter"
-    run = _run(tmp_path, target, name)
-    export = tmp_path / "exports" / name  # the converter names the model after the folder, we after the run
-    assert main(["export", str(run), "--out", str(export)]) == 0
+    runs, conversions = {}, [[str(target_dir), "--outfile", str(tmp_path / "target.gguf")]]
+    for name, (dtype, changes) in VARIANTS.items():
+        runs[name] = _run(tmp_path, target, name, changes)
+        export = tmp_path / "exports" / name  # the converter names the model after the folder, we after the run
+        assert main(["export", str(runs[name]), "--out", str(export), "--dtype", dtype]) == 0
+        conversions.append([str(export), "--target-model-dir", str(target_dir),
+                            "--outfile", str(tmp_path / f"{name}.reference.gguf")])
+    _finish(_convert(root, *conversions), "tiny target and the exports")
 
-    # Both conversions at once: the drafter's needs only the target's Hugging Face folder.
-    target_job = _converter(root, str(target_dir), "--outfile", str(tmp_path / "target.gguf"))
-    drafter_job = _converter(root, str(export), "--target-model-dir", str(target_dir),
-                             "--outfile", str(tmp_path / "reference.gguf"))
-    _finish(target_job, "tiny target")
-    ours = tmp_path / "ours.gguf"
-    assert main(["export", str(run), "--format", "gguf", "--target", str(tmp_path / "target.gguf"),
-                 "--out", str(ours)]) == 0
-    _finish(drafter_job, "export")
+    for name, (dtype, _) in VARIANTS.items():
+        ours = tmp_path / f"{name}.gguf"
+        assert main(["export", str(runs[name]), "--format", "gguf", "--target", str(tmp_path / "target.gguf"),
+                     "--out", str(ours), "--dtype", dtype]) == 0
+        reference, written = _fields(tmp_path / f"{name}.reference.gguf"), _fields(ours)
+        assert sorted(written) == sorted(reference), name
+        for key in reference:
+            assert written[key] == reference[key], (
+                f"{name} {key}: ours {str(written[key])[:200]} != llama.cpp's {str(reference[key])[:200]}")
+        reference_tensors, written_tensors = _tensors(tmp_path / f"{name}.reference.gguf"), _tensors(ours)
+        assert [t[:3] for t in written_tensors] == [t[:3] for t in reference_tensors], name
+        for (tensor, *_, expected), (_, *_, got) in zip(reference_tensors, written_tensors):
+            assert got == expected, f"{name} {tensor}: data differs from llama.cpp's"
+        assert len(written_tensors) == len(expected_weight_names(2))
 
-    reference, written = _fields(tmp_path / "reference.gguf"), _fields(ours)
-    assert sorted(written) == sorted(reference)
-    for key in reference:
-        assert written[key] == reference[key], f"{key}: ours {str(written[key])[:200]} != llama.cpp's {str(reference[key])[:200]}"
-    # The keys that make it a DFlash drafter of this target, spelled out.
-    assert reference["general.architecture"][1] == "dflash"
-    assert reference["dflash.target_layers"][1] == [2, 4, 5]
-    assert reference["dflash.block_size"][1] == 8
-    assert reference["tokenizer.ggml.mask_token_id"][1] == 49151
-    assert len(reference["tokenizer.ggml.tokens"][1]) == 49152
-
-    reference_tensors, written_tensors = _tensors(tmp_path / "reference.gguf"), _tensors(ours)
-    assert [t[:3] for t in written_tensors] == [t[:3] for t in reference_tensors]
-    for (tensor, *_, expected), (_, *_, got) in zip(reference_tensors, written_tensors):
-        assert got == expected, f"{tensor}: data differs from llama.cpp's"
-    assert len(written_tensors) == len(expected_weight_names(2))
+    # The keys that make it a DFlash drafter of this target, spelled out (values are llama.cpp's).
+    plain, scaled = _fields(tmp_path / "smol-drafter.gguf"), _fields(tmp_path / "smol-yarn.gguf")
+    assert plain["general.architecture"][1] == "dflash"
+    assert plain["dflash.target_layers"][1] == [2, 4, 5]
+    assert plain["dflash.block_size"][1] == 8
+    assert plain["tokenizer.ggml.mask_token_id"][1] == 49151
+    assert len(plain["tokenizer.ggml.tokens"][1]) == 49152
+    assert plain["general.file_type"][1] == gguf.LlamaFileType.MOSTLY_BF16
+    assert scaled["general.file_type"][1] == gguf.LlamaFileType.MOSTLY_F16
+    assert scaled["dflash.rope.scaling.type"][1] == "yarn" and scaled["dflash.embedding_scale"][1] == 8.0
+    assert scaled["dflash.final_logit_softcapping"][1] == 30.0
 
 
 def _fake_gguf(path: Path, tokens: int, hidden: int = 64, layers: int = 6) -> Path:
