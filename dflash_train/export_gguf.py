@@ -33,7 +33,7 @@ import torch
 
 from .config import UserError
 from .drafter import DrafterConfig
-from .files import check_new_output, write_new_file_atomic
+from .files import check_new_output, hold_output, recover_interrupted_write, write_new_file_atomic
 
 __all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary",
            "write_gguf_drafter", "write_gguf_from_checkpoint", "write_gguf_from_export"]
@@ -235,7 +235,19 @@ def write_gguf_drafter(
         tensors.append((gguf_name, gguf.quants.quantize(np.ascontiguousarray(data), kind), kind))
     parameters = sum(math.prod(t.shape) for t in state_dict.values())
 
+    with hold_output(out_path, "--out"):  # one live writer; a killed one's staging folder is cleaned
+        for line in recover_interrupted_write(out_path.resolve()):
+            print(f"[export] {line}", file=sys.stderr)
+        return _write_file(out_path, config, tensors, vocabulary, file_type, model_dir, parameters)
+
+
+def _write_file(out_path: Path, config: DrafterConfig, tensors: list, vocabulary: dict[str, Any], file_type: Any,
+                model_dir: str | Path, parameters: int) -> Path:
+    import gguf
+
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    # Staged in a hidden sibling folder (`.NAME.xxxxxxxx`, files.py's staging name) and published with
+    # write_new_file_atomic, which never replaces a file that appeared meanwhile.
     with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as staging:
         staged = Path(staging) / out_path.name
         writer = gguf.GGUFWriter(str(staged), ARCH)

@@ -233,3 +233,14 @@ def test_every_export_weight_has_a_llama_cpp_name():
     names = [gguf_tensor_name(n) for n in sorted(expected_weight_names(3, attention_bias=True))]
     assert len(set(names)) == len(names)
     assert "blk.2.attn_output.bias" in names and "enc.output_norm.weight" in names and "fc.weight" in names
+
+
+def test_a_killed_gguf_export_leaves_nothing_the_next_one_keeps(tmp_path, tiny_run, capsys):
+    target = _fake_gguf(tmp_path / "target.gguf", tokens=96)
+    out_dir = tmp_path / "out"
+    (out_dir / ".drafter.gguf.k1ll3d00").mkdir(parents=True)  # what a kill -9 mid-write leaves
+    (out_dir / ".drafter.gguf.k1ll3d00" / "drafter.gguf").write_bytes(b"GGUF half")
+    assert main(["export", str(tiny_run), "--format", "gguf", "--target", str(target),
+                 "--out", str(out_dir / "drafter.gguf")]) == 0
+    assert "removed" in capsys.readouterr().err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["drafter.gguf"]
