@@ -13,8 +13,11 @@ tensor by tensor. What it holds:
 - the target's tokenizer (`tokenizer.*`, copied from the target's GGUF: llama-server checks that
   draft and target vocabularies agree) and `tokenizer.ggml.mask_token_id`;
 - tensors under llama.cpp's names (`fc`, `enc.output_norm` for hidden_norm, `blk.N.attn_q`, ...):
-  matrices in the chosen dtype, norms and other 1-D tensors in float32 (llama.cpp reads norms
-  only as float32).
+  matrices in the chosen dtype, norms, other 1-D tensors and bare tensors in float32 (llama.cpp
+  reads norms only as float32);
+- DFlash2 (the same converter class registers `DFlash2DraftModel`): `dflash.conv_kernel_size`,
+  `conv_group_size`, `selector_rank`, `selector_top_k`, the convolutions as `blk.N.{attn,ffn}_conv_
+  {base,proj}` and the selector as `selector_{predecessor,successor,hidden}.weight`.
 
 The target must be given as its GGUF file (the one `llama-server -m` loads). A Hugging Face
 folder is refused: naming its pre-tokenizer the way llama.cpp does takes the converter's own table.
@@ -42,13 +45,23 @@ ARCH = "dflash"  # llama.cpp's LLM_ARCH_DFLASH (src/llama-arch.cpp)
 
 # Our export's weight names (export_rules.LAYER_WEIGHTS and TOP_WEIGHTS) -> llama.cpp's.
 _TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-              "norm.weight": "output_norm.weight"}
+              "norm.weight": "output_norm.weight",
+              # DFlash2's candidate selector; llama.cpp names the bare codebooks as .weight tensors
+              "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+              "candidate_selector.successor_codebook": "selector_successor.weight",
+              "candidate_selector.hidden_projection.weight": "selector_hidden.weight"}
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # DFlash2's convolutions: the base kernel is a bare tensor (no .weight), its projection a linear
+    "attention_conv.kernel_projection": "attn_conv_proj", "mlp_conv.kernel_projection": "ffn_conv_proj",
 }
+_LAYER_BARE = {"attention_conv.base_kernel": "attn_conv_base", "mlp_conv.base_kernel": "ffn_conv_base"}
+# DFlash2's sizes, written as dflash.<key> (what llama.cpp's DFlash graph builds the convolutions
+# and the selector from).
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # Export dtype -> (llama.cpp file type, tensor type of the matrices).
 _FILE_TYPES = {torch.bfloat16: ("MOSTLY_BF16", "BF16"), torch.float16: ("MOSTLY_F16", "F16"),
@@ -65,6 +78,8 @@ def gguf_tensor_name(name: str) -> str:
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".")
+    if parts[0] == "layers" and len(parts) >= 4 and parts[1].isdecimal() and ".".join(parts[2:]) in _LAYER_BARE:
+        return f"blk.{parts[1]}.{_LAYER_BARE['.'.join(parts[2:])]}"
     if parts[0] == "layers" and len(parts) >= 4 and parts[1].isdecimal():
         module, kind = ".".join(parts[2:-1]), parts[-1]
         if module in _LAYER_NAMES and kind in ("weight", "bias"):
@@ -177,6 +192,9 @@ def _metadata(writer: Any, config: DrafterConfig, model_dir: Path, file_type: An
     writer.add_value_length(config.head_dim)
     writer.add_file_type(file_type)
     writer.add_uint32(f"{ARCH}.block_size", config.block_size)
+    if config.arch == "dflash2":
+        for key in _DFLASH2_KEYS:
+            writer.add_uint32(f"{ARCH}.{key}", int(getattr(config, key)))
     if config.final_logit_softcapping:
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     if config.input_embedding_scale != 1.0:
@@ -231,7 +249,9 @@ def write_gguf_drafter(
         # Through the export dtype first: the values are those of the Hugging Face export.
         data = state_dict[hf_name].detach().to("cpu", dtype).float().numpy()
         gguf_name = gguf_tensor_name(hf_name)
-        kind = gguf.GGMLQuantizationType.F32 if data.ndim <= 1 or gguf_name.endswith("_norm.weight") else matrix_type
+        # float32: vectors, norms and bare tensors (not `.weight`: DFlash2's base kernels), as llama.cpp reads them
+        plain = data.ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
+        kind = gguf.GGMLQuantizationType.F32 if plain else matrix_type
         tensors.append((gguf_name, gguf.quants.quantize(np.ascontiguousarray(data), kind), kind))
     parameters = sum(math.prod(t.shape) for t in state_dict.values())
 

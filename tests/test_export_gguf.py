@@ -98,12 +98,15 @@ def _tensors(path: Path) -> list:
 
 
 # The second drafter takes the converter's other branches: YaRN RoPE, float16, an embedding
-# scale and a logit softcap (the keys a Gemma-like target's drafter carries).
+# scale and a logit softcap (the keys a Gemma-like target's drafter carries); the third is DFlash2
+# (convolutions and candidate selector, registered by the same converter class).
 VARIANTS = {
     "smol-drafter": ("bfloat16", {}),
     "smol-yarn": ("float16", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 128, "beta_fast": 16.0},
                               "input_embedding_scale": 8.0, "final_logit_softcapping": 30.0}),
+    "smol-dflash2": ("bfloat16", {"arch": "dflash2", "conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 16,
+                                  "selector_top_k": 4}),
 }
 
 
@@ -136,7 +139,7 @@ def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
         assert [t[:3] for t in written_tensors] == [t[:3] for t in reference_tensors], name
         for (tensor, *_, expected), (_, *_, got) in zip(reference_tensors, written_tensors):
             assert got == expected, f"{name} {tensor}: data differs from llama.cpp's"
-        assert len(written_tensors) == len(expected_weight_names(2))
+        assert len(written_tensors) == len(expected_weight_names(2, dflash2=name == "smol-dflash2"))
 
     # The keys that make it a DFlash drafter of this target, spelled out (values are llama.cpp's).
     plain, scaled = _fields(tmp_path / "smol-drafter.gguf"), _fields(tmp_path / "smol-yarn.gguf")
@@ -149,6 +152,10 @@ def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
     assert scaled["general.file_type"][1] == gguf.LlamaFileType.MOSTLY_F16
     assert scaled["dflash.rope.scaling.type"][1] == "yarn" and scaled["dflash.embedding_scale"][1] == 8.0
     assert scaled["dflash.final_logit_softcapping"][1] == 30.0
+    dflash2 = _fields(tmp_path / "smol-dflash2.gguf")
+    assert [dflash2[f"dflash.{k}"][1] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")] == [3, 8, 16, 4]
+    dflash2_tensors = {t[0]: t[1] for t in _tensors(tmp_path / "smol-dflash2.gguf")}
+    assert dflash2_tensors["blk.1.ffn_conv_base"] == "F32" and dflash2_tensors["selector_successor.weight"] == "BF16"
 
 
 def _fake_gguf(path: Path, tokens: int, hidden: int = 64, layers: int = 6) -> Path:
@@ -230,7 +237,7 @@ def test_gguf_export_refusals(tmp_path, tiny_run, capsys, case):
 
 
 def test_every_export_weight_has_a_llama_cpp_name():
-    names = [gguf_tensor_name(n) for n in sorted(expected_weight_names(3, attention_bias=True))]
+    names = [gguf_tensor_name(n) for n in sorted(expected_weight_names(3, attention_bias=True, dflash2=True))]
     assert len(set(names)) == len(names)
     assert "blk.2.attn_output.bias" in names and "enc.output_norm.weight" in names and "fc.weight" in names
 
