@@ -376,6 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="from the start: stop shards still running, merge what finished")
     parser.add_argument("--fp8", default="off", choices=FP8_CHOICES, help="`train --fp8`")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="`train --cuda-graphs`")
+    parser.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"], help="`train --arch`")
+    parser.add_argument("--selector-miss", default="drop", choices=["drop", "insert"], help="`train --selector-miss` (dflash2)")
     parser.add_argument("--json-dir", default="")
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--smoke", action="store_true",
@@ -443,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         buckets=[int(b) for b in args.buckets.split(",")], fp8=args.fp8, cuda_graphs=args.cuda_graphs, smoke=args.smoke,
         save_every=min(curve_every, args.steps),
         keep_checkpoints=args.steps // curve_every + 2,  # every curve checkpoint stays until it is exported
+        arch=args.arch, selector_miss=args.selector_miss,
     )
     curve = CurveCheckpoints(out, out / "curve_exports", curve_every, args.steps, time.time(), submit_curve)
     runner.blocked_devices = {train_device}
