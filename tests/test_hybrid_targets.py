@@ -8,6 +8,8 @@ Hugging Face's `Cache.crop` does not roll back, with full attention; Qwen3-MoE a
 
 from __future__ import annotations
 
+import io
+import json
 import random
 
 import pytest
@@ -232,3 +234,42 @@ def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
     if family != "qwen3_moe":  # one batch, rows leaving it as they stop (the engine would retry a failed batch row by row)
         together = generate_batch(target.model, prompts, max_new_tokens=max_new, stop_ids=[stop], pad_id=0)
         assert {f"row{i}": g for i, g in enumerate(together)} == expected
+
+
+# --- train --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_moe", "gpt_oss"])
+def test_the_threaded_pipeline_trains_on_hybrid_and_moe_targets(family, tmp_path):
+    from dflash_train.pipeline.trainer import train
+    from tiny import pattern_samples, tiny_train_config
+
+    target = tiny_target(family, layers=4, head_scale=20)
+    log = io.StringIO()
+    config = tiny_train_config(tmp_path, steps=40, num_anchors=16, lr=1e-2, log_every=5, save_every=40,
+                               target_layer_ids=[0, 2, 3])
+    summary = train(config, samples=pattern_samples(8, max_len=60), target=target, log=log)
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert history[-1]["step"] == 40 and history[-1]["loss"] < history[0]["loss"] / 2
+    kind = "moe" if family in ("qwen3_moe", "gpt_oss") else "hybrid"
+    assert f"target: {family} ({kind}" in log.getvalue()  # said once, at start
+    assert summary["drafters"]["drafter"]["export"]
+
+
+def test_the_feature_cache_holds_a_hybrid_targets_features(tmp_path):
+    from dflash_train.data.feature_cache import FeatureCache, write_feature_cache
+    from dflash_train.data.readers import RowStats
+    from dflash_train.data.samples import TrainingSample
+
+    target = family_target("qwen3_next")
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for i, length in enumerate((9, 30, 17, 4, 22)):
+        ids = torch.randint(0, MASK, (length,), generator=generator)
+        rows.append(TrainingSample(i, ids, torch.ones(length, dtype=torch.bool), f"rows:{i + 1}"))
+    stats = RowStats()
+    write_feature_cache(target, rows, stats, tmp_path / "cache", layer_ids=[0, 3], dtype=torch.float32, batch_size=2,
+                        log=io.StringIO(), progress_stream=io.StringIO())
+    cache = FeatureCache(tmp_path / "cache")
+    for row in rows:  # right-padded batches: padding never reaches a real token through the recurrence either
+        torch.testing.assert_close(cache.features_of(row.sample_id), target.features(row.input_ids[None], [0, 3])[0],
+                                   rtol=1e-5, atol=1e-5)
