@@ -273,3 +273,64 @@ def test_the_feature_cache_holds_a_hybrid_targets_features(tmp_path):
     for row in rows:  # right-padded batches: padding never reaches a real token through the recurrence either
         torch.testing.assert_close(cache.features_of(row.sample_id), target.features(row.input_ids[None], [0, 3])[0],
                                    rtol=1e-5, atol=1e-5)
+
+
+# --- the drafter's config ------------------------------------------------------------------------
+
+def _export_for(family: str, out):
+    from dflash_train.export import export_model
+
+    target = family_target(family)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
+    export_model(DFlashDrafter(config), out, dtype=torch.float32)
+    target.model.config.save_pretrained(out.parent / "target")  # config.json: what --check --target reads
+    return target
+
+
+def _verdicts(folder, target_dir) -> dict[str, str]:
+    from dflash_train.export_rules import check_folder, target_shape_from_config
+
+    shape = target_shape_from_config(json.loads((target_dir / "config.json").read_text()))
+    return {v.rule.name: v.status for v in check_folder(folder, shape)}
+
+
+def _edit(folder, change) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_exports_for_each_family_pass_every_rule_with_the_targets_rope(family, tmp_path):
+    _export_for(family, tmp_path / "export")
+    verdicts = _verdicts(tmp_path / "export", tmp_path / "target")
+    assert set(verdicts.values()) == {"ok"}, verdicts
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert "partial_rotary_factor" not in exported["rope_parameters"]
+    if family == "gpt_oss":
+        assert exported["rope_parameters"]["rope_type"] == "yarn" and exported["rope_parameters"]["factor"] == 4.0
+
+
+@pytest.mark.parametrize("trap,change,rule", [
+    ("a copied partial rotary factor", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.25), "partial_rotary"),
+    ("a top-level partial rotary factor", lambda c: c.update(partial_rotary_factor=0.25), "partial_rotary"),
+    ("copied mRoPE sections", lambda c: c["rope_parameters"].update(mrope_section=[2, 3, 3], mrope_interleaved=True), "mrope"),
+    ("another theta", lambda c: (c["rope_parameters"].update(rope_theta=1e6), c.update(rope_theta=1e6)), "target_rope"),
+])
+def test_export_check_names_each_rope_trap_of_a_hybrid_drafter(trap, change, rule, tmp_path):
+    _export_for("qwen3_5_text", tmp_path / "export")
+    _edit(tmp_path / "export", change)
+    verdicts = _verdicts(tmp_path / "export", tmp_path / "target")
+    assert verdicts[rule] == "FAIL", (trap, verdicts)
+
+
+def test_export_check_wants_yarn_for_gpt_oss(tmp_path):
+    _export_for("gpt_oss", tmp_path / "export")
+
+    def plain(config):
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        config["rope_scaling"] = None
+
+    _edit(tmp_path / "export", plain)
+    assert _verdicts(tmp_path / "export", tmp_path / "target")["target_rope"] == "FAIL"
