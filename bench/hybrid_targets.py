@@ -188,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="train or regenerate: leave that part out")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    faulthandler.dump_traceback_later(3000, exit=True)
     families = list(SHAPES) if args.family == "all" else args.family.split(",")
     device = torch.device(args.device)
     lines, results = [], []
@@ -222,4 +221,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(3000, exit=True)  # a hung GPU run says where it hung
     sys.exit(main())

@@ -108,6 +108,28 @@ def test_each_family_loads_from_a_folder_and_captures_the_chosen_layers(family, 
     assert line.startswith(f"target: {family} (") and "capture:" in line and "regenerate:" in line
 
 
+def test_a_qwen3_5_image_text_folder_loads_as_its_language_model(tmp_path):
+    """Qwen3.5 releases are image-text models (model_type qwen3_5, text_config inside): the
+    target is their language model, with the wrapper's own logits."""
+    import transformers
+
+    from tiny import hybrid_layer_types
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, layer_types=hybrid_layer_types(4))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    torch.manual_seed(0)
+    wrapper = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text, vision_config=vision))
+    wrapper.save_pretrained(tmp_path)
+    target = load_target(tmp_path)
+    assert target.spec.model_type == "qwen3_5_text" and len(target.layers) == 4
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, wrapper(input_ids=ids).logits)
+
+
 def test_the_behaviour_probes_run_one_layer_of_each_kind():
     """A hybrid's 2-layer probe replica has a linear and a full attention layer: two linear ones
     would never run the attention the probes are about."""
