@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import UserError
+from dflash_train.data.regenerate import GenerationSettings
 from dflash_train.decode import hf as hf_decoder
 from dflash_train.decode.batched import EagerBatchEngine, StaticBatchEngine, generate_batch
 from dflash_train.decode.families import describe_target
@@ -25,9 +27,8 @@ from dflash_train.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.eval.in_training import InTrainingEvaluator
 from dflash_train.feature_forward import FeatureForward, feature_forward_unsupported, float32_replica
 from dflash_train.target import Target, load_target
-from dflash_train.data.regenerate import GenerationSettings
 from test_batched import by_id, hf_generate, make_jobs
-from tiny import HYBRID_FAMILIES, NEW_FAMILIES, tiny_hf_model, tiny_target
+from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,7 +170,7 @@ def test_crop_alone_is_lossy_on_a_hybrid_and_the_rollback_probe_says_so(monkeypa
     reason = hf_decoder.rollback_unsupported(lossy)
     assert reason is not None and "differs from the target's own forward" in reason
     config = DrafterConfig.from_target(lossy.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
-    with pytest.raises(Exception, match="cannot be lossless"):
+    with pytest.raises(UserError, match="cannot be lossless"):
         generate(lossy, DFlashDrafter(config).eval(), [1, 2, 3], 8, decoder="hf")
 
 
