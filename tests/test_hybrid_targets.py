@@ -137,6 +137,13 @@ def test_the_behaviour_probes_run_one_layer_of_each_kind():
     replica = float32_replica(family_target("qwen3_5_text").model, torch.device("cpu"))
     assert replica.config.layer_types == ["linear_attention", "full_attention"]
     assert len(replica.model.layers) == 2
+    # An MoE replica keeps a few experts (routing is per token): Qwen3-Next's 512 would take ~13 GB.
+    import transformers
+
+    many = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=64,
+        num_experts_per_tok=6, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    assert float32_replica(many, torch.device("cpu")).config.num_experts == 6
 
 
 # --- lossless speculative decoding ---------------------------------------------------------------
