@@ -61,16 +61,32 @@ def expected_weight_names(num_layers: int, attention_bias: bool = False, dflash2
 
 @dataclass(frozen=True)
 class TargetShape:
-    """What the rules compare against when the target is known."""
+    """What the rules compare against when the target is known (its rope when its config.json
+    was read: theta and scaling, which the drafter must share)."""
 
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int
+    rope: dict[str, Any] | None = None
 
 
 def target_shape_from_config(raw: dict[str, Any]) -> TargetShape:
     text = raw.get("text_config") or raw  # multimodal wrappers keep the LM's dims there
-    return TargetShape(int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"]))
+    rope = _rope_settings(text)
+    return TargetShape(int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"]), rope)
+
+
+def _rope_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's rope in one dict: rope_parameters (transformers 5), else rope_scaling (4.x),
+    with the theta from the top level where the dict has none."""
+    params = config.get("rope_parameters")
+    rope = dict(params) if isinstance(params, dict) else {}
+    scaling = config.get("rope_scaling")
+    if not rope and isinstance(scaling, dict):
+        rope = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+    if "rope_theta" not in rope and config.get("rope_theta") is not None:
+        rope["rope_theta"] = config["rope_theta"]
+    return rope
 
 
 @dataclass
@@ -320,6 +336,60 @@ def _rope(folder: DraftFolder) -> str | None:
     return None
 
 
+def _rope_places(folder: DraftFolder) -> list[tuple[str, dict[str, Any]]]:
+    places = [("", folder.config)]
+    places += [(f"{name}.", folder.config[name]) for name in ("rope_parameters", "rope_scaling")
+               if isinstance(folder.config.get(name), dict)]
+    return places
+
+
+def _partial_rotary(folder: DraftFolder) -> str | None:
+    # vLLM and SGLang get_rope: rotary_dim = head_dim × partial_rotary_factor, read from the
+    # config or its rope dict. Hybrid targets (Qwen3.5, Qwen3-Next) rotate a quarter of each head;
+    # a drafter config copying that trains and serves at τ ≈ 1 (speculators#613, #797). The DFlash
+    # drafter rotates the whole head.
+    found = {f"{where}partial_rotary_factor": place["partial_rotary_factor"] for where, place in _rope_places(folder)
+             if place.get("partial_rotary_factor") not in (None, 1, 1.0)}
+    if found:
+        return f"{found}: the drafter rotates the whole head; a copied target factor makes engines rotate part of it"
+    return None
+
+
+def _mrope(folder: DraftFolder) -> str | None:
+    # vLLM get_rope builds MRotaryEmbedding when the rope dict has mrope_section (SGLang likewise),
+    # rotating by 3-axis multimodal positions: never what a text drafter was trained with.
+    found = [f"{where}{key}" for where, place in _rope_places(folder) if where
+             for key in ("mrope_section", "mrope_interleaved") if key in place]
+    found += [f"{where}rope_type {place['rope_type']!r}" for where, place in _rope_places(folder) if where
+              and "mrope" in str(place.get("rope_type", "")).lower()]
+    if found:
+        return f"{', '.join(found)}: multimodal rope settings of the target; the drafter uses plain RoPE"
+    return None
+
+
+def _target_rope(folder: DraftFolder) -> str | None:
+    # The drafter's positions are the target's: its theta and its scaling (YaRN for gpt-oss,
+    # whose context is extended 32x) must be the target's, or every rotation beyond the
+    # original context is off.
+    if folder.target is None or not folder.target.rope:
+        raise _Skip("no target config given (export --check DIR --target TARGET_DIR compares its rope)")
+    ours, theirs = _rope_settings(folder.config), folder.target.rope
+    if ours.get("rope_theta") is None:
+        raise _Skip("needs rope")
+    problems = []
+    if theirs.get("rope_theta") is not None and ours.get("rope_theta") != theirs.get("rope_theta"):
+        problems.append(f"rope_theta {ours.get('rope_theta')} but the target's is {theirs['rope_theta']}")
+    kind = theirs.get("rope_type", "default")
+    if kind not in ("default", "mrope") and "mrope" not in str(kind):
+        if ours.get("rope_type", "default") != kind:
+            problems.append(f"rope_type {ours.get('rope_type', 'default')!r} but the target's is {kind!r}")
+        else:
+            for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+                if key in theirs and ours.get(key) != theirs[key]:
+                    problems.append(f"{kind} {key} {ours.get(key)} but the target's is {theirs[key]}")
+    return "; ".join(problems) or None
+
+
 def _weight_names(folder: DraftFolder) -> str | None:
     # SGLang DFlashDraftModel.load_weights skips any name it cannot resolve ("Ignore unexpected
     # weights"); vLLM's DFlashQwen3ForCausalLM.load_weights
@@ -498,6 +568,15 @@ RULES: tuple[Rule, ...] = (
          "SGLang 0.5.23 python/sglang/srt/utils/hf_transformers/common.py get_rope_config; SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention.__init__; "
          "vLLM 0.33.0 vllm/transformers_utils/config.py set_default_rope_theta; "
          "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__", _rope),
+    Rule("partial_rotary", "no partial rotary factor: the drafter rotates whole heads",
+         "vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
+         "SGLang 0.5.23 python/sglang/srt/layers/rotary_embedding.py get_rope", _partial_rotary),
+    Rule("mrope", "no mRoPE sections: the drafter uses plain RoPE",
+         "vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
+         "SGLang 0.5.23 python/sglang/srt/layers/rotary_embedding.py get_rope", _mrope),
+    Rule("target_rope", "the target's rope theta and scaling (YaRN for gpt-oss)",
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention.__init__", _target_rope),
     Rule("weight_names", "exactly the names the loaders map",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights; "
          "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights", _weight_names),

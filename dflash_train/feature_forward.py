@@ -34,13 +34,25 @@ def sliding_window(config) -> int | None:
 
 
 def float32_replica(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model's own class and config with 2 layers and a 512-token vocabulary, random float32
+    """The model's own class and config with 2 layers (one of each kind where it has more kinds),
+    a few experts (MoE) and a 512-token vocabulary, random float32
     weights drawn without touching the caller's random streams: a probe of behaviour that only
     the class and config decide (bf16 forwards differ in their last bits between any two shapes)."""
     config = copy.deepcopy(model.config)
     config.num_hidden_layers, config.vocab_size, config.pad_token_id = 2, 512, None
     if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[:2])
+        # One layer of each kind the model has (a hybrid's linear and full attention, sliding and
+        # full windows), in the model's order: two layers of one kind would leave the other untested.
+        kinds = list(dict.fromkeys(config.layer_types))
+        config.layer_types = (kinds + list(config.layer_types))[: max(2, len(kinds))]
+        config.num_hidden_layers = len(config.layer_types)
+    per_token = getattr(config, "num_experts_per_tok", None)
+    for name in ("num_experts", "num_local_experts"):
+        # Routing is per token whatever the expert count: a few experts keep a replica of an MoE
+        # model (Qwen3-Next: 512 experts a layer, ~13 GB in float32 for two layers) small.
+        count = getattr(config, name, None)
+        if isinstance(count, int) and isinstance(per_token, int) and count > max(per_token, 4):
+            setattr(config, name, max(per_token, 4))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         return type(model)(config).float().eval()
 

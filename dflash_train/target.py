@@ -20,9 +20,60 @@ from torch import nn
 
 from .config import UserError
 
-# Model types whose decoder is `model.model.layers` of pre-norm blocks with standard RoPE,
-# which is what the DFlash drafter (Qwen3-style layers) is built to pair with.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Model types whose decoder is `model.model.layers` of pre-norm blocks, which is what the DFlash
+# drafter (Qwen3-style layers) is built to pair with: dense attention-only families, MoE ones
+# (an expert MLP in each block), and hybrids whose blocks mix Gated DeltaNet (linear attention)
+# with full attention. The drafter is a plain Qwen3 stack for all of them (`drafter_rope`).
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
+# Multimodal wrappers whose language model is one of the above: load the text model alone.
+_WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+# Rope settings of a target that a drafter must never copy: its layers rotate the whole head
+# (partial rotary), by one position axis (mRoPE). Copying either collapses acceptance to ~1.
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal wrapper's `text_config` (Qwen3.5 releases are
+    image-text models; Hugging Face loads their language model alone as a causal LM)."""
+    inner = getattr(config, "text_config", None)
+    if getattr(config, "model_type", None) in _WRAPPED_TEXT_TYPES and inner is not None:
+        return inner
+    return config
+
+
+def drafter_rope(config: Any) -> dict[str, Any]:
+    """The rope a drafter for this target uses: plain RoPE over the whole head with the target's
+    theta and its scaling (YaRN for gpt-oss), never the target's partial rotary factor or mRoPE
+    sections (those belong to the target's own attention, not to a Qwen3 drafter)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        # Gemma 3 keeps one rope per layer type; the drafter's layers are full attention.
+        rope = dict(rope["full_attention"])
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    for key in TARGET_ONLY_ROPE_KEYS:
+        rope.pop(key, None)
+    if rope.get("rope_type") in (None, "mrope"):
+        rope["rope_type"] = "default"
+    return rope
+
+
+def _intermediate_size(config: Any) -> int:
+    """The drafter's MLP width: the target's dense MLP width where it has one (MoE models keep
+    it for their dense layers); else, for MoE models without one, the width the experts of one
+    token span together."""
+    size = getattr(config, "intermediate_size", None)
+    if size:
+        return int(size)
+    experts, per_token = getattr(config, "moe_intermediate_size", None), getattr(config, "num_experts_per_tok", None)
+    if experts and per_token:
+        return int(experts) * int(per_token)
+    raise TargetError(f"{getattr(config, 'model_type', '?')}: the config has neither intermediate_size nor "
+                      "moe_intermediate_size with num_experts_per_tok")
 
 
 class TargetError(UserError, ValueError):
@@ -50,6 +101,7 @@ class TargetSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, embedding: nn.Module | None = None) -> "TargetSpec":
+        config = text_config(config)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise TargetError(
@@ -59,13 +111,7 @@ class TargetSpec:
             )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        if isinstance(rope.get("full_attention"), dict):
-            # Gemma 3 keeps one rope per layer type; the drafter's layers are full attention.
-            rope = dict(rope["full_attention"])
-        if "rope_theta" not in rope:
-            rope["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
-        rope.setdefault("rope_type", "default")
+        rope = drafter_rope(config)
         scale = float(getattr(embedding, "embed_scale", 1.0)) if embedding is not None else 1.0
         if isinstance(getattr(embedding, "embed_scale", None), torch.Tensor):
             scale = float(embedding.embed_scale.item())
@@ -76,7 +122,7 @@ class TargetSpec:
             num_attention_heads=heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=_intermediate_size(config),
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             vocab_size=config.vocab_size,
             rope_parameters=rope,

@@ -19,7 +19,8 @@ from dflash_train.export import ExportError, export_model
 from dflash_train.export_rules import ENGINES, RULES, TargetShape, check_folder, failures
 from tiny import FAMILIES, tiny_hf_model, tiny_target
 
-TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, vocab_size=96)  # tiny_target's dims
+TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, vocab_size=96,  # tiny_target's dims and rope
+                     rope={"rope_type": "default", "rope_theta": 10000.0})
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,10 @@ BREAKS = {
     "rope: thetas disagree": ("rope", _edit_config(_set("rope_theta", 1e6))),
     "rope: scaling types disagree": ("rope", _edit_config(_set("rope_scaling", {"rope_type": "linear", "factor": 2.0}))),
     "rope: neox style differs between engines": ("rope", _edit_config(_set("rope_is_neox_style", False))),
+    "partial_rotary: a hybrid target's factor copied": ("partial_rotary", _edit_config(_set("rope_parameters", "partial_rotary_factor", 0.25))),
+    "mrope: a hybrid target's sections copied": ("mrope", _edit_config(_set("rope_parameters", "mrope_section", [2, 3, 3]))),
+    "target_rope: another theta everywhere": ("target_rope", _edit_config(_both(
+        _set("rope_theta", 5e5), _set("rope_parameters", "rope_theta", 5e5)))),
     "weight_names: unknown name": ("weight_names", _edit_weights(lambda w: w.update(extra=torch.zeros(2)))),
     "weight_names: missing layer weight": ("weight_names", _edit_weights(lambda w: w.pop("layers.1.mlp.up_proj.weight"))),
     "weight_names: model. prefix": ("weight_names", _edit_weights(
@@ -258,7 +263,7 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     out = capsys.readouterr().out
     for rule in RULES:
         assert f"{'skip' if rule.name in DFLASH2_RULES else 'ok  '}  {rule.name}" in out
-    assert "16 rules: 14 ok, 0 failed, 2 skipped" in out
+    assert "19 rules: 17 ok, 0 failed, 2 skipped" in out
     assert _tree(valid_export) == before
 
     broken = tmp_path / "broken"
@@ -266,7 +271,7 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     _edit_config(_set("hidden_act", "gelu"))(broken)
     assert main(["export", "--check", str(broken)]) == 1
     out = capsys.readouterr().out
-    assert "FAIL  hidden_act" in out and "1 failed, 3 skipped" in out
+    assert "FAIL  hidden_act" in out and "1 failed, 4 skipped" in out
 
     assert main(["export", "--check", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
@@ -280,4 +285,4 @@ def test_check_command_runs_without_torch(valid_export):
     result = subprocess.run([sys.executable, "-c", code, str(valid_export)], capture_output=True, text=True,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
-    assert "16 rules: 13 ok, 0 failed, 3 skipped" in result.stdout
+    assert "19 rules: 15 ok, 0 failed, 4 skipped" in result.stdout

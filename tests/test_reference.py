@@ -12,7 +12,7 @@ from tiny import tiny_target
 dflash = pytest.importorskip("dflash", reason="reference package: pip install --no-deps dflash==0.1.0")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5_text", "gpt_oss"])  # a hybrid; YaRN
 def test_reference_loads_export_and_matches_logits(tmp_path, family):
     from dflash import DFlashDraftModel
 

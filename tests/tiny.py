@@ -10,6 +10,14 @@ from dflash_train.config import TrainConfig
 from dflash_train.target import Target
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Gated DeltaNet + full attention
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+NEW_FAMILIES = HYBRID_FAMILIES + MOE_FAMILIES
+
+
+def hybrid_layer_types(layers: int) -> list[str]:
+    """Qwen3.5's pattern (three linear-attention layers, then a full one), the last layer full."""
+    return ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
 
 
 def tiny_hf_model(family: str = "llama", *, vocab: int = 96, hidden: int = 64, layers: int = 6, seed: int = 0):
@@ -32,6 +40,26 @@ def tiny_hf_model(family: str = "llama", *, vocab: int = 96, hidden: int = 64, l
     if family == "gemma3_text":
         config = transformers.Gemma3TextConfig(head_dim=16, sliding_window=16, **common)
         return transformers.Gemma3ForCausalLM(config)
+    moe = dict(moe_intermediate_size=hidden // 2, num_experts=4, num_experts_per_tok=2)
+    linear = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=16, layer_types=hybrid_layer_types(layers))
+    if family == "qwen3_5_text":
+        return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**linear, **common))
+    if family == "qwen3_5_moe_text":
+        config = transformers.Qwen3_5MoeTextConfig(shared_expert_intermediate_size=hidden // 2, **moe, **linear, **common)
+        return transformers.Qwen3_5MoeForCausalLM(config)
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(shared_expert_intermediate_size=hidden // 2, **moe, **linear, **common)
+        return transformers.Qwen3NextForCausalLM(config)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(head_dim=16, **moe, **common))
+    if family == "gpt_oss":
+        # gpt-oss: attention sinks, alternating 16-token sliding windows, YaRN rope, biased attention.
+        rope = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=128, rope_theta=150000.0)
+        config = transformers.GptOssConfig(head_dim=16, sliding_window=16, num_local_experts=4, num_experts_per_tok=2,
+                                           rope_parameters=rope, **{**common, "intermediate_size": hidden // 2})
+        return transformers.GptOssForCausalLM(config)
     raise ValueError(family)
 
 

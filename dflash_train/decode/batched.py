@@ -55,6 +55,7 @@ from ..data.regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 from ..data.render import stop_token_ids
 from ..graph_capture import GraphPool
 from ..target import Target, cache_argument
+from .recurrent import select_rows
 from .sampling import choose_tokens
 from .static import ATTENTION, CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
 
@@ -710,7 +711,7 @@ def generate_batch(
             break
         if len(keep) < len(live):
             index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
+            select_rows(cache, index)  # a hybrid's recurrent states too
             chosen, attention, next_position = chosen[index], attention[index], next_position[index]
             live = [live[k] for k in keep]
             if row_seeds is not None:

@@ -38,7 +38,7 @@ import torch
 from ..config import DECODERS, ConfigError, UserError
 from ..drafter import DFlashDrafter, unwrap_drafter
 from ..target import Target
-from .hf import HFDecoder
+from .hf import HFDecoder, rollback_note
 from .static import StaticDecoder, cache_capacity, static_state, static_unsupported
 
 
@@ -171,11 +171,11 @@ def make_decoder(
 def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str) -> str:
     """One line for a run's header: which decoder a prompt of `max_length` tokens gets, and why."""
     if choice == "hf":
-        return "decoder: hf (Hugging Face, eager; asked for)"
+        return f"decoder: hf (Hugging Face, eager; asked for){rollback_note(target, drafter)}"
     capacity = _static_capacity(drafter, max_length)
     refusal = static_refusal(target, drafter, capacity)
     if refusal is not None:
-        return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}"
+        return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}{rollback_note(target, drafter)}"
     graphs = "CUDA graphs" if target.device.type == "cuda" else "no CUDA graphs on CPU"
     return f"decoder: static ({capacity}-position caches, {graphs})"
 

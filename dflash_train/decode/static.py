@@ -527,6 +527,10 @@ def static_unsupported(target: Target, capacity: int) -> str | None:
 
 def _probe(target: Target) -> str | None:
     body = getattr(target.model, "model", None)
+    stateful = sorted({str(kind) for layer, kind in zip(target.layers, getattr(target.model.config, "layer_types", None) or ())
+                       if getattr(layer, "self_attn", None) is None})
+    if stateful:  # a hybrid: its linear-attention layers fold every token into a recurrent state
+        return f"its {', '.join(stateful)} layers keep a recurrent state, which the static caches do not hold"
     attn = getattr(target.layers[0], "self_attn", None)
     needed = [(body, "embed_tokens"), (body, "rotary_emb"), (body, "norm"), (target.model, "lm_head")]
     needed += [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")]

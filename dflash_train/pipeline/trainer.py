@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
+from ..decode.families import describe_target
 from ..files import hold_output
 from ..target import Target
 from .batches import stream_identity
@@ -83,6 +84,7 @@ def train(
         if samples is None:
             samples = load_samples(config, supply, log)
         check_batch_size(config, samples)
+        print(describe_target(supply.first, config.max_seq_len), file=log)
         describe_drafters(plans, config, supply.first, log)
         sources = supply.sources(layout, layer_union(plans), log)
         stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,

@@ -1,0 +1,45 @@
+"""One line per target saying what runs on its family and why not: printed when a run starts.
+
+The verdicts are the behaviour probes the code paths themselves use (feature forward, static
+decoder, batched generator, hybrid rollback), asked here once, so the line says what will run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..feature_forward import feature_forward_unsupported
+from ..target import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
+from .hf import rollback_unsupported
+from .recurrent import has_recurrent_layers
+from .static import cache_capacity, static_unsupported
+
+
+def family_kind(target: Target) -> str:
+    """'hybrid' (linear and full attention layers), 'moe' (expert MLPs) or 'dense'."""
+    model_type = text_config(target.model.config).model_type
+    if model_type in HYBRID_MODEL_TYPES or has_recurrent_layers(target.model.config):
+        return "hybrid"
+    return "moe" if model_type in MOE_MODEL_TYPES else "dense"
+
+
+def describe_target(target: Target, tokens: int) -> str:
+    """`target: <type> (<kind>[, layer kinds]): capture ...; decode ...; regenerate ...` for rows
+    and caches of `tokens` positions."""
+    config = target.model.config
+    kinds = Counter(getattr(config, "layer_types", None) or ())
+    layers = f", {' + '.join(f'{n} {kind}' for kind, n in kinds.items())}" if len(kinds) > 1 else ""
+    capture_refusal = feature_forward_unsupported(target, tokens)
+    capture = ("capture: the graph-capturable feature forward" if capture_refusal is None
+               else f"capture: the Hugging Face forward stopped at the last needed layer ({capture_refusal})")
+    static_refusal = static_unsupported(target, cache_capacity(tokens))
+    if static_refusal is None:
+        decode, regenerate = "decode: static decoder", "regenerate: static batched generator"
+    else:
+        decode = f"decode: Hugging Face, eager (static: {static_refusal})"
+        regenerate = "regenerate: Hugging Face eager batches"
+    if has_recurrent_layers(config):
+        rollback = rollback_unsupported(target)
+        decode += (", recurrent states rolled back after a rejection" if rollback is None
+                   else f", speculative decoding refused: {rollback}")
+    return f"target: {text_config(config).model_type} ({family_kind(target)}{layers}): {capture}; {decode}; {regenerate}"
