@@ -185,6 +185,9 @@ def test_a_threaded_run_with_several_drafters_compiles_only_inside_the_gate(tmp_
         assert compiles["compiles"] > 0 and compiles["after_warmup"] == 0, compiles
         drafters = [name for name in summary["workers"] if name.startswith("drafter-")]
         assert len(drafters) == 3
-        assert all(compiles["by_worker"][name]["warm_up"] > 0 for name in drafters), compiles
+        # A drafter whose shapes another already compiled (the one-layer variant has the base's
+        # layer shapes) finds torch's cache and need not compile: no worker may compile after the
+        # gate, and the drafters together compiled inside it.
+        assert sum(compiles["by_worker"].get(name, {}).get("warm_up", 0) for name in drafters) > 0, compiles
         assert all(counts["after_warmup"] == 0 for counts in compiles["by_worker"].values()), compiles
         assert all(summary["steps_done"][v["name"]] == 16 for v in variants), summary["steps_done"]
