@@ -885,7 +885,7 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--bench", "gsm8k"]) == 2
     assert "gsm8k is not available offline" in capsys.readouterr().err
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+    assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
 
 
 # Fields that depend on the clock, not on the tokens: shards and the single run differ there.

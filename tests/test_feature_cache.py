@@ -244,7 +244,7 @@ def test_cli_prints_the_size_estimate_first_and_rows_last(tiny_dir, tmp_path, ca
     assert "this run    0 samples" in capsys.readouterr().out
     assert cli_main(["cache-features", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out", str(out),
                      "--shard-size-mb", "0"]) == 2
-    assert "shard_size_mb must be > 0" in capsys.readouterr().err
+    assert "--shard-size-mb must be in (0, 1048576]" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
