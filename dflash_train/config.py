@@ -333,6 +333,10 @@ VARIANT_KEYS = (
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
     "arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight", "selector_miss",
 )
+# What each node of a multi-node run sets for itself (where its files are, how its own devices
+# run); every other setting must be equal on every node, or the run stops at start.
+PER_NODE_SETTINGS = ("target", "data", "out", "features", "eval_bench", "device", "target_devices", "drafter_devices",
+                     "prefetch", "attention", "compile", "compile_target", "cuda_graphs", "tensorboard")
 # Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
 FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
 
