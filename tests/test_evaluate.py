@@ -965,7 +965,7 @@ def test_eval_offset_is_validated(chat_pair, capsys):
 
     pair = ["--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter")]
     assert cli.main(["eval", *pair, "--offset", "-1"]) == 2
-    assert "offset must be ≥ 0" in capsys.readouterr().err
+    assert "--offset must be at least 0" in capsys.readouterr().err
     prompts = REPO / "tests" / "data" / "eval_prompts.jsonl"  # 3 prompts
     assert cli.main(["eval", *pair, "--bench", str(prompts), "--offset", "3", "--device", "cpu"]) == 2
     assert "no prompts left after --offset 3" in capsys.readouterr().err

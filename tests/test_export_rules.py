@@ -109,6 +109,9 @@ BREAKS = {
     "fc_shape: target_hidden_size (vLLM) differs from hidden_size (SGLang)": ("fc_shape", _edit_config(_set("target_hidden_size", 32))),
     "projection_shapes: q_norm of another head_dim": ("projection_shapes", _edit_weights(
         lambda w: w.update({"layers.0.self_attn.q_norm.weight": torch.zeros(12)}))),
+    "finite: one NaN weight": ("finite", _edit_weights(lambda w: w["layers.0.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan")))),
+    "finite: an all-inf bfloat16 tensor": ("finite", _edit_weights(
+        lambda w: w.update({"fc.weight": torch.full_like(w["fc.weight"], float("inf")).bfloat16()}))),
 }
 
 
@@ -232,7 +235,7 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     out = capsys.readouterr().out
     for rule in RULES:
         assert f"{'skip' if rule.name in DFLASH2_RULES else 'ok  '}  {rule.name}" in out
-    assert "16 rules: 14 ok, 0 failed, 2 skipped" in out
+    assert "17 rules: 15 ok, 0 failed, 2 skipped" in out
     assert _tree(valid_export) == before
 
     broken = tmp_path / "broken"
@@ -254,4 +257,4 @@ def test_check_command_runs_without_torch(valid_export):
     result = subprocess.run([sys.executable, "-c", code, str(valid_export)], capture_output=True, text=True,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
-    assert "16 rules: 13 ok, 0 failed, 3 skipped" in result.stdout
+    assert "17 rules: 14 ok, 0 failed, 3 skipped" in result.stdout

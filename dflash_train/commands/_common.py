@@ -54,4 +54,8 @@ def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[
     from ..files import write_new_file_atomic
 
     lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
-    return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+    try:
+        return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+    except OSError as error:  # a full disk: name the file (a failed write of an open file names none)
+        error.filename = error.filename or out
+        raise

@@ -34,6 +34,9 @@ class CacheFeaturesConfig:
         check_target_flags(self.target, self.out, self.thinking, self.dtype)
         if not self.data:
             raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file; the cache is a folder (new, empty, or an interrupted "
+                              "cache to resume)")
         check_outside_inputs(self.out, "--out", [self.target, *self.data])
 
 

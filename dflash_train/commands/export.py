@@ -4,6 +4,7 @@ or (`--check DIR`) judge any drafter folder against the serving engines' loader 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from ..config import DTYPE_NAMES, ConfigError, option
 
@@ -28,6 +29,10 @@ class ExportConfig:
             raise ConfigError("--target is only for --check (an export takes the target's dims from the checkpoint)")
         if not self.checkpoint or not self.out:
             raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR (or --check DIR)")
+        here = Path.cwd().resolve()
+        if Path(self.out).resolve() in (here, *here.parents):
+            raise ConfigError(f"--out {self.out} is the current folder or one above it; name the folder the export "
+                              "is written to, e.g. --out export")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype {self.dtype!r}: use {', '.join(DTYPE_NAMES)}")
 

@@ -89,6 +89,7 @@ def run_quickstart(config: QuickstartConfig) -> int:
 def _run_quickstart(config: QuickstartConfig) -> int:
     from ..gguf import smollm2_target_dir
     from ..pipeline.trainer import train
+    from ..target import check_target_layer_ids
     from .cache_features import CacheFeaturesConfig, run_cache_features
     from .eval import EvalConfig, run_eval
     from .regenerate import RegenerateConfig, run_regenerate
@@ -103,6 +104,8 @@ def _run_quickstart(config: QuickstartConfig) -> int:
     target_dir = smollm2_target_dir()
     times["target"] = time.monotonic() - t
     print(f"target folder: {target_dir}")
+    # Known now, checked now: not after minutes of regenerating data.
+    check_target_layer_ids(list(config.target_layer_ids), json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
 
     t = _stage(f"2/6 data: {config.prompts} default training prompts answered by the target itself")
     data = out / "data.jsonl"
