@@ -256,9 +256,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(_config_text(path))
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: {error}") from None
+
+
+def _config_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from None
 
 
 def _default_shown(field: dataclasses.Field) -> Any:
@@ -309,8 +316,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if path.suffix == ".toml":
         return _read_toml(path)
     if path.suffix == ".json":
+        def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [key for key, _ in pairs]
+            if twice := sorted({key for key in keys if keys.count(key) > 1}):
+                raise ConfigError(f"{path}: {twice[0]} is set twice (JSON would keep the last one silently)")
+            return dict(pairs)
+
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(_config_text(path), object_pairs_hook=refuse_duplicates)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: line {error.lineno}: {error.msg}") from None
         if not isinstance(raw, dict):

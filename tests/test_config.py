@@ -177,3 +177,22 @@ def test_every_field_has_one_section_and_one_flag(capsys):
 def test_from_dict_validates():
     with pytest.raises(ConfigError, match="--loss 'ce': use decay or dpace"):
         from_dict(TrainConfig, {"out": "r", "objective": {"loss": "ce"}})
+
+
+def test_a_json_config_with_a_key_set_twice_is_refused(tmp_path):
+    """TOML refuses a key given twice; JSON used to keep the last one silently (D13)."""
+    for text in ('{"lr": 1e-3, "steps": 5, "lr": 3}', '{"optimizer": {"lr": 1e-3, "lr": 3}}'):
+        with pytest.raises(ConfigError, match=r"run.json: lr is set twice"):
+            _config(tmp_path, [], text, suffix=".json")
+
+
+def test_variants_without_mode_variants_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"`variants` is given but --mode is replicas: add mode = \"variants\""):
+        _config(tmp_path, ["--out", "r"], 'variants = [{name = "b8", block_size = 8}]\n')
+
+
+def test_a_config_file_that_is_not_utf8_is_one_error(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"lr = 1\xff\n")
+    with pytest.raises(ConfigError, match=r"run.toml: not UTF-8 text \(byte 6\)"):
+        from_args(TrainConfig, build_parser("train").parse_args(["train", "--config", str(path)]))
