@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from ..errors import ConfigError, UserError
+from .readers import MAX_CHARS_PER_TOKEN
 from .regenerate import Answer, Job
 
 SEED_MASK = 0x7FFFFFFF
@@ -192,12 +193,6 @@ def answer_from_response(response: Any) -> Answer:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise RowError(f"usage.completion_tokens {tokens!r} is not a token count")
     return Answer(text, _FINISH_REASONS[finish], tokens)
-
-
-# A token's text is at most this many characters in the vocabularies of served models (the
-# longest are runs of spaces or dashes in code vocabularies, well under it): an answer longer
-# than max_tokens of them was not cut at max_tokens, whatever its usage says.
-MAX_CHARS_PER_TOKEN = 256
 
 
 def check_answer_bounds(answer: Answer, max_tokens: int) -> None:
