@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import DTYPE_NAMES, ConfigError, option
+from ..config import DTYPE_NAMES, ConfigError, UserError, option
 
 
 @dataclasses.dataclass
@@ -45,10 +45,16 @@ def run_export(config: ExportConfig) -> int:
     from ..checkpoint import load_drafter, resolve_checkpoint
     from ..export import export_model
 
+    from safetensors import SafetensorError
+
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
-    out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
-                       source=checkpoint, force=config.force)
+    try:
+        out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
+                           source=checkpoint, force=config.force)
+    except SafetensorError as error:  # safetensors writes the weights itself: a full disk arrives as its error
+        raise UserError(f"--out {config.out}: cannot write the export's weights ({error}); the export is written "
+                        "whole or not at all") from None
     cfg = drafter.config
     print(f"exported {checkpoint} -> {out} (passes every SGLang/vLLM loader rule: dflash-train export --check {out})")
     print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
