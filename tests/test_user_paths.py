@@ -109,7 +109,8 @@ def test_a_damaged_regenerate_output_is_one_line_naming_the_file(answered, capsy
         sidecar.write_text(json.dumps({"target": "x"}))
     else:
         lines = before.split(b"\n")
-        lines[1] = lines[1].replace(b"p1", b"p\xff1")
+        assert b'"id": "' in lines[1]
+        lines[1] = lines[1].replace(b'"id": "', b'"id": "\xff', 1)
         out.write_bytes(b"\n".join(lines))
     capsys.readouterr()
     assert main(args) == 2

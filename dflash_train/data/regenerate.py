@@ -280,7 +280,11 @@ class ChunkWriter:
         try:
             self.flush()
         finally:
-            self.handle.close()
+            try:
+                self.handle.close()  # writes what a failed flush left in the file object's buffer
+            except OSError as error:
+                error.filename = error.filename or self.handle.name
+                raise
 
 
 def regenerate(
