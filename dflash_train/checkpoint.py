@@ -209,6 +209,11 @@ def read_state(checkpoint: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: damaged (not valid JSON: {error})") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("drafter_config"), dict):
         raise CheckpointError(f"{path}: damaged (no integer 'step' and 'drafter_config' object)")
+    folder = Path(checkpoint).name
+    if _STEP_NAME.fullmatch(folder) and int(folder.removeprefix("step-")) != state["step"]:
+        # The folder's name is written once by the trainer; a step that disagrees was edited.
+        raise CheckpointError(f"{path}: damaged (step {state['step']} in state.json, but the folder is {folder}: "
+                              "edited by hand?)")
     return state
 
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -27,14 +28,84 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
 DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (pipeline/distributed.py)
+MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a longer one is a typo, and inf overflows the timers
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
-    """A dataclass field carrying its CLI help text."""
-    metadata = {"help": help}
+def option(default: Any = dataclasses.MISSING, help: str = "", *, at_least: float | None = None,
+           above: float | None = None, at_most: float | None = None, below: float | None = None, **kw: Any) -> Any:
+    """A dataclass field carrying its CLI help text and, for a number (or a list of numbers), the
+    range every value must lie in: `check_numbers` refuses a value outside it, and NaN or inf
+    anywhere, for every command alike."""
+    metadata: dict[str, Any] = {"help": help}
+    if (at_least, above, at_most, below) != (None, None, None, None):
+        metadata["range"] = NumberRange(low=above if above is not None else at_least, low_open=above is not None,
+                                        high=below if below is not None else at_most, high_open=below is not None)
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
     return dataclasses.field(default=default, metadata=metadata, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberRange:
+    """The values a numeric setting accepts: a finite number from `low` to `high` (either end
+    may be open, or absent)."""
+
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low, high = _plain(self.low), _plain(self.high)
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"> {low}" if self.low_open else f"at least {low}"
+        return f"< {high}" if self.high_open else f"at most {high}"
+
+
+def _plain(value: float | None) -> str:
+    if value is None:
+        return ""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def numeric_fields(cls: type) -> dict[str, type]:
+    """The fields of a config class that hold numbers (int or float, optional, or a list of
+    them), with the number type."""
+    found = {}
+    for name, tp in _field_types(cls).items():
+        base, _ = _unwrap_optional(tp)
+        if typing.get_origin(base) in (list, tuple):
+            base = (typing.get_args(base)[:1] or (str,))[0]
+        if base in (int, float):
+            found[name] = base
+    return found
+
+
+def check_numbers(config: Any) -> None:
+    """The one rule for numbers, shared by every command's config: each numeric setting is a
+    finite number inside the range its field declares (`option(..., at_least=1)`), checked
+    before anything loads; the error names the flag."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    for name in numeric_fields(type(config)):
+        value = getattr(config, name)
+        for item in (value if isinstance(value, (list, tuple)) else [value]):
+            if item is None:
+                continue
+            bounds = fields[name].metadata.get("range")
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                raise ConfigError(f"{_flag(name)} {item!r}: not a number")
+            if not math.isfinite(item):
+                rule = f" {bounds.describe()}" if bounds else ""
+                raise ConfigError(f"{_flag(name)} must be a finite number{rule} (got {item})")
+            if bounds is not None and not bounds.contains(item):
+                raise ConfigError(f"{_flag(name)} must be {bounds.describe()} (got {item})")
 
 
 def _flag(name: str) -> str:
@@ -172,6 +243,7 @@ def build(cls: type[C], values: dict[str, Any], where: str) -> C:
         config = cls(**values)
     except TypeError as error:
         raise ConfigError(f"{where}: {error}") from None
+    check_numbers(config)
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()
@@ -184,9 +256,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(_config_text(path))
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: {error}") from None
+
+
+def _config_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from None
 
 
 def _default_shown(field: dataclasses.Field) -> Any:
@@ -237,8 +316,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if path.suffix == ".toml":
         return _read_toml(path)
     if path.suffix == ".json":
+        def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [key for key, _ in pairs]
+            if twice := sorted({key for key in keys if keys.count(key) > 1}):
+                raise ConfigError(f"{path}: {twice[0]} is set twice (JSON would keep the last one silently)")
+            return dict(pairs)
+
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(_config_text(path), object_pairs_hook=refuse_duplicates)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: line {error.lineno}: {error.msg}") from None
         if not isinstance(raw, dict):
@@ -261,6 +346,10 @@ VARIANT_KEYS = (
     "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
     "arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight", "selector_miss",
 )
+# What each node of a multi-node run sets for itself (where its files are, how its own devices
+# run); every other setting must be equal on every node, or the run stops at start.
+PER_NODE_SETTINGS = ("target", "data", "out", "features", "eval_bench", "device", "target_devices", "drafter_devices",
+                     "prefetch", "attention", "compile", "compile_target", "cuda_graphs", "tensorboard")
 # Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
 FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
 
@@ -278,37 +367,37 @@ class TrainConfig:
     out: str = option("", "run folder: checkpoints, metrics, run.json")
     features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
     thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off")
-    steps: int = option(1000, "optimizer steps")
-    batch_size: int = option(8, "sequences per micro-batch, per drafter replica")
-    grad_accum: int = option(1, "micro-batches per optimizer step, per replica")
-    max_seq_len: int = option(2048, "longer conversations are truncated")
-    seq_buckets: list[int] = option([], "padded sequence lengths, increasing, at most max_seq_len (one compile each); empty = automatic up to max_seq_len")
-    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
-    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens)")
-    num_layers: int = option(5, "drafter decoder layers")
-    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)")
-    target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers")
-    mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)")
+    steps: int = option(1000, "optimizer steps", at_least=1)
+    batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
+    grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
+    max_seq_len: int = option(2048, "longer conversations are truncated", at_least=2)
+    seq_buckets: list[int] = option([], "padded sequence lengths, increasing, at most max_seq_len (one compile each); empty = automatic up to max_seq_len", at_least=2)
+    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this", at_least=0)
+    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2)
+    num_layers: int = option(5, "drafter decoder layers", at_least=1)
+    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)", at_least=1)
+    target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
+    mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)", at_least=0)
     arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)")
-    conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters")
-    conv_group_size: int = option(16, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size")
-    selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)")
-    selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among")
+    conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters", at_least=1)
+    conv_group_size: int = option(16, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size", at_least=1)
+    selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)", at_least=1)
+    selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among", at_least=1)
     loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
-    gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)")
-    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]")
-    loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits")
-    selector_weight: float = option(1.0, "dflash2: weight of the selector's cross-entropy next to the backbone's (>= 0)")
+    gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)", above=0)
+    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]", at_least=0, at_most=1)
+    loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits", at_least=0)
+    selector_weight: float = option(1.0, "dflash2: weight of the selector's cross-entropy next to the backbone's (>= 0)", at_least=0)
     selector_miss: str = option("drop", "dflash2: a true token outside the top-k candidates: drop (leave the slot out of the selector loss) or insert (put it in place of the lowest candidate)")
-    lr: float = option(6e-4, "peak learning rate (AdamW), > 0")
-    weight_decay: float = option(0.0, "AdamW weight decay, >= 0")
-    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
-    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)")
-    warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up")
-    min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak")
-    clip_grad: float = option(1.0, "gradient-norm clip, > 0")
-    stop_after_bad_steps: int = option(10, "stop the run (exit 1) after this many consecutive non-finite (skipped) or zero-gradient steps, or once more than half of at least 2K steps were skipped; 0 = never")
-    seed: int = option(0, "seed for drafter init, data order and anchors")
+    lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0)
+    weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0)
+    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1)
+    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", at_least=0, below=1)
+    warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up", at_least=0, below=1)
+    min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak", at_least=0, at_most=1)
+    clip_grad: float = option(1.0, "gradient-norm clip, > 0", above=0)
+    stop_after_bad_steps: int = option(10, "stop the run (exit 1) after this many consecutive non-finite (skipped) or zero-gradient steps, or once more than half of at least 2K steps were skipped; 0 = never", at_least=0)
+    seed: int = option(0, "seed for drafter init, data order and anchors", at_least=0)
     device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)")
     target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0")
     drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2")
@@ -320,21 +409,21 @@ class TrainConfig:
     compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off")
     cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off")
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
-    prefetch: int = option(2, "batches queued per drafter (backpressure bound)")
-    save_every: int = option(500, "checkpoint every K steps (and always at the end)")
-    keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)")
-    log_every: int = option(10, "a log line every K steps")
+    prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1)
+    save_every: int = option(500, "checkpoint every K steps (and always at the end)", at_least=1)
+    keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)", at_least=1)
+    log_every: int = option(10, "a log line every K steps", at_least=1)
     resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
     fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
     export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training (bfloat16, float16, float32; empty = no export)")
-    eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)")
+    eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)", at_least=0)
     eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
-    eval_limit: int = option(8, "prompts used by --eval-every")
-    eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every")
+    eval_limit: int = option(8, "prompts used by --eval-every", at_least=1)
+    eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every", at_least=1)
     tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
     # several nodes: one process per node under torchrun (pipeline/distributed.py)
     dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo")
-    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit")
+    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit", at_least=1, at_most=MAX_SECONDS)
 
     SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
         "data": ("data", "features", "thinking", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
@@ -355,6 +444,9 @@ class TrainConfig:
         _choice("mode", self.mode, ("replicas", "variants"))
         if self.mode == "variants" and not self.variants:
             raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
+        if self.mode != "variants" and self.variants:
+            raise ConfigError(f"`variants` is given but --mode is {self.mode}: add mode = \"variants\" to train them "
+                              "(or remove `variants`)")
         _choice("loss", self.loss, ("decay", "dpace"))
         _choice("arch", self.arch, ("dflash", "dflash2"))
         _choice("selector_miss", self.selector_miss, ("drop", "insert"))
@@ -365,50 +457,20 @@ class TrainConfig:
         _choice("fp8", self.fp8, FP8_CHOICES)
         _choice("precision", self.precision, ("auto", "bf16", "fp32"))
         _choice("tensorboard", self.tensorboard, ("auto", "on", "off"))
-        for name in ("steps", "batch_size", "grad_accum", "max_seq_len", "num_anchors", "prefetch", "save_every",
-                     "log_every", "num_layers", "keep_checkpoints", "eval_limit", "eval_max_new_tokens",
-                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{_flag(name)} must be at least 1 (got {getattr(self, name)})")
-        for name in ("eval_every", "loss_chunk_rows", "min_supervised_tokens", "stop_after_bad_steps", "seed"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{_flag(name)} must be at least 0 (got {getattr(self, name)})")
-        if self.block_size < 2:
-            raise ConfigError(
-                f"block_size {self.block_size}: must be at least 2 (position 0 is the anchor, so a block "
-                "of 1 drafts nothing); DFlash uses 16"
-            )
+        check_numbers(self)  # also here: train() and the variants validate configs built without `build`
         if self.seq_buckets:
-            if any(b < 2 for b in self.seq_buckets) or any(a >= b for a, b in zip(self.seq_buckets, self.seq_buckets[1:])):
+            if any(a >= b for a, b in zip(self.seq_buckets, self.seq_buckets[1:])):
                 raise ConfigError(f"--seq-buckets {','.join(map(str, self.seq_buckets))}: lengths must be "
                                   "increasing and at least 2, e.g. 512,1024,2048")
             if self.seq_buckets[-1] > self.max_seq_len:
                 raise ConfigError(f"--seq-buckets {self.seq_buckets[-1]} is longer than --max-seq-len {self.max_seq_len} "
                                   "(rows are truncated to max_seq_len, so it would never be used)")
-        _positive("lr", self.lr)
-        _positive("clip_grad", self.clip_grad, "; to clip almost never, use a large value such as 1e9")
-        if self.gamma is not None:
-            _positive("gamma", self.gamma)
-        if not self.weight_decay >= 0:
-            raise ConfigError(f"--weight-decay must be >= 0 (got {self.weight_decay})")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{_flag(name)} must be in [0, 1) (got {getattr(self, name)})")
-        if not 0 <= self.dpace_alpha <= 1:
-            raise ConfigError(f"--dpace-alpha must be in [0, 1] (got {self.dpace_alpha})")
-        if not self.selector_weight >= 0:
-            raise ConfigError(f"--selector-weight must be >= 0 (got {self.selector_weight})")
         _choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
         devices = [*(self.target_devices or [self.device]), *(self.drafter_devices or [self.device])]
         if self.cuda_graphs == "on" and "cpu" in devices:
             raise ConfigError("--cuda-graphs on: CUDA graphs need CUDA devices and this run uses the cpu "
                               "(use --cuda-graphs auto or off)")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be in [0, 1] (got {self.min_lr_ratio})")
         _choice("dist_backend", self.dist_backend, DIST_BACKENDS)
-        _positive("dist_timeout", self.dist_timeout, " (seconds)")
         if self.export_dtype:
             self.export_dtype = canonical_dtype(self.export_dtype, "--export-dtype")
         if self.out and Path(self.out).exists() and not Path(self.out).is_dir():
@@ -460,7 +522,3 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         names = [str(c) for c in choices]
         raise ConfigError(f"{_flag(name)} {value!r}: use {', '.join(names[:-1])} or {names[-1]}")
 
-
-def _positive(name: str, value: float, hint: str = "") -> None:
-    if not value > 0:  # also refuses NaN
-        raise ConfigError(f"{_flag(name)} must be > 0 (got {value}){hint}")

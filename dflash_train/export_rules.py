@@ -535,6 +535,38 @@ def _target(folder: DraftFolder) -> str | None:
     return "; ".join(problems) or None
 
 
+# Exponent bits of the float formats safetensors stores: all set = inf or NaN.
+_EXPONENT_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+                  "BF16": ("<u2", 0x7F80)}
+
+
+def _finite(folder: DraftFolder) -> str | None:
+    # The engines load NaN or inf weights without a word and accept nothing they draft: a
+    # trainer's diverged run exported anyway. Read from the files' bytes (no torch for --check).
+    import numpy
+
+    if folder.weights is None:
+        raise _Skip("no weights")
+    bad = []
+    for file in sorted(folder.path.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            data = numpy.memmap(file, dtype=numpy.uint8, mode="r", offset=8 + length) if file.stat().st_size > 8 + length else None
+        except (OSError, ValueError, struct.error):
+            raise _Skip(f"{file.name} cannot be read") from None
+        for name, entry in header.items():
+            if name == "__metadata__" or entry.get("dtype") not in _EXPONENT_BITS or data is None:
+                continue
+            view, mask = _EXPONENT_BITS[entry["dtype"]]
+            start, end = entry["data_offsets"]
+            bits = numpy.frombuffer(data[start:end], dtype=view)
+            if numpy.any((bits & numpy.array(mask, dtype=view)) == mask):
+                bad.append(name)
+    return f"NaN or inf in {len(bad)} weights ({', '.join(sorted(bad)[:3])})" if bad else None
+
+
 RULES: tuple[Rule, ...] = (
     Rule("architecture", f"architectures [{ARCHITECTURE!r}], model_type 'qwen3'",
          "vLLM 0.33.0 vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS; "
@@ -597,6 +629,9 @@ RULES: tuple[Rule, ...] = (
     Rule("target", "hidden size, vocabulary and layer count of the target",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.__init__; "
          "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _target),
+    Rule("finite", "every weight a finite number (no NaN, no inf)",
+         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights; "
+         "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights", _finite),
 )
 
 

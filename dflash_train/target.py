@@ -9,6 +9,7 @@ embedding and LM head; they are exposed here and never copied into a drafter che
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
 from dataclasses import dataclass
@@ -363,6 +364,47 @@ def _check_all_weights_loaded(loaded: Any, path: Path) -> nn.Module:
            "in config.json)." if head_missing else " Save the model with all its weights.")
     raise TargetError(f"{path}: weights missing from the model files: {shown}; transformers would fill them with "
                       f"random values.{why}")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE_BYTES = 1 << 20
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sampled_fingerprint(paths: list[Path]) -> str:
+    """sha256 over each file's name, size, first and last MiB: tells apart two fine-tunes of one
+    model (every tensor differs) without reading a target's many GB."""
+    digest = hashlib.sha256()
+    for path in paths:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(_SAMPLE_BYTES))
+            handle.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def target_identity(path: str | Path) -> dict[str, str]:
+    """Which target a path holds, without loading it: its config.json (sha256) and a sampled
+    fingerprint of its weight files (a .gguf: the file). What `eval --json` records, what a
+    checkpoint records for `--resume`, and what the nodes of a run compare; the path itself is
+    left out (another node, or a later run, may mount the same model elsewhere)."""
+    path = Path(path).resolve()
+    if path.is_file():
+        return {"weights_fingerprint": _sampled_fingerprint([path])}
+    return {
+        "config_sha256": file_sha256(path / "config.json"),
+        "weights_fingerprint": _sampled_fingerprint(
+            sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))),
+    }
 
 
 def model_folder(path: str | Path) -> Path:

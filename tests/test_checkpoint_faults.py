@@ -93,6 +93,9 @@ DAMAGES = {
     "flipped weight bytes (1e37)": ("drafter.safetensors", _flip_exponent, "CRC-32"),
     "one flipped bit of trainer state": ("trainer.pt", _flip_one_bit, "CRC-32"),
     "broken state.json": (STATE_FILE, lambda p: p.write_text(p.read_text()[:40]), "not valid JSON"),
+    # still valid JSON, but its step is not its folder's: resuming "from step 2" with step-4's weights
+    "state.json step edited": (STATE_FILE, lambda p: p.write_text(p.read_text().replace('"step": 4', '"step": 2', 1)),
+                               "step 2 in state.json, but the folder is step-00000004"),
 }
 
 

@@ -121,14 +121,14 @@ gamma = 4
     (dict(clip_grad=-1.0), "--clip-grad must be > 0"),
     (dict(clip_grad=0.0), "--clip-grad must be > 0"),
     (dict(lr=-1e-3), "--lr must be > 0"),
-    (dict(lr=float("nan")), "--lr must be > 0"),
+    (dict(lr=float("nan")), "--lr must be a finite number > 0"),
     (dict(gamma=-7.0), "--gamma must be > 0"),
     (dict(gamma=0.0), "--gamma must be > 0"),
     (dict(export_dtype="int8"), "--export-dtype 'int8': use bfloat16, float16, float32"),
     (dict(seq_buckets=[512, 256]), "--seq-buckets 512,256: lengths must be increasing"),
     (dict(seq_buckets=[256, 256]), "must be increasing"),
     (dict(seq_buckets=[1024, 4096]), "--seq-buckets 4096 is longer than --max-seq-len 2048"),
-    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
+    (dict(weight_decay=-0.1), "--weight-decay must be at least 0"),
     (dict(adam_beta2=1.0), r"--adam-beta2 must be in \[0, 1\)"),
     (dict(thinking="maybe"), "--thinking 'maybe': use auto, on or off"),
     (dict(min_lr_ratio=2.0), "--min-lr-ratio"),
@@ -177,3 +177,22 @@ def test_every_field_has_one_section_and_one_flag(capsys):
 def test_from_dict_validates():
     with pytest.raises(ConfigError, match="--loss 'ce': use decay or dpace"):
         from_dict(TrainConfig, {"out": "r", "objective": {"loss": "ce"}})
+
+
+def test_a_json_config_with_a_key_set_twice_is_refused(tmp_path):
+    """TOML refuses a key given twice; JSON used to keep the last one silently (D13)."""
+    for text in ('{"lr": 1e-3, "steps": 5, "lr": 3}', '{"optimizer": {"lr": 1e-3, "lr": 3}}'):
+        with pytest.raises(ConfigError, match=r"run.json: lr is set twice"):
+            _config(tmp_path, [], text, suffix=".json")
+
+
+def test_variants_without_mode_variants_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"`variants` is given but --mode is replicas: add mode = \"variants\""):
+        _config(tmp_path, ["--out", "r"], 'variants = [{name = "b8", block_size = 8}]\n')
+
+
+def test_a_config_file_that_is_not_utf8_is_one_error(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"lr = 1\xff\n")
+    with pytest.raises(ConfigError, match=r"run.toml: not UTF-8 text \(byte 6\)"):
+        from_args(TrainConfig, build_parser("train").parse_args(["train", "--config", str(path)]))

@@ -172,3 +172,23 @@ def test_eval_merge_refuses_a_shard_without_the_record(shards, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(MergeError, match=r"old.json does not record which drafter and target it measured"):
         merge_eval_results([shards["first"], tmp_path / "old.json"])
+
+
+def test_eval_merge_refuses_a_gap_between_shards(shards, models, tmp_path, capsys):
+    """Prompt 0 and prompt 2 measured, prompt 1 in no shard: not one run's numbers (D13)."""
+    third = tmp_path / "third.json"
+    assert cli.main(_eval(models / "target", models / "drafter", "--offset", "2", "--limit", "1", "--no-baseline",
+                          "--json", str(third))) == 0
+    capsys.readouterr()
+    assert cli.main(["eval-merge", f"{third},{shards['first']}"]) == 2
+    line = _one_error_line(capsys)
+    assert f"ends at prompt 1 but {third} starts at --offset 2: prompts 1..1 are in no shard" in line, line
+    merged = merge_eval_results([shards["first"], shards["second"], third])  # the gap filled: one run
+    assert [p["id"] for p in next(iter(merged["benchmarks"].values()))["prompts"]] == [
+        p["id"] for s in (shards["first"], shards["second"], third)
+        for p in next(iter(json.loads(s.read_text())["benchmarks"].values()))["prompts"]]
+
+
+def test_eval_merge_given_a_folder_is_one_line(tmp_path, capsys):
+    assert cli.main(["eval-merge", str(tmp_path)]) == 2
+    assert f"{tmp_path}: a folder" in _one_error_line(capsys)

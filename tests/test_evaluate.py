@@ -885,7 +885,7 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--bench", "gsm8k"]) == 2
     assert "gsm8k is not available offline" in capsys.readouterr().err
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens must be at least 1" in capsys.readouterr().err
+    assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
 
 
 # Fields that depend on the clock, not on the tokens: shards and the single run differ there.
@@ -965,7 +965,7 @@ def test_eval_offset_is_validated(chat_pair, capsys):
 
     pair = ["--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter")]
     assert cli.main(["eval", *pair, "--offset", "-1"]) == 2
-    assert "offset must be ≥ 0" in capsys.readouterr().err
+    assert "--offset must be at least 0" in capsys.readouterr().err
     prompts = REPO / "tests" / "data" / "eval_prompts.jsonl"  # 3 prompts
     assert cli.main(["eval", *pair, "--bench", str(prompts), "--offset", "3", "--device", "cpu"]) == 2
     assert "no prompts left after --offset 3" in capsys.readouterr().err

@@ -115,6 +115,9 @@ BREAKS = {
     "fc_shape: target_hidden_size (vLLM) differs from hidden_size (SGLang)": ("fc_shape", _edit_config(_set("target_hidden_size", 32))),
     "projection_shapes: q_norm of another head_dim": ("projection_shapes", _edit_weights(
         lambda w: w.update({"layers.0.self_attn.q_norm.weight": torch.zeros(12)}))),
+    "finite: one NaN weight": ("finite", _edit_weights(lambda w: w["layers.0.mlp.up_proj.weight"].view(-1)[7].fill_(float("nan")))),
+    "finite: an all-inf bfloat16 tensor": ("finite", _edit_weights(
+        lambda w: w.update({"fc.weight": torch.full_like(w["fc.weight"], float("inf")).bfloat16()}))),
 }
 
 
@@ -263,7 +266,7 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     out = capsys.readouterr().out
     for rule in RULES:
         assert f"{'skip' if rule.name in DFLASH2_RULES else 'ok  '}  {rule.name}" in out
-    assert "19 rules: 17 ok, 0 failed, 2 skipped" in out
+    assert "20 rules: 18 ok, 0 failed, 2 skipped" in out
     assert _tree(valid_export) == before
 
     broken = tmp_path / "broken"
@@ -285,4 +288,4 @@ def test_check_command_runs_without_torch(valid_export):
     result = subprocess.run([sys.executable, "-c", code, str(valid_export)], capture_output=True, text=True,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr
-    assert "19 rules: 15 ok, 0 failed, 4 skipped" in result.stdout
+    assert "20 rules: 16 ok, 0 failed, 4 skipped" in result.stdout

@@ -235,7 +235,7 @@ def test_cli_prints_the_size_estimate_first_and_rows_last(tiny_dir, tmp_path, ca
     summary = lines.index("cache-features summary")
     assert estimate < summary
     assert "55 samples" in lines[estimate] and "2 layers x 64 hidden x 4 bytes float32" in lines[estimate]
-    assert lines[-2:] == ["rows: read=64 used=55 skipped=9",
+    assert lines[-2:] == ["rows: read=64 used=55 skipped=9 (of the used, 20 truncated to the length kept)",
                           f"  skipped 9: no valid anchor  (first: {REGENERATED_64}:5)"]
     cache = FeatureCache(out)
     assert cache.layer_ids == [1, 3] and len(cache) == 55  # the SEMANTICS.md rule for 6 layers, n = 2
@@ -244,7 +244,7 @@ def test_cli_prints_the_size_estimate_first_and_rows_last(tiny_dir, tmp_path, ca
     assert "this run    0 samples" in capsys.readouterr().out
     assert cli_main(["cache-features", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out", str(out),
                      "--shard-size-mb", "0"]) == 2
-    assert "shard_size_mb must be > 0" in capsys.readouterr().err
+    assert "--shard-size-mb must be in (0, 1048576]" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -411,3 +411,117 @@ def test_stream_identity_changes_with_the_data():
     assert stream_identity(samples, seed=0, batch_size=4, batches_per_step=2, max_seq_len=128) == same
     samples[3].input_ids[5] += 1  # one token of one row
     assert stream_identity(samples, seed=0, batch_size=4, batches_per_step=2, max_seq_len=128) != same
+
+
+# --- ranks launched by environment variables (rank 0 hosts the store) ---------------------------
+
+def _cli_target_and_data(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny target folder with a tokenizer, and conversations its template renders."""
+    from test_evaluate import char_tokenizer
+    from tiny import tiny_hf_model
+
+    target = tmp_path / "target"
+    if not target.exists():
+        tiny_hf_model("llama", vocab=104).save_pretrained(target)
+        char_tokenizer().save_pretrained(target)
+    rows = [{"messages": [{"role": "user", "content": f"count from {i}"},
+                          {"role": "assistant", "content": " ".join(str(i + k) for k in range(12))}]} for i in range(16)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, data
+
+
+def _noisy_copy(target: Path, to: Path) -> Path:
+    """The same model shape with other weights (a fine-tune, as far as a drafter can tell)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(target, to)
+    weights = load_file(str(to / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    save_file({k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in weights.items()},
+              str(to / "model.safetensors"), metadata={"format": "pt"})
+    return to
+
+
+def _train_args(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--steps", "2",
+            "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
+            "--block-size", "4", "--device", "cpu", "--log-every", "1", "--dist-timeout", "30", *extra]
+
+
+def launch_by_environment(tmp_path: Path, args_by_rank: list[list[str]], timeout: float = 120.0) -> list[dict]:
+    """Each rank a plain `python -m dflash_train.cli` with RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set by hand (no torchrun agent: rank 0 hosts the store); its exit code and output."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    procs = []
+    for rank, args in enumerate(args_by_rank):
+        env = {**base, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(args_by_rank)),
+               "LOCAL_WORLD_SIZE": str(len(args_by_rank)), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+    outcomes = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        outcomes.append({"code": proc.returncode, "out": out, "err": err})
+    return outcomes
+
+
+def test_a_finished_run_launched_by_environment_variables_exits_0_on_every_rank(tmp_path):
+    """Rank 0 hosts the store and must not take it away while rank 1 still finishes (D5)."""
+    target, data = _cli_target_and_data(tmp_path)
+    out = tmp_path / "run"
+    outcomes = launch_by_environment(tmp_path, [_train_args(target, data, out)] * 2)
+    assert [o["code"] for o in outcomes] == [0, 0], outcomes
+    assert not any("Traceback" in o["err"] or "NodeLost" in o["err"] for o in outcomes), outcomes
+    assert (out / "export" / "model.safetensors").is_file()
+
+
+def test_ranks_with_other_settings_or_another_target_stop_at_start(tmp_path):
+    """A setting typed differently on one node (--lr, --block-size, --steps) or another model
+    behind --target: every rank stops before anything loads or is written, with one line naming
+    the settings and the ranks (D4; before, --lr trained diverging replicas and exited 0, and
+    --block-size aborted rank 0 inside gloo)."""
+    target, data = _cli_target_and_data(tmp_path)
+    other = _noisy_copy(target, tmp_path / "other")
+    out = tmp_path / "run"
+    outcomes = launch_by_environment(tmp_path, [
+        _train_args(target, data, out),
+        _train_args(other, data, out, "--lr", "3", "--block-size", "8", "--steps", "3"),
+    ])
+    for outcome in outcomes:
+        assert outcome["code"] == 2, outcome
+        lines = outcome["err"].strip().splitlines()
+        assert len(lines) == 1 and "the nodes disagree on the settings" in lines[0], outcome["err"]
+        for named in ("rank 1 has --lr = 3.0 where rank 0 has 0.0006", "--block-size = 8", "--steps = 3",
+                      "rank 1 has the target"):
+            assert named in lines[0], lines[0]
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_resume_against_another_target_is_refused(tmp_path, capsys):
+    """The checkpoint records the target's identity (`target_identity`, as `eval --json` does):
+    `--resume --target` another model of the same shape is one line, exit 2, the run untouched (D6)."""
+    from dflash_train.cli import main
+
+    target, data = _cli_target_and_data(tmp_path)
+    other = _noisy_copy(target, tmp_path / "other")
+    out = tmp_path / "run"
+    assert main(_train_args(target, data, out, "--save-every", "1", "--export-dtype", "")) == 0
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main(_train_args(other, data, out, "--resume", "--steps", "4")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-train")]
+    assert len(errors) == 1 and "is not the target its checkpoint step-00000002 was trained against" in errors[0], errors
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert main(_train_args(target, data, out, "--resume", "--steps", "3", "--export-dtype", "")) == 0  # the same target resumes

@@ -30,3 +30,12 @@ def test_quickstart_runs_every_stage_and_resumes(tmp_path, smollm2_dir, capsys):
     again = capsys.readouterr().out
     assert "12 rows were already in the output" in again or "already in the output" in again
     assert "is complete: reused" in again and "nothing to do" in again
+
+
+def test_quickstart_refuses_layer_ids_beyond_the_target_at_start(tmp_path, smollm2_dir, capsys):
+    """SmolLM2 has 30 layers: id 99 is refused once the target is known, before minutes of
+    regenerating data (D14)."""
+    assert main(["quickstart", "--out", str(tmp_path), "--target-layer-ids", "2,99", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "target_layer_ids [99] out of range" in captured.err and "valid ids are 0..29" in captured.err
+    assert "2/6 data" not in captured.out and not (tmp_path / "data.jsonl").exists()

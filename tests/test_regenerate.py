@@ -325,4 +325,4 @@ def test_cli_validates_its_flags(tmp_path, capsys):
     assert cli_main(["regenerate", "--target", "x", "--prompts", "p.txt", "--out", str(tmp_path / "o.json")]) == 2
     assert "use a .jsonl file" in capsys.readouterr().err
     assert cli_main(["regenerate", "--target", "x", "--prompts", "p.txt", "--out", str(tmp_path / "o.jsonl"), "--top-p", "0"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 from ..config import DTYPE_NAMES, THINKING, ConfigError
 
 
-def check_target_flags(target: str, out: str, thinking: str, dtype: str, batch_size: int) -> None:
+def check_target_flags(target: str, out: str, thinking: str, dtype: str) -> None:
     if not target:
         raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file)")
     if not out:
@@ -19,8 +19,6 @@ def check_target_flags(target: str, out: str, thinking: str, dtype: str, batch_s
         raise ConfigError(f"thinking {thinking!r}: use auto (the template's default), on or off")
     if dtype not in ("auto", *DTYPE_NAMES):
         raise ConfigError(f"dtype {dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
-    if batch_size < 0:
-        raise ConfigError(f"batch_size must be at least 1 (or 0 for automatic), got {batch_size}")
 
 
 def load_target_for(target_path: str, device: Any, dtype: str) -> Any:
@@ -56,4 +54,8 @@ def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[
     from ..files import write_new_file_atomic
 
     lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
-    return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+    try:
+        return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+    except OSError as error:  # a full disk: name the file (a failed write of an open file names none)
+        error.filename = error.filename or out
+        raise

@@ -20,26 +20,23 @@ class CacheFeaturesConfig:
     target: str = option("", "target model: a Hugging Face folder or a .gguf file")
     data: list[str] = option([], "training conversations: JSONL/JSON/Parquet files (comma-separated)")
     out: str = option("", "cache folder (new or empty; an interrupted cache there is resumed)")
-    max_seq_len: int = option(2048, "longer conversations are truncated (training may truncate further)")
-    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this")
-    target_layer_ids: list[int] = option([], "target layers to store; empty = the rule of docs/SEMANTICS.md with num_layers layers")
-    num_layers: int = option(5, "how many layers the default rule picks (the drafter's depth, by default)")
-    batch_size: int = option(0, "sequences per target forward; 0 = 32 on CUDA, 8 on CPU")
-    shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)")
+    max_seq_len: int = option(2048, "longer conversations are truncated (training may truncate further)", at_least=2)
+    min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this", at_least=0)
+    target_layer_ids: list[int] = option([], "target layers to store; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
+    num_layers: int = option(5, "how many layers the default rule picks (the drafter's depth, by default)", at_least=1)
+    batch_size: int = option(0, "sequences per target forward; 0 = 32 on CUDA, 8 on CPU", at_least=0)
+    shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)", above=0, at_most=1 << 20)
     dtype: str = option("auto", "stored dtype: auto (the target's: bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
 
     def validate(self) -> None:
-        check_target_flags(self.target, self.out, self.thinking, self.dtype, self.batch_size)
+        check_target_flags(self.target, self.out, self.thinking, self.dtype)
         if not self.data:
             raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
-        if self.max_seq_len < 2:
-            raise ConfigError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
-        if self.num_layers < 1:
-            raise ConfigError(f"num_layers must be at least 1, got {self.num_layers}")
-        if self.shard_size_mb <= 0:
-            raise ConfigError(f"shard_size_mb must be > 0, got {self.shard_size_mb}")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file; the cache is a folder (new, empty, or an interrupted "
+                              "cache to resume)")
         check_outside_inputs(self.out, "--out", [self.target, *self.data])
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,15 +20,15 @@ class EvalConfig:
     target: str = option("", "target model: a Hugging Face folder or a .gguf file")
     drafter: str = option("", "an exported drafter folder (dflash-train export)")
     bench: list[str] = option(["mtbench"], f"benchmarks, comma-separated: {', '.join(BENCHMARKS)} or a prompts file (.jsonl, .json, .parquet, .txt)")
-    max_new_tokens: int = option(256, "new tokens per prompt at most")
-    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)")
-    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all")
-    temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling")
+    max_new_tokens: int = option(256, "new tokens per prompt at most", at_least=1)
+    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)", at_least=0)
+    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all", at_least=0)
+    temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling", at_least=0)
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32")
     baseline: bool = option(True, "also decode target-only through the same loop, for the speed-up")
-    stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids")
-    seed: int = option(0, "sampling seed (T > 0)")
+    stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids", at_least=0)
+    seed: int = option(0, "sampling seed (T > 0)", at_least=0)
     json: str = option("", "also write the numbers and per-prompt records to this JSON file")
     decoder: str = option("auto", "auto (static where the target passes its probe, else hf), static (preallocated caches, CUDA graphs on GPU) or hf (Hugging Face, eager)")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off; as the drafter was trained")
@@ -41,14 +40,6 @@ class EvalConfig:
             raise ConfigError("eval needs --target DIR and --drafter DIR")
         if not self.bench:
             raise ConfigError(f"--bench is empty: give one or more of {available_benchmarks()}")
-        if self.max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be at least 1")
-        if self.offset < 0:
-            raise ConfigError("offset must be ≥ 0")
-        if self.limit < 0:
-            raise ConfigError("limit must be ≥ 0 (0 = all prompts)")
-        if not self.temperature >= 0 or not math.isfinite(self.temperature):
-            raise ConfigError("temperature must be ≥ 0")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ConfigError(f"dtype {self.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
         if self.thinking not in THINKING:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from ..config import ConfigError, option
 from ..files import check_new_output, write_new_file_atomic
@@ -18,6 +19,10 @@ class EvalMergeConfig:
     def validate(self) -> None:
         if not self.inputs:
             raise ConfigError("eval-merge needs SHARD.json,SHARD.json,... (or --inputs)")
+        for shard in self.inputs:
+            if not Path(shard).is_file():
+                kind = "a folder" if Path(shard).is_dir() else "no such file"
+                raise ConfigError(f"{shard}: {kind}; eval-merge reads the --json files of `eval --offset --limit` shards")
         if self.json:
             check_new_output(self.json, "--json", self.inputs)
 

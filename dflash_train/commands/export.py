@@ -5,8 +5,9 @@ against the serving engines' loader rules."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
-from ..config import DTYPE_NAMES, ConfigError, option
+from ..config import DTYPE_NAMES, ConfigError, UserError, option
 
 EXPORT_FORMATS = ("hf", "gguf")
 
@@ -45,6 +46,10 @@ class ExportConfig:
                               "the checkpoint)")
         if not self.checkpoint or not self.out:
             raise ConfigError("export needs RUN_DIR_OR_CHECKPOINT and --out DIR (or --check DIR)")
+        here = Path.cwd().resolve()
+        if Path(self.out).resolve() in (here, *here.parents):
+            raise ConfigError(f"--out {self.out} is the current folder or one above it; name the folder the export "
+                              "is written to, e.g. --out export")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"dtype {self.dtype!r}: use {', '.join(DTYPE_NAMES)}")
 
@@ -59,10 +64,16 @@ def run_export(config: ExportConfig) -> int:
     from ..checkpoint import load_drafter, resolve_checkpoint
     from ..export import export_model
 
+    from safetensors import SafetensorError
+
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
-    out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
-                       source=checkpoint, force=config.force)
+    try:
+        out = export_model(drafter, config.out, dtype=getattr(torch, config.dtype), run_dir=checkpoint.parent.parent,
+                           source=checkpoint, force=config.force)
+    except SafetensorError as error:  # safetensors writes the weights itself: a full disk arrives as its error
+        raise UserError(f"--out {config.out}: cannot write the export's weights ({error}); the export is written "
+                        "whole or not at all") from None
     cfg = drafter.config
     print(f"exported {checkpoint} -> {out} (passes every SGLang/vLLM loader rule: dflash-train export --check {out})")
     print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "

@@ -18,24 +18,19 @@ class PromptsConfig:
 
     out: str = option("", "write the prompts as a .jsonl file ({id, source, messages} rows); never overwrites a file")
     split: str = option("train", "train, dev (1 in 100 prompts, held out for choosing recipes) or all")
-    limit: int = option(0, "write only the first N prompts of the split (0 = all)")
-    seed: int = option(0, "picks the registry rows and orders the set (regenerate --seed uses the same)")
-    max_per_file: int = option(2000, "at most this many prompts from one registry file")
-    max_short_per_file: int = option(1000, "of which at most this many asking for a short answer")
-    max_per_task: int = option(5000, "at most this many prompts from one registry task (folder)")
+    limit: int = option(0, "write only the first N prompts of the split (0 = all)", at_least=0)
+    seed: int = option(0, "picks the registry rows and orders the set (regenerate --seed uses the same)", at_least=0)
+    max_per_file: int = option(2000, "at most this many prompts from one registry file", at_least=1)
+    max_short_per_file: int = option(1000, "of which at most this many asking for a short answer", at_least=1)
+    max_per_task: int = option(5000, "at most this many prompts from one registry task (folder)", at_least=1)
 
     def validate(self) -> None:
         if self.split not in SPLITS:
             raise ConfigError(f"split {self.split!r}: use {', '.join(SPLITS)}")
-        if self.limit < 0:
-            raise ConfigError(f"limit must be >= 0 (0 = all), got {self.limit}")
         if self.out and not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file")
         if self.out:
             check_new_output(self.out, "--out")
-        for name in ("max_per_file", "max_short_per_file", "max_per_task"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 def run_prompts(config: PromptsConfig) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from ..config import THINKING, ConfigError, option
+from ..config import MAX_SECONDS, THINKING, ConfigError, option
 from ..files import check_outside_inputs, hold_output
 from ._common import check_target_flags, load_target_for
 
@@ -34,29 +34,29 @@ class RegenerateConfig:
                               "have it replaced) or 'default' (~114k built-in prompts: OpenAI evals registry, coding "
                               "prompts; decontaminated against the benchmarks; see `dflash-train prompts`)")
     out: str = option("", "output .jsonl of training rows; an existing one is resumed (rows already there are kept)")
-    limit: int = option(0, "use only the first N prompts (0 = all)")
+    limit: int = option(0, "use only the first N prompts (0 = all)", at_least=0)
     split: str = option("auto", "which prompts: train, dev (1 in 100, held out), all; auto = train for --prompts default, "
                                 "all for a file")
-    max_new_tokens: int = option(1024, "answer length cap; a capped answer gets finish_reason 'length'")
-    temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)")
-    top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
-    seed: int = option(0, "sampling seed (also picks and orders the default prompts)")
+    max_new_tokens: int = option(1024, "answer length cap; a capped answer gets finish_reason 'length'", at_least=1)
+    temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)", at_least=0)
+    top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)", above=0, at_most=1)
+    seed: int = option(0, "sampling seed (also picks and orders the default prompts)", at_least=0)
     batch_size: int = option(0, "prompts decoded at once (the static generator's slots); 0 = 1024 on CUDA (fewer "
-                                "where the caches do not fit; 64 for targets on the eager fallback), 8 on CPU")
+                                "where the caches do not fit; 64 for targets on the eager fallback), 8 on CPU", at_least=0)
     flush_seconds: float = option(1.0, "write finished rows (fsync'ed) at most this often; a kill loses at most the "
-                                       "rows of the last interval, which a rerun answers again")
+                                       "rows of the last interval, which a rerun answers again", at_least=0, at_most=MAX_SECONDS)
     max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens "
-                                       "(with --endpoint: no cap unless set, and it needs --target)")
+                                       "(with --endpoint: no cap unless set, and it needs --target)", at_least=0)
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     endpoint: str = option("", "answer with an OpenAI-compatible server at this URL (e.g. http://localhost:8000/v1) "
                                "instead of loading the target")
     model: str = option("", "with --endpoint: the served model's name (default: the server's first /v1/models entry)")
-    concurrency: int = option(16, "with --endpoint: requests in flight at once")
-    request_timeout: float = option(600.0, "with --endpoint: seconds one request may take before it is retried")
+    concurrency: int = option(16, "with --endpoint: requests in flight at once", at_least=1)
+    request_timeout: float = option(600.0, "with --endpoint: seconds one request may take before it is retried", above=0, at_most=MAX_SECONDS)
     retries: int = option(5, "with --endpoint: retries of a request after a connection error, timeout, 429 or 5xx "
-                             "(exponential backoff from 1 s)")
+                             "(exponential backoff from 1 s)", at_least=0)
 
     def validate(self) -> None:
         if self.endpoint:
@@ -72,28 +72,14 @@ class RegenerateConfig:
                                   "(set --concurrency)")
             if self.max_prompt_tokens and not self.target:
                 raise ConfigError("--max-prompt-tokens with --endpoint needs --target (its tokenizer counts the prompt)")
-            if self.concurrency < 1:
-                raise ConfigError(f"concurrency must be at least 1, got {self.concurrency}")
-            if self.request_timeout <= 0 or self.retries < 0:
-                raise ConfigError("request_timeout must be > 0 and retries >= 0")
         else:
-            check_target_flags(self.target, self.out, self.thinking, self.dtype, self.batch_size)
+            check_target_flags(self.target, self.out, self.thinking, self.dtype)
             if self.model:
                 raise ConfigError("--model names a served model: use it with --endpoint")
         if not self.prompts:
             raise ConfigError("no prompts: pass --prompts FILE or --prompts default")
         if not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file (it is appended to, and resumed)")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.flush_seconds < 0:
-            raise ConfigError(f"flush_seconds must be >= 0 (0 = after every row), got {self.flush_seconds}")
-        if self.limit < 0 or self.max_prompt_tokens < 0:
-            raise ConfigError("limit and max_prompt_tokens must be >= 0 (0 = no limit / automatic)")
         if self.split not in SPLIT_CHOICES:
             raise ConfigError(f"split {self.split!r}: use {', '.join(SPLIT_CHOICES)}")
         check_outside_inputs(self.out, "--out", [self.target, *([self.prompts] if self.prompts != "default" else [])])

@@ -22,15 +22,15 @@ class SelfPromptsConfig:
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file (a chat model: its template's "
                              "user turn is what it continues)")
-    count: int = option(0, "requests to keep (sampled in rounds until reached)")
+    count: int | None = option(None, "requests to keep (sampled in rounds until reached); required", at_least=1)
     out: str = option("", "the prompts .jsonl to write ({id, source, messages} rows); never overwrites a file")
     split: str = option("train", "keep requests of the train split, the dev split (1 in 100 texts, the rule of "
                                  "`dflash-train prompts`) or all")
-    seed: int = option(0, "sampling seed: request n is drawn from its own seed (seed, n), whatever the batch")
-    temperature: float = option(DEFAULTS.temperature, "sampling temperature (> 0)")
-    top_p: float = option(DEFAULTS.top_p, "nucleus sampling mass")
-    max_new_tokens: int = option(DEFAULTS.max_new_tokens, "length cap of a request; a request cut by it is dropped")
-    batch_size: int = option(0, "requests decoded at once (as `regenerate --batch-size`; 0 = the device's default)")
+    seed: int = option(0, "sampling seed: request n is drawn from its own seed (seed, n), whatever the batch", at_least=0)
+    temperature: float = option(DEFAULTS.temperature, "sampling temperature (> 0)", above=0)
+    top_p: float = option(DEFAULTS.top_p, "nucleus sampling mass", above=0, at_most=1)
+    max_new_tokens: int = option(DEFAULTS.max_new_tokens, "length cap of a request; a request cut by it is dropped", at_least=1)
+    batch_size: int = option(0, "requests decoded at once (as `regenerate --batch-size`; 0 = the device's default)", at_least=0)
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
 
@@ -39,14 +39,14 @@ class SelfPromptsConfig:
                                   max_new_tokens=self.max_new_tokens, split=self.split)
 
     def validate(self) -> None:
-        check_target_flags(self.target, self.out, "auto", self.dtype, self.batch_size)
+        if self.count is None:
+            raise ConfigError("--count is required: how many requests to keep")
+        check_target_flags(self.target, self.out, "auto", self.dtype)
         if not Path(self.target).exists():
             raise ConfigError(f"--target {self.target}: no such file or folder")
         if not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file")
         check_new_output(self.out, "--out", [self.target])
-        if self.count < 1:
-            raise ConfigError(f"--count must be at least 1, got {self.count}")
         if self.split not in SPLITS:
             raise ConfigError(f"--split {self.split!r}: use {', '.join(SPLITS)}")
         self.settings().validate()

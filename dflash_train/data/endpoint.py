@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from ..errors import ConfigError, UserError
+from .readers import MAX_CHARS_PER_TOKEN
 from .regenerate import Answer, Job
 
 SEED_MASK = 0x7FFFFFFF
@@ -153,7 +154,11 @@ class EndpointClient:
         raise AssertionError("unreachable")
 
     def model_ids(self) -> list[str]:
-        listing = self.request("/models")
+        try:
+            listing = self.request("/models")
+        except RowError as error:  # a server still loading (5xx), one without the route (404), an HTML page
+            raise EndpointError(f"{self.base}/models cannot list the served models ({error}); pass --model NAME "
+                                "to name the model without asking") from None
         try:
             return [str(entry["id"]) for entry in listing["data"]]
         except (KeyError, TypeError):
@@ -161,10 +166,11 @@ class EndpointClient:
 
 
 def resolve_model(client: EndpointClient, requested: str) -> str:
-    """`requested`, or the server's first listed model. Checks the server is reachable either way."""
-    models = client.model_ids()
+    """`requested` as given (a server or proxy without /v1/models still serves it), else the
+    server's first listed model."""
     if requested:
         return requested
+    models = client.model_ids()
     if not models:
         raise EndpointError(f"{client.base}/models lists no model; pass --model NAME")
     return models[0]
@@ -187,6 +193,19 @@ def answer_from_response(response: Any) -> Answer:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise RowError(f"usage.completion_tokens {tokens!r} is not a token count")
     return Answer(text, _FINISH_REASONS[finish], tokens)
+
+
+def check_answer_bounds(answer: Answer, max_tokens: int) -> None:
+    """Refuse (fail the row) what a server that ignores the request made of it: an empty answer,
+    or one beyond max_tokens (by its usage, or by its length)."""
+    if not answer.text.strip():
+        raise RowError("the server answered with empty content")
+    if answer.completion_tokens > max_tokens:
+        raise RowError(f"the server answered {answer.completion_tokens} tokens where max_tokens is {max_tokens} "
+                       "(it ignores max_tokens)")
+    if len(answer.text) > MAX_CHARS_PER_TOKEN * max_tokens:
+        raise RowError(f"the answer has {len(answer.text)} characters, more than {max_tokens} tokens (max_tokens) "
+                       f"can be; usage says {answer.completion_tokens} tokens: the server ignores max_tokens")
 
 
 class EndpointEngine:
@@ -220,7 +239,9 @@ class EndpointEngine:
         return body
 
     def answer(self, job: Job, stop: threading.Event | None = None) -> Answer:
-        return answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
+        answer = answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
+        check_answer_bounds(answer, self.sampling["max_tokens"])
+        return answer
 
     def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]:
         """(job, answer or the row's error) as requests finish, in any order; EndpointError ends it."""

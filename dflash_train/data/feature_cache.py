@@ -245,7 +245,7 @@ def write_feature_cache(
     out.mkdir(parents=True, exist_ok=True)
     header_path = out / HEADER
     if header_path.is_file():
-        before = json.loads(header_path.read_text())
+        before = _read_json(header_path, "restore it, or write the cache to another --out")
         changed = [f"{k}: {before.get(k)!r} before, {header[k]!r} now" for k in _SETTINGS if before.get(k) != header[k]]
         if before.get("format") != FORMAT or before.get("version") != VERSION:
             changed.insert(0, f"format {before.get('format')} v{before.get('version')}")
@@ -362,6 +362,17 @@ class _Entry:
     source: str
 
 
+def _read_json(path: Path, hint: str = "run the same cache-features command again to repair the cache") -> dict[str, Any]:
+    """A cache's JSON file (header or shard index); FeatureCacheError naming it when damaged."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FeatureCacheError(f"{path}: damaged (not valid JSON: {error}); {hint}") from None
+    if not isinstance(data, dict):
+        raise FeatureCacheError(f"{path}: damaged (not a JSON object); {hint}")
+    return data
+
+
 class FeatureCache:
     """A complete feature cache, memory-mapped. Safe to read from several threads."""
 
@@ -370,7 +381,7 @@ class FeatureCache:
         header_path = self.directory / HEADER
         if not header_path.is_file():
             raise FeatureCacheError(f"{self.directory}: not a feature cache (no {HEADER}); make one with dflash-train cache-features")
-        header = json.loads(header_path.read_text())
+        header = _read_json(header_path)
         if header.get("format") != FORMAT or header.get("version") != VERSION:
             raise FeatureCacheError(f"{header_path}: format {header.get('format')} v{header.get('version')}, "
                                     f"this version reads {FORMAT} v{VERSION}")
@@ -401,7 +412,10 @@ class FeatureCache:
 
     def _open_shard(self, index_file: Path) -> None:
         number = int(index_file.stem.split("-")[1])
-        index = json.loads(index_file.read_text())
+        index = _read_json(index_file)
+        if not {"shard", "bytes", "samples"} <= index.keys():
+            raise FeatureCacheError(f"{index_file}: damaged (no shard, bytes and samples); delete it and its .bin "
+                                    "and run cache-features again to rewrite that shard")
         path = self.directory / index["shard"]
         size = path.stat().st_size if path.is_file() else -1
         if size != index["bytes"]:

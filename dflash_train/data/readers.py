@@ -60,6 +60,13 @@ class DataError(UserError, ValueError):
         self.reason = reason or re.sub(r"\[\d+\]", "[*]", f"{what}: {general}" if what else general)
 
 
+# A token's text is at most this many characters in the vocabularies of real models (the longest
+# are runs of spaces or dashes in code vocabularies, well under it). So N tokens never span more
+# than N times this many characters: a row is cut there before it is tokenized, and an answer
+# longer than that is not N tokens whatever a server says.
+MAX_CHARS_PER_TOKEN = 256
+
+
 @dataclass
 class RowStats:
     """How many rows were read, how many are used, and why the others were skipped.
@@ -70,6 +77,7 @@ class RowStats:
 
     read: int = 0
     skipped_by_reason: Counter = field(default_factory=Counter)
+    truncated: int = 0  # used rows longer than the length kept (their first tokens are used)
     first_example: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -91,7 +99,8 @@ class RowStats:
         log.debug("skipped: %s", example or reason)
 
     def summary(self) -> str:
-        lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}"]
+        lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}"
+                 + (f" (of the used, {self.truncated} truncated to the length kept)" if self.truncated else "")]
         for reason, count in sorted(self.skipped_by_reason.items(), key=lambda item: (-item[1], item[0])):
             example = self.first_example.get(reason)
             lines.append(f"  skipped {count}: {reason}" + (f"  (first: {example})" if example else ""))
@@ -141,11 +150,12 @@ def _format_suffix(path: Path) -> str:
 
 
 def _open_text(path: Path) -> io.TextIOBase:
+    # utf-8-sig: a byte-order mark some editors write at the start is not part of row 1.
     # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate in the row that holds
     # it (rejected there by `_text`), instead of a UnicodeDecodeError that ends the whole file.
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
-    return open(path, encoding="utf-8", errors="surrogateescape")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
 
 
 def _unreadable(path: Path, kind: str, error: BaseException) -> DataError:

@@ -152,7 +152,14 @@ def check_output(out: Path, record: dict[str, Any]) -> bool:
             f"{out} already exists and was not written by `dflash-train regenerate` (no {sidecar.name} next to it); "
             "choose another --out, or delete the file"
         )
-    before = json.loads(sidecar.read_text())
+    try:
+        before = json.loads(sidecar.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        before = error
+    if not isinstance(before, dict) or not isinstance(before.get("settings"), dict):
+        why = f"not valid JSON: {before}" if isinstance(before, Exception) else "no settings recorded"
+        raise RegenerateError(f"{sidecar}: damaged ({why}), so {out} cannot be resumed safely; restore it, or "
+                              "write to another --out")
     changed = [f"{k}: {before['settings'].get(k)!r} before, {v!r} now" for k, v in record["settings"].items()
                if before["settings"].get(k) != v]
     if before.get("target") != record["target"]:
@@ -185,12 +192,12 @@ def prepare_output(out: Path, record: dict[str, Any], log: TextIO) -> set[str]:
             os.fsync(handle.fileno())
         print(f"{out}: dropped an incomplete last line ({len(data) - end} bytes) left by an interrupted run", file=log)
     ids: set[str] = set()
-    for number, line in enumerate(data[:end].decode("utf-8").splitlines(), start=1):
-        if not line.strip():
+    for number, raw in enumerate(data[:end].split(b"\n"), start=1):
+        if not raw.strip():
             continue
         try:
-            row_id = json.loads(line)["id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            row_id = json.loads(raw.decode("utf-8"))["id"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise DataError(f"{out}:{number}", "", "not a row written by regenerate; the file was edited, "
                             "fix or delete that line to resume") from None
         ids.add(str(row_id))
@@ -259,9 +266,13 @@ class ChunkWriter:
 
     def flush(self) -> None:
         if self.pending:
-            self.handle.write("".join(self.pending))
-            self.handle.flush()
-            os.fsync(self.handle.fileno())
+            try:
+                self.handle.write("".join(self.pending))
+                self.handle.flush()
+                os.fsync(self.handle.fileno())
+            except OSError as error:  # a full disk: the rows flushed before are whole; a rerun resumes
+                error.filename = error.filename or self.handle.name
+                raise
             self.pending = []
         self.last_flush = time.monotonic()
 
@@ -269,7 +280,11 @@ class ChunkWriter:
         try:
             self.flush()
         finally:
-            self.handle.close()
+            try:
+                self.handle.close()  # writes what a failed flush left in the file object's buffer
+            except OSError as error:
+                error.filename = error.filename or self.handle.name
+                raise
 
 
 def regenerate(

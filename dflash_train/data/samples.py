@@ -20,8 +20,8 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 import torch
 
 from ..progress import Progress
-from .readers import Conversation, RowStats, read_conversations
-from .render import RenderError, render_conversation
+from .readers import MAX_CHARS_PER_TOKEN, Conversation, RowStats, read_conversations
+from .render import RenderError, Rendered, render_conversation
 from .render_pool import RenderPoolError, render_in_workers
 
 NO_VALID_ANCHOR = "no valid anchor"
@@ -82,7 +82,8 @@ def load_training_samples(
             if isinstance(outcome, Skipped):
                 stats.skip(outcome.reason, outcome.example)
             else:
-                input_ids, loss_mask = outcome
+                input_ids, loss_mask, truncated = outcome
+                stats.truncated += truncated
                 samples.append(
                     TrainingSample(
                         sample_id=sample_id,
@@ -104,9 +105,9 @@ class Skipped(NamedTuple):
     example: str
 
 
-# (input_ids, loss_mask) of a sample, compact (8 + 1 bytes a token: a worker's share of 100k rows
-# waits whole in memory), or why not.
-Outcome = Union[tuple[array, bytearray], Skipped]
+# (input_ids, loss_mask, whether the row was longer than max_length) of a sample, compact (8 + 1
+# bytes a token: a worker's share of 100k rows waits whole in memory), or why not.
+Outcome = Union[tuple[array, bytearray, bool], Skipped]
 
 
 @dataclass(frozen=True)
@@ -118,17 +119,23 @@ class _RenderRule:
     enable_thinking: bool | None
 
     def render(self, tokenizer: Any, conversation: Conversation) -> Outcome:
+        # Tokens past max_length are dropped, so text past max_length tokens' worth of characters
+        # is never tokenized: a 50 MB row costs what its first characters cost.
+        keep = self.max_length * MAX_CHARS_PER_TOKEN
+        messages = [{**m, "content": m["content"][:keep]} for m in conversation.messages]
+        cut = any(len(m["content"]) > keep for m in conversation.messages)
         try:
-            rendered = render_conversation(tokenizer, conversation.messages, enable_thinking=self.enable_thinking,
-                                           max_length=self.max_length)
+            rendered = render_conversation(tokenizer, messages, enable_thinking=self.enable_thinking)
         except RenderError as error:
             return Skipped("chat template error", f"{conversation.source}: {error}")
+        truncated = cut or len(rendered.input_ids) > self.max_length
+        rendered = Rendered(rendered.input_ids[: self.max_length], rendered.loss_mask[: self.max_length])
         if not has_valid_anchor(rendered.loss_mask):
             return Skipped(NO_VALID_ANCHOR, conversation.source)
         if rendered.num_supervised < self.min_supervised_tokens:
             return Skipped(f"fewer than {self.min_supervised_tokens} supervised tokens (after truncation to "
                            f"{self.max_length})", conversation.source)
-        return array("q", rendered.input_ids), bytearray(rendered.loss_mask)
+        return array("q", rendered.input_ids), bytearray(rendered.loss_mask), truncated
 
 
 def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversation]]:

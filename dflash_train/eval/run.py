@@ -15,7 +15,7 @@ from ..config import UserError
 from ..data.render import render_prompt
 from ..decode.loop import generate
 from ..drafter import DFlashDrafter
-from ..target import Target
+from ..target import Target, file_sha256, target_identity
 from .benchmarks import BenchPrompt
 from .stats import PromptResult, _fmt
 
@@ -42,32 +42,6 @@ def check_pair(target: Target, drafter: DFlashDrafter) -> None:
 
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLE_BYTES = 1 << 20
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _sampled_fingerprint(paths: Sequence[Path]) -> str:
-    """sha256 over each file's name, size, first and last MiB: tells apart two fine-tunes of one
-    model (every tensor differs) without reading a target's many GB."""
-    digest = hashlib.sha256()
-    for path in paths:
-        size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with open(path, "rb") as handle:
-            digest.update(handle.read(_SAMPLE_BYTES))
-            handle.seek(max(0, size - _SAMPLE_BYTES))
-            digest.update(handle.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
-
-
 def pair_identity(target_path: str | Path, drafter_path: str | Path) -> dict[str, dict[str, str]]:
     """What says which target and drafter an eval measured, for `eval-merge` to compare: the
     drafter's config.json and weights (sha256 of each, whole), the target's config.json (sha256)
@@ -76,22 +50,14 @@ def pair_identity(target_path: str | Path, drafter_path: str | Path) -> dict[str
     drafter = Path(drafter_path).resolve()
     target = Path(target_path).resolve()
     weights = sorted(drafter.glob("*.safetensors"))
-    identity = {
+    return {
         "drafter": {
             "path": str(drafter),
-            "config_sha256": _sha256(drafter / "config.json"),
-            "weights_sha256": hashlib.sha256("".join(_sha256(w) for w in weights).encode()).hexdigest(),
+            "config_sha256": file_sha256(drafter / "config.json"),
+            "weights_sha256": hashlib.sha256("".join(file_sha256(w) for w in weights).encode()).hexdigest(),
         },
-        "target": {"path": str(target)},
+        "target": {"path": str(target), **target_identity(target)},
     }
-    if target.is_file():  # a .gguf
-        identity["target"]["weights_fingerprint"] = _sampled_fingerprint([target])
-    else:
-        identity["target"]["config_sha256"] = _sha256(target / "config.json")
-        identity["target"]["weights_fingerprint"] = _sampled_fingerprint(
-            sorted(p for p in target.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-        )
-    return identity
 
 
 def load_pair(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype) -> tuple[Target, DFlashDrafter]:

@@ -159,8 +159,8 @@ def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     offsets keep the order given) and the summary is recomputed from them, so τ statistics are
     those of one unsharded run. A benchmark missing from a shard contributes nothing there.
     Raises MergeError when the drafters or targets differ (see `_check_same_pair`), when block
-    sizes or the settings in `_SHARD_SETTINGS` differ, or when a prompt id appears twice in a
-    benchmark (overlapping shards)."""
+    sizes or the settings in `_SHARD_SETTINGS` differ, when a prompt id appears twice in a
+    benchmark (overlapping shards), or when prompts between two shards are in none (a gap)."""
     if not paths:
         raise MergeError("eval-merge needs at least one --json file of `dflash-train eval`")
     shards = []
@@ -189,8 +189,15 @@ def merge_eval_results(paths: Sequence[str | Path]) -> dict[str, Any]:
     known_fields = {f.name for f in dataclasses.fields(PromptResult)}
     merged: dict[str, list[PromptResult]] = {}
     seen: dict[str, dict[str, Path]] = {}
-    for _, _, path, payload in shards:
+    covered: dict[str, tuple[int, Path]] = {}  # per benchmark: where the shards so far end, and the last one
+    for offset, _, path, payload in shards:
         for name, bench in payload["benchmarks"].items():
+            if name in covered and offset > covered[name][0]:
+                end, before = covered[name]
+                raise MergeError(f"{name}: {before} ends at prompt {end} but {path} starts at --offset {offset}: "
+                                 f"prompts {end}..{offset - 1} are in no shard; evaluate them (--offset {end} "
+                                 f"--limit {offset - end}) and merge that shard too")
+            covered[name] = (max(offset + len(bench["prompts"]), covered.get(name, (0, path))[0]), path)
             results, owners = merged.setdefault(name, []), seen.setdefault(name, {})
             for record in bench["prompts"]:
                 prompt_id = record["id"]

@@ -33,7 +33,7 @@ from ..files import check_outside_inputs, remove_leftover_staging, write_json_at
 from ..fp8 import check_fp8_dims, fp8_unsupported, use_fp8_linears
 from ..objective import ObjectiveConfig, fused_head_unsupported
 from ..step import FrozenTargetParts, make_optimizer, warmup_cosine
-from ..target import Target, load_target, resolve_device, resolve_mask_token_id
+from ..target import Target, load_target, resolve_device, resolve_mask_token_id, target_identity
 from .batches import BatchPlanner, HostBatch, auto_buckets, stream_differences
 from .compile_cache import CompileCacheReport
 from .compile_gate import CompileGate, recompile_limit_for
@@ -349,10 +349,19 @@ class ResumePoint:
     behind_newest: bool = False  # some drafter has checkpoints past start_step (see set_aside_later_checkpoints)
 
 
-def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO, stream: dict | None = None) -> ResumePoint:
+def run_target_identity(config: TrainConfig, supply: FeatureSupply | None = None) -> dict[str, str] | None:
+    """The identity (`target.target_identity`) of the target this run trains against: --target,
+    or the feature cache's target; None for a target given in memory (tests, benchmarks)."""
+    path = config.target or (str(supply.cache.target) if supply is not None and supply.cache is not None else "")
+    return target_identity(path) if path and Path(path).exists() else None
+
+
+def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO, stream: dict | None = None,
+                      target: dict[str, str] | None = None) -> ResumePoint:
     """The step to continue from. A checkpoint fixes its drafter's shape, its optimizer's
-    settings and its data stream (`stream_identity`: step s must train the same batches): a
-    resume that changes any of them is refused (never silently ignored)."""
+    settings, its data stream (`stream_identity`: step s must train the same batches) and its
+    target (`run_target_identity`): a resume that changes any of them is refused (never
+    silently ignored)."""
     if not config.resume:
         return ResumePoint()
     # The newest checkpoint that loads and verifies; a damaged newer one is skipped with one line.
@@ -371,6 +380,7 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
     steps = {name: state["step"] for name, state in states.items()}
     for plan in plans:
         check_resumable(plan, found[plan.name], states[plan.name])
+        check_same_target(plan, found[plan.name], states[plan.name], target, log)
     for name, state in states.items():
         if stream is None:
             continue
@@ -431,6 +441,24 @@ def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
                 f"cannot resume {plan.run_dir}: --{key.replace('_', '-')} {getattr(plan.config, key)} differs from "
                 f"{saved_settings[key]} in its checkpoint {checkpoint.name}, whose optimizer state fixes it; resume "
                 f"without changing it, or start a new run in another --out")
+
+
+def check_same_target(plan: DrafterPlan, checkpoint: Path, state: dict, target: dict[str, str] | None,
+                      log: TextIO) -> None:
+    """A checkpoint trained against one target is not continued against another of the same
+    shape (a base model for its instruct tune, a fine-tune): the drafter would learn a mix."""
+    saved = state.get("target")
+    if target is None:
+        return
+    if saved is None:
+        print(f"--resume: {checkpoint} records no target (an older checkpoint): the target is not checked", file=log)
+        return
+    differs = [name for name in ("config_sha256", "weights_fingerprint") if saved.get(name) != target.get(name)]
+    if differs:
+        what = " and ".join("its config.json" if name == "config_sha256" else "its sampled weights" for name in differs)
+        raise ConfigError(f"cannot resume {plan.run_dir}: --target {plan.config.target or 'the feature cache target'} is not "
+                          f"the target its checkpoint {checkpoint.name} was trained against ({what} differ); resume "
+                          "with that target, or start a new run in another --out")
 
 
 def step_range(config: TrainConfig, resume: ResumePoint, stop_at: int | None, log: TextIO) -> StepRange:
@@ -612,6 +640,7 @@ def build_pipeline(
     sources: list[FeatureSource], samples: Sequence[Any], resume: ResumePoint, steps: StepRange, *, gate: CompileGate | None, evaluation: EvaluationSchedule | None,
     step_hook: StepHook | None, save_checkpoints: bool, graphs: GraphChoice, log: TextIO,
     compile_cache: CompileCacheReport | None = None, nodes: NodeGroup | None = None, stream: dict | None = None,
+    target: dict[str, str] | None = None,
 ) -> Pipeline:
     nodes = nodes or NodeGroup()
     stop = StopSignal()
@@ -638,7 +667,7 @@ def build_pipeline(
                         compiled=compiles_drafter(config, replica.device) or backends[replica.device] == "flex")
         checkpointer = Checkpointer(
             plan.run_dir, config.save_every, config.keep_checkpoints,
-            {"train_config": dataclasses.asdict(plan.config), "layer_union": union, "stream": stream},
+            {"train_config": dataclasses.asdict(plan.config), "layer_union": union, "stream": stream, "target": target},
             saved_step=steps.start,
         ) if save_checkpoints and nodes.writes else None
         across = NodeStep(

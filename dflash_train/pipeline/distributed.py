@@ -209,12 +209,19 @@ class NodeGroup:
         self.control: Any = None  # gloo: votes, agreement, weights at start
         self.stop_requested: str | None = None  # a signal's request, for the next vote
         self.broken = False  # a collective failed: no more collectives
+        self.finished = False  # every rank reached `finish`
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
     @property
     def distributed(self) -> bool:
         return self.launch is not None
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether the rendezvous store lives in this process (rank 0, where no launcher agent
+        hosts it): it must outlive every other rank's last use of it."""
+        return self.distributed and not self.launch.agent_store and self.rank == 0
 
     @property
     def writes(self) -> bool:
@@ -251,7 +258,7 @@ class NodeGroup:
             raise RuntimeError("a torch.distributed process group already exists in this process")
         launch = self.launch
         prefix = f"dflash/{launch.attempt}"
-        self.store = dist.PrefixStore(prefix, self._connect(is_host=not launch.agent_store and launch.rank == 0))
+        self.store = dist.PrefixStore(prefix, self._connect(is_host=self.hosts_store))
         self._start_heartbeat(dist.PrefixStore(prefix, self._connect(is_host=False)))
         # Everyone arrives before any process group forms, so gloo's connection setup (bounded by
         # the timeout) never waits for a rank that is still starting.
@@ -293,13 +300,33 @@ class NodeGroup:
             first_line = (str(error).strip().splitlines() or [""])[0][:300]
             with contextlib.suppress(Exception):
                 self.store.set(f"gone/{self.rank}", f"it left with {type(error).__name__}: {first_line}")
-        self._closing.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS)
+        released = error is None and self.finished
+        if released and self.hosts_store:
+            self._wait_for_release()
         # After an error, worker threads may still be inside a collective; destroying the
         # groups under them aborts the process, so leaving them to process exit is safer.
         if dist.is_initialized() and not self.broken and error is None:
             dist.destroy_process_group()
+        if released and not self.hosts_store:
+            with contextlib.suppress(Exception):  # its last use of the store (heartbeat still ticking): the host may leave
+                self.store.set(f"released/{self.rank}", "1")
+        self._closing.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS)
+
+    def _wait_for_release(self) -> None:
+        """The store's host leaves last: a finished rank may still be reading the store (its own
+        wait in `finish`, leaving its process groups), and a store gone under it would turn a
+        finished run into a NodeLost on that rank. A rank that dies meanwhile is not waited for
+        beyond the heartbeat timeout: the run is finished either way."""
+        waiting = set(range(self.world_size)) - {self.rank}
+        watch = Liveness(self.store, self.rank, self.timeout)
+        with contextlib.suppress(Exception):
+            while waiting:
+                waiting = {r for r in waiting if not self.store.check([f"released/{r}"])}
+                waiting -= set(watch.lost(sorted(waiting)))
+                if waiting:
+                    time.sleep(POLL_SECONDS)
 
     # --- waiting and collectives -------------------------------------------------------------------
 
@@ -397,6 +424,7 @@ class NodeGroup:
         export meanwhile, and no launcher kills it because another rank exited first."""
         if self.distributed and not self.broken:
             self.wait_for("finished", range(self.world_size), "finishing")
+            self.finished = True
 
     def interrupts(self, stop: StopSignal) -> Any:
         """What Ctrl-C / SIGTERM stop: on one process the pipeline at once; across nodes only a

@@ -19,18 +19,19 @@ the nodes, gradients are all-reduced across them, every stop is agreed, and rank
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from ..config import ConfigError, TrainConfig
+from ..config import PER_NODE_SETTINGS, ConfigError, TrainConfig
 from ..decode.families import describe_target
 from ..files import hold_output
 from ..target import Target
 from .batches import stream_identity
 from .build import (
     build_evaluation, build_pipeline, check_batch_size, compile_gate, describe_drafters, find_resume_point,
-    layer_union, load_feature_supply, load_samples, plan_drafters, prepare_run_folder, resolve_layout,
+    layer_union, load_feature_supply, load_samples, plan_drafters, prepare_run_folder, resolve_layout, run_target_identity,
     set_aside_later_checkpoints, step_range, step_share,
 )
 from .compile_cache import load_compile_cache
@@ -76,6 +77,7 @@ def train(
                    timeout=config.dist_timeout) as nodes, contextlib.ExitStack() as owned:
         if nodes.distributed:
             print(f"nodes: {nodes.describe()}", file=log)
+            nodes.agree(settings_every_node_shares(config), "the settings")  # before anything loads or is written
         plans = plan_drafters(config, layout)
         if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
             owned.enter_context(hold_output(out, "--out"))
@@ -89,7 +91,8 @@ def train(
         sources = supply.sources(layout, layer_union(plans), log)
         stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,
                                  batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.max_seq_len)
-        resume = find_resume_point(config, plans, log, stream)
+        identity = run_target_identity(config, supply)
+        resume = find_resume_point(config, plans, log, stream, identity)
         nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
                      "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
                     "what to train")
@@ -104,7 +107,8 @@ def train(
         evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
         pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, gate=gate,
                                   evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
-                                  graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream)
+                                  graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream,
+                                  target=identity)
         print(layout_line(config, plans, pipeline, steps.start, nodes) + f"\ncuda graphs: {graphs.reason}", file=log)
 
         all_sinks: list[Sink] = []
@@ -120,6 +124,18 @@ def train(
         # The rows the drafters learned from (after the supervised-token filter), for whoever reports the run.
         summary["data"] = {"samples": len(pipeline.planner.samples), "batches_per_epoch": pipeline.planner.batches_per_epoch}
         return summary
+
+
+def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
+    """What must be equal on every node, by flag: every setting but the per-node ones (paths,
+    devices), and the target's identity (its files, wherever each node mounts them)."""
+    shared = {"--" + name.replace("_", "-"): value for name, value in dataclasses.asdict(config).items()
+              if name not in PER_NODE_SETTINGS}
+    identity = run_target_identity(config)
+    if identity is not None:
+        shared["the target (--target's config.json and sampled weights)"] = " ".join(
+            f"{key} {value[:16]}" for key, value in sorted(identity.items()))
+    return shared
 
 
 def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
