@@ -166,7 +166,7 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     from ..data.regenerate import check_output, output_record, regenerate
 
     client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
-    model = resolve_model(client, config.model)
+    model, server = resolve_model(client, config.model)
     target_name = f"{model} @ {client.base}"
     record_extra = {"endpoint": {"url": client.base, "model": model}}
     if not settings.greedy:
@@ -176,7 +176,7 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     prompts, stats = read_input_prompts(config)
     engine = EndpointEngine(
         client, model, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        enable_thinking=settings.enable_thinking, concurrency=config.concurrency,
+        enable_thinking=settings.enable_thinking, concurrency=config.concurrency, server=server,
     )
     report = regenerate(
         prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
