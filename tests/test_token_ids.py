@@ -227,7 +227,7 @@ def test_ids_are_refused_where_the_template_rewrites_the_answer(newline):
     assert not trimmed.from_ids and trimmed.text_because == "token ids, but the chat template rewrites the answer text"
 
 
-def test_a_drafter_learns_the_targets_own_tokens_only_from_the_ids(newline_dir, newline, tmp_path, capsys):
+def test_a_drafter_learns_the_targets_own_tokens_only_from_the_ids(newline_dir, newline, tmp_path, capsys, record_property):
     """The issue's measurement as a test: trained on the ids, the drafter's proposals are
     accepted in real speculative decoding; trained on the re-tokenized text, never (τ 1)."""
     prompts = _prompt_file(tmp_path / "prompts.jsonl")
@@ -252,6 +252,8 @@ def test_a_drafter_learns_the_targets_own_tokens_only_from_the_ids(newline_dir, 
         summary = json.loads(result.read_text())["benchmarks"]["prompts"]["summary"]
         assert summary["identical_to_baseline"] == len(TEXTS)
         tau[mode] = summary["tau_pooled"]
+    record_property("report", f"eval tau on the target's own prompts: {tau['auto']:.2f} from the token ids, "
+                              f"{tau['ignore']:.2f} from the re-tokenized text")
     assert tau["auto"] > 1.5, tau
     assert tau["ignore"] < 1.1, tau
 

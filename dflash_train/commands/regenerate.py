@@ -2,7 +2,7 @@
 
 The answers come from the target loaded here or, with --endpoint, from an OpenAI-compatible
 server (vLLM, SGLang, llama.cpp, `transformers serve`) running the target; no model is loaded
-then, and --target only supplies the tokenizer for the prompt-length cap.
+then, and --target only supplies the tokenizer for the prompt-length cap and the answers' token ids.
 Ends with the `rows: read=N used=M skipped=K` accounting of its input."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class RegenerateConfig:
     """Let the target write the answers to a set of prompts (training data in its own words)."""
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file (with --endpoint: only its tokenizer, "
-                             "for --max-prompt-tokens; optional)")
+                             "for --max-prompt-tokens and to keep the server's answer token ids; optional)")
     prompts: str = option("", "prompt file (.jsonl/.json/.parquet/.txt, optionally .gz; chats ending with an answer "
                               "have it replaced) or 'default' (~114k built-in prompts: OpenAI evals registry, coding "
                               "prompts; decontaminated against the benchmarks; see `dflash-train prompts`)")

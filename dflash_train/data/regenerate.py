@@ -244,7 +244,7 @@ class RegenerationReport:
             f"  resumed     {self.resumed} rows were already in the output",
             *([f"  engine      {self.engine_note}"] if self.engine_note else []),
             f"  token ids   {self.with_token_ids} of {self.new} rows carry their answer's generated token ids"
-            + (f" (tokenizer {self.fingerprint})" if self.fingerprint else "")
+            + (f" (tokenizer {self.fingerprint})" if self.fingerprint and self.with_token_ids else "")
             + "".join(f"; {n} without: {why}" for why, n in sorted(self.text_only.items())),
             f"  accounting  input {self.stats.read} = ok {self.new + self.resumed} + failed {self.failed} + skipped {skipped}",
             "=" * 72,
