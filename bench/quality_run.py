@@ -72,7 +72,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from dflash_train.config import DECODERS, ConfigError, TrainConfig, UserError, add_arguments, from_args, option  # noqa: E402
+from dflash_train.config import DECODERS, TOKEN_IDS, ConfigError, TrainConfig, UserError, add_arguments, from_args, option  # noqa: E402
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 from dflash_train.gguf import check_gguf_file  # noqa: E402
 
@@ -145,6 +145,8 @@ class QualityRunConfig:
     loss: str = option("dpace", "dpace (chosen on the dev split: docs/RESULTS.md) or decay (the bar recipe's, gamma 7)")
     gamma: float | None = option(None, "decay gamma (empty = the recipe's 7)")
     buckets: list[int] = option([768], "padded sequence lengths (`train --seq-buckets`)")
+    token_ids: str = option("auto", "`train --token-ids`: auto trains on the answers' generated token ids where "
+                                    "the rows have them, ignore on their re-tokenized text (train, eval, curve, recipe)")
     save_every: int = option(250, "checkpoint every K steps (a stop at the box also checkpoints)")
     train_seconds: float = option(0.0, "training's box in this call, loading included (0 = until the deadline)")
     train_total_seconds: float = option(0.0, "training budget over all calls: when spent, the last checkpoint is "
@@ -176,6 +178,8 @@ class QualityRunConfig:
                                           "one run per variant, one after another (the same rows, steps and seed)")
 
     def validate(self) -> None:
+        if self.token_ids not in TOKEN_IDS:
+            raise ConfigError(f"--token-ids {self.token_ids!r}: use {' or '.join(TOKEN_IDS)}")
         for name in ("target", "prompts", "work"):
             if not getattr(self, name) and not (name == "prompts" and self.answers_from):
                 raise ConfigError(f"--{name} is required")
@@ -296,7 +300,7 @@ STAGE_KEYS = {
 }
 
 
-OPTIONAL_KEYS = ("self_prompts", "self_prompt_tokens", "answers_from")  # recorded only when used (below)
+OPTIONAL_KEYS = ("self_prompts", "self_prompt_tokens", "answers_from", "token_ids")  # recorded only when used (below)
 RECIPE_MODES = ("variants", "sequential")
 
 
@@ -307,6 +311,8 @@ def stage_settings(config: QualityRunConfig, stage: str) -> dict[str, Any]:
         values.update(self_prompts=config.self_prompts, self_prompt_tokens=config.self_prompt_tokens)
     if config.answers_from and stage != "self-prompts":
         values["answers_from"] = config.answers_from  # only where used, as above
+    if config.token_ids != "auto" and stage not in ("self-prompts", "regenerate"):
+        values["token_ids"] = config.token_ids  # only where used, as above
     for key in ("target", "prompts", "dev_prompts", "answers_from"):
         if key in values and values[key] and values[key] != "default":
             values[key] = str(Path(values[key]).resolve())
@@ -709,7 +715,7 @@ def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str |
                  if getattr(config, key) is not None}
     if config.loss:
         overrides["loss"] = config.loss
-    train = dataclasses.replace(train, **overrides)
+    train = dataclasses.replace(train, token_ids=config.token_ids, **overrides)
     train.validate()
     return train
 

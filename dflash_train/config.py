@@ -27,6 +27,7 @@ DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
+TOKEN_IDS = ("auto", "ignore")  # --token-ids: train on rows' generated answer ids where they fit, or never
 DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (pipeline/distributed.py)
 MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a longer one is a typo, and inf overflows the timers
 
@@ -367,6 +368,7 @@ class TrainConfig:
     out: str = option("", "run folder: checkpoints, metrics, run.json")
     features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
     thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off")
+    token_ids: str = option("auto", "rows with their answer's generated token ids (regenerate writes them): auto = train on those ids where their tokenizer is the target's, ignore = re-tokenize the text")
     steps: int = option(1000, "optimizer steps", at_least=1)
     batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
     grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
@@ -426,7 +428,7 @@ class TrainConfig:
     dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit", at_least=1, at_most=MAX_SECONDS)
 
     SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
-        "data": ("data", "features", "thinking", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
+        "data": ("data", "features", "thinking", "token_ids", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
         "model": ("target", "block_size", "num_layers", "target_layer_ids", "mask_token_id", "arch", "conv_kernel_size",
                   "conv_group_size", "selector_rank", "selector_top_k"),
         "objective": ("loss", "gamma", "dpace_alpha", "num_anchors", "loss_chunk_rows", "selector_weight", "selector_miss"),
@@ -451,6 +453,7 @@ class TrainConfig:
         _choice("arch", self.arch, ("dflash", "dflash2"))
         _choice("selector_miss", self.selector_miss, ("drop", "insert"))
         _choice("thinking", self.thinking, tuple(THINKING))
+        _choice("token_ids", self.token_ids, TOKEN_IDS)
         _choice("attention", self.attention, ("auto", "flex", "sdpa"))
         _choice("compile", self.compile, ("auto", "on", "off"))
         _choice("compile_target", self.compile_target, ("auto", "off"))

@@ -189,7 +189,9 @@ def test_endpoint_rows_match_the_local_path(server, smollm2_dir, tmp_path, capsy
     served, expected = read_rows(out), read_rows(local)
     assert set(served) == set(expected) == {"capital", "yes", "haiku"}
     for row_id, row in expected.items():
-        assert served[row_id] == row, row_id
+        # the local rows also carry the generated token ids, which `transformers serve` does not return
+        assert row["answer_token_ids"] and served[row_id] == {k: v for k, v in row.items()
+                                                              if k not in ("answer_token_ids", "tokenizer_fingerprint")}, row_id
     assert {row["finish_reason"] for row in served.values()} <= {"stop", "length"}
     record = json.loads((tmp_path / "endpoint.jsonl.regenerate.json").read_text())
     assert record["endpoint"] == {"url": f"{server}/v1", "model": str(smollm2_dir)}
@@ -307,3 +309,49 @@ def test_answers_are_read_strictly():
         with pytest.raises(RowError, match=match):
             answer_from_response(bad)
     assert issubclass(EndpointError, Exception)
+
+
+def test_a_server_that_refuses_the_token_id_fields_is_asked_without_them(proxy, server, smollm2_dir, tmp_path, capsys):
+    """`transformers serve` returns no token ids and is not asked for them; a server that lists
+    itself as vLLM is, and where it refuses the fields (the real `transformers serve` answers
+    them with HTTP 422) the row is asked again without them, the run stops asking, and the rows
+    are text only (training reads them so)."""
+    out = tmp_path / "answers.jsonl"
+    assert regenerate(server, prompt_file(tmp_path, PROMPTS[:2]), out, "--target", str(smollm2_dir)) == 0
+    printed = capsys.readouterr().out
+    assert "asking for the answers' token ids" not in printed and "refused" not in printed
+    assert "token ids   0 of 2 rows carry their answer's generated token ids; 2 without: the engine returned no " \
+           "token ids" in printed, printed
+
+    original = proxy.RequestHandlerClass
+    proxy.RequestHandlerClass = _ListsAsVllm
+    try:
+        out = tmp_path / "as-vllm.jsonl"
+        assert regenerate(proxy.url, prompt_file(tmp_path, PROMPTS[:3], "three.jsonl"), out, "--target",
+                          str(smollm2_dir), "--concurrency", "1") == 0
+    finally:
+        proxy.RequestHandlerClass = original
+    printed = capsys.readouterr().out
+    assert "asking for the answers' token ids (vllm)" in printed, printed
+    assert "the server refused the token-id request fields (HTTP 422" in printed, printed
+    assert proxy.forwarded_chats == 4  # the first row twice (with the fields, then without), then one each
+    rows = read_rows(out)
+    assert len(rows) == 3 and all("answer_token_ids" not in row and row["messages"][-1]["content"] for row in rows.values())
+
+
+class _ListsAsVllm(_ProxyHandler):
+    """The proxy's forwarding, with /v1/models answered as vLLM lists its models."""
+
+    def do_GET(self):
+        if self.path.endswith("/models"):
+            upstream = json.loads(urllib.request.urlopen(self.server.upstream + "/v1/models", timeout=30).read())
+            for entry in upstream["data"]:
+                entry["owned_by"] = "vllm"
+            payload = json.dumps(upstream).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        super().do_GET()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import THINKING, ConfigError, option
+from ..config import THINKING, TOKEN_IDS, ConfigError, option
 from ..files import check_outside_inputs, hold_output
 from ._common import check_target_flags, load_target_for
 
@@ -28,6 +28,8 @@ class CacheFeaturesConfig:
     shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)", above=0, at_most=1 << 20)
     dtype: str = option("auto", "stored dtype: auto (the target's: bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
+    token_ids: str = option("auto", "rows with their answer's generated token ids: auto = render those ids where their "
+                                    "tokenizer is the target's, ignore = re-tokenize the text (as `train --token-ids`)")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
 
     def validate(self) -> None:
@@ -38,6 +40,8 @@ class CacheFeaturesConfig:
             raise ConfigError(f"--out {self.out} is a file; the cache is a folder (new, empty, or an interrupted "
                               "cache to resume)")
         check_outside_inputs(self.out, "--out", [self.target, *self.data])
+        if self.token_ids not in TOKEN_IDS:
+            raise ConfigError(f"--token-ids {self.token_ids!r}: use {' or '.join(TOKEN_IDS)}")
 
 
 def run_cache_features(config: CacheFeaturesConfig) -> int:
@@ -60,7 +64,7 @@ def _run_cache_features(config: CacheFeaturesConfig) -> int:
     thinking = THINKING[config.thinking]
     samples, stats = load_training_samples(
         data, target.tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
-        enable_thinking=thinking,
+        enable_thinking=thinking, token_ids=config.token_ids,
     )
     if not samples:
         print(stats.summary())
@@ -74,7 +78,7 @@ def _run_cache_features(config: CacheFeaturesConfig) -> int:
         target, samples, stats, config.out, layer_ids=layer_ids, dtype=dtype, batch_size=batch_size,
         shard_size_mb=config.shard_size_mb,
         settings={"max_seq_len": config.max_seq_len, "min_supervised_tokens": config.min_supervised_tokens,
-                  "enable_thinking": thinking, "data": data},
+                  "enable_thinking": thinking, "data": data, "token_ids": config.token_ids},
     )
     print(report.summary())
     return 0

@@ -2,7 +2,7 @@
 
 The answers come from the target loaded here or, with --endpoint, from an OpenAI-compatible
 server (vLLM, SGLang, llama.cpp, `transformers serve`) running the target; no model is loaded
-then, and --target only supplies the tokenizer for the prompt-length cap.
+then, and --target only supplies the tokenizer for the prompt-length cap and the answers' token ids.
 Ends with the `rows: read=N used=M skipped=K` accounting of its input."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class RegenerateConfig:
     """Let the target write the answers to a set of prompts (training data in its own words)."""
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file (with --endpoint: only its tokenizer, "
-                             "for --max-prompt-tokens; optional)")
+                             "for --max-prompt-tokens and to keep the server's answer token ids; optional)")
     prompts: str = option("", "prompt file (.jsonl/.json/.parquet/.txt, optionally .gz; chats ending with an answer "
                               "have it replaced) or 'default' (~114k built-in prompts: OpenAI evals registry, coding "
                               "prompts; decontaminated against the benchmarks; see `dflash-train prompts`)")
@@ -152,7 +152,7 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     from ..data.regenerate import check_output, output_record, regenerate
 
     client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
-    model = resolve_model(client, config.model)
+    model, server = resolve_model(client, config.model)
     target_name = f"{model} @ {client.base}"
     record_extra = {"endpoint": {"url": client.base, "model": model}}
     if not settings.greedy:
@@ -162,7 +162,7 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     prompts, stats = read_input_prompts(config)
     engine = EndpointEngine(
         client, model, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        enable_thinking=settings.enable_thinking, concurrency=config.concurrency,
+        enable_thinking=settings.enable_thinking, concurrency=config.concurrency, server=server,
     )
     report = regenerate(
         prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,

@@ -9,13 +9,16 @@ and `usage.completion_tokens`. The row seed is sent reduced to 31 bits, which ev
 A server that splits the reasoning out of the content (a vLLM/SGLang reasoning parser) would lose
 it from the row, so such a response fails the row: serve thinking models without one.
 
-Requests run concurrently, at most `concurrency` at once. A connection error, a timeout, HTTP 429
-or a 5xx is retried with exponential backoff (honouring Retry-After); other HTTP errors fail that
-row only (a prompt the server refuses). The engine gives up with one EndpointError when the server
-cannot be reached after the retries (connection refused or reset), when `failure_streak` rows in a
-row failed, or when it answered none of the requests (a wrong --model): the server is down or
-refuses everything. Rows answered
-before that are already written by the caller, so a rerun resumes.
+Token ids. Where the server is one that returns the generated token ids (told by the `owned_by`
+of the model in its /v1/models list), each request asks for them, in that server's fields:
+vLLM (`owned_by` "vllm"): `return_token_ids` (0.10.2 and later: `choices[0].token_ids`), and
+`logprobs` with `return_tokens_as_token_ids` (earlier releases: each `logprobs.content[i].token`
+reads "token_id:N"); llama.cpp's server ("llamacpp"): `logprobs` with `top_logprobs: 1`, whose
+entries carry the token's `id`. SGLang's and `transformers serve`'s chat completions return no
+ids, and other servers are not asked (`transformers serve` refuses unknown fields with HTTP 422).
+A row refused with a 4xx while asking is asked once more without the fields; if that answers,
+the run stops asking. `Answer.token_ids` is None where none came back; the driver keeps the ids
+only where they decode to the text with the target's tokenizer (`--target`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import email.utils
 import http.client
 import json
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -39,6 +43,12 @@ from .regenerate import Answer, Job
 
 SEED_MASK = 0x7FFFFFFF
 _FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
+# Request fields that make a server return the generated token ids, by its /v1/models `owned_by`.
+TOKEN_ID_FIELDS: dict[str, dict[str, Any]] = {
+    "vllm": {"return_token_ids": True, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True},
+    "llamacpp": {"logprobs": True, "top_logprobs": 1},
+}
+_TOKEN_ID_PREFIX = "token_id:"
 
 
 # What the settings sidecar records for a sampled endpoint run: the server draws the samples.
@@ -153,27 +163,36 @@ class EndpointClient:
                     raise RowError(f"stopped while retrying: {error}") from None
         raise AssertionError("unreachable")
 
-    def model_ids(self) -> list[str]:
+    def models(self) -> dict[str, str]:
+        """Each listed model's id and its `owned_by` ("" where absent), in the server's order."""
         try:
             listing = self.request("/models")
         except RowError as error:  # a server still loading (5xx), one without the route (404), an HTML page
             raise EndpointError(f"{self.base}/models cannot list the served models ({error}); pass --model NAME "
                                 "to name the model without asking") from None
         try:
-            return [str(entry["id"]) for entry in listing["data"]]
-        except (KeyError, TypeError):
+            return {str(entry["id"]): str(entry.get("owned_by") or "") for entry in listing["data"]}
+        except (KeyError, TypeError, AttributeError):
             raise EndpointError(f"{self.base}/models: not an OpenAI model list: {str(listing)[:200]}") from None
 
+    def model_ids(self) -> list[str]:
+        return list(self.models())
 
-def resolve_model(client: EndpointClient, requested: str) -> str:
-    """`requested` as given (a server or proxy without /v1/models still serves it), else the
-    server's first listed model."""
+
+def resolve_model(client: EndpointClient, requested: str) -> tuple[str, str]:
+    """`requested`, or the server's first listed model, and who serves it (`owned_by`: "vllm",
+    "llamacpp", "sglang", ...; "" when not listed). A `requested` model needs no model list: a
+    server or proxy without /v1/models still serves it (its kind is then unknown)."""
     if requested:
-        return requested
-    models = client.model_ids()
+        try:
+            return requested, client.models().get(requested, "")
+        except EndpointError:
+            return requested, ""
+    models = client.models()
     if not models:
         raise EndpointError(f"{client.base}/models lists no model; pass --model NAME")
-    return models[0]
+    model = next(iter(models))
+    return model, models[model]
 
 
 def answer_from_response(response: Any) -> Answer:
@@ -192,13 +211,43 @@ def answer_from_response(response: Any) -> Answer:
         raise RowError(f"finish_reason {finish!r} is neither 'stop' nor 'length'")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise RowError(f"usage.completion_tokens {tokens!r} is not a token count")
-    return Answer(text, _FINISH_REASONS[finish], tokens)
+    return Answer(text, _FINISH_REASONS[finish], tokens, token_ids_from_choice(choice))
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def token_ids_from_choice(choice: dict) -> list[int] | None:
+    """The generated token ids a server put in a chat.completions choice, or None: vLLM's
+    `token_ids`, else the logprobs entries' `id` (llama.cpp) or "token_id:N" tokens (vLLM with
+    `return_tokens_as_token_ids`). Anything malformed counts as none: the row keeps its text."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and all(_is_id(i) for i in ids):
+        return list(ids)
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    found = []
+    for entry in content:
+        if not isinstance(entry, dict):
+            return None
+        if _is_id(entry.get("id")):
+            found.append(entry["id"])
+            continue
+        token = entry.get("token")
+        if isinstance(token, str) and token.startswith(_TOKEN_ID_PREFIX) and token[len(_TOKEN_ID_PREFIX):].isdigit():
+            found.append(int(token[len(_TOKEN_ID_PREFIX):]))
+            continue
+        return None
+    return found
 
 
 def check_answer_bounds(answer: Answer, max_tokens: int) -> None:
     """Refuse (fail the row) what a server that ignores the request made of it: an empty answer,
-    or one beyond max_tokens (by its usage, or by its length)."""
-    if not answer.text.strip():
+    or one beyond max_tokens (by its usage, or by its length). An answer of only whitespace is kept:
+    a target may really write a run of newlines, and its ids then say which tokens it wrote."""
+    if not answer.text:
         raise RowError("the server answered with empty content")
     if answer.completion_tokens > max_tokens:
         raise RowError(f"the server answered {answer.completion_tokens} tokens where max_tokens is {max_tokens} "
@@ -213,7 +262,7 @@ class EndpointEngine:
 
     def __init__(self, client: EndpointClient, model: str, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, enable_thinking: bool | None = None, concurrency: int = 16,
-                 failure_streak: int | None = None):
+                 failure_streak: int | None = None, server: str = ""):
         if concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {concurrency}")
         self.client = client
@@ -223,10 +272,14 @@ class EndpointEngine:
         self.concurrency = concurrency
         # Enough consecutive failures that a few bad prompts in flight together are not mistaken for a dead server.
         self.failure_streak = failure_streak or max(8, 2 * concurrency)
-        self.description = f"endpoint {client.base}, model {model}, {concurrency} concurrent requests"
+        self.token_id_fields = TOKEN_ID_FIELDS.get(server, {})
+        asks = f", asking for the answers' token ids ({server})" if self.token_id_fields else ""
+        self.description = f"endpoint {client.base}, model {model}, {concurrency} concurrent requests{asks}"
         self.setup_failures = None  # this engine gives up by its own rules (unreachable, a failure streak, no answer)
+        self.ask_token_ids = bool(self.token_id_fields)  # until the server refuses the fields (see the module doc)
+        self.refused_token_ids = ""
 
-    def request_body(self, job: Job) -> dict[str, Any]:
+    def request_body(self, job: Job, token_ids: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": m["role"], "content": m["content"]} for m in job.prompt.messages],
@@ -236,12 +289,30 @@ class EndpointEngine:
         }
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        if token_ids:
+            body.update(self.token_id_fields)
         return body
 
     def answer(self, job: Job, stop: threading.Event | None = None) -> Answer:
-        answer = answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
+        if self.ask_token_ids:
+            try:
+                answer = answer_from_response(self.client.request("/chat/completions", self.request_body(job, True), stop))
+            except RowError as error:
+                if not re.match(r"HTTP 4(?!29)\d\d ", str(error)):
+                    raise
+                # The same request without the token-id fields: if the server answers it, it refused the fields.
+                answer = answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
+                self.ask_token_ids = False
+                self.refused_token_ids = str(error)
+        else:
+            answer = answer_from_response(self.client.request("/chat/completions", self.request_body(job), stop))
         check_answer_bounds(answer, self.sampling["max_tokens"])
         return answer
+
+    def run_note(self) -> str:
+        if self.refused_token_ids:
+            return f"the server refused the token-id request fields ({self.refused_token_ids[:160]}); asked without them"
+        return ""
 
     def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]:
         """(job, answer or the row's error) as requests finish, in any order; EndpointError ends it."""

@@ -67,7 +67,10 @@ ALIGN = 64
 HEADER = "cache.json"
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the stored dtypes, by name
 # The rendering and capture settings a resumed write must share with the first one.
-_SETTINGS = ("target", "layer_ids", "dtype", "width", "max_seq_len", "min_supervised_tokens", "enable_thinking", "data")
+_SETTINGS = ("target", "layer_ids", "dtype", "width", "max_seq_len", "min_supervised_tokens", "enable_thinking", "data",
+             "token_ids", "answers")
+# What a cache written before a setting was recorded had, in effect.
+_UNRECORDED = {"token_ids": "auto", "answers": {}}
 # Sorting samples by length inside windows of this many batches keeps padding low.
 _WINDOW_BATCHES = 16
 _MiB = 1 << 20
@@ -237,7 +240,10 @@ def write_feature_cache(
                         "num_hidden_layers": spec.num_hidden_layers, "vocab_size": spec.vocab_size},
         "layer_ids": list(layer_ids), "dtype": _dtype_name(dtype), "width": width,
         "max_seq_len": None, "min_supervised_tokens": None, "enable_thinking": None, "data": [],
-        **(settings or {}),
+        "token_ids": "auto", **(settings or {}),
+        # How many answers were rendered from their generated token ids (and why others from text):
+        # part of the key, since the same files render other tokens with the ids than without.
+        "answers": dict(sorted(stats.answers.items())) if stats.answers_note() else {},
         "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
         "rows": {"read": stats.read, "skipped": dict(stats.skipped_by_reason), "first_example": dict(stats.first_example)},
         "complete": False,
@@ -246,7 +252,8 @@ def write_feature_cache(
     header_path = out / HEADER
     if header_path.is_file():
         before = _read_json(header_path, "restore it, or write the cache to another --out")
-        changed = [f"{k}: {before.get(k)!r} before, {header[k]!r} now" for k in _SETTINGS if before.get(k) != header[k]]
+        changed = [f"{k}: {before.get(k, _UNRECORDED.get(k))!r} before, {header[k]!r} now" for k in _SETTINGS
+                   if before.get(k, _UNRECORDED.get(k)) != header[k]]
         if before.get("format") != FORMAT or before.get("version") != VERSION:
             changed.insert(0, f"format {before.get('format')} v{before.get('version')}")
         if changed:
@@ -455,7 +462,8 @@ class FeatureCache:
     def row_stats(self) -> RowStats:
         """The accounting of the rows the cache was made from."""
         rows = self.header["rows"]
-        return RowStats(read=rows["read"], skipped_by_reason=Counter(rows["skipped"]), first_example=dict(rows["first_example"]))
+        return RowStats(read=rows["read"], skipped_by_reason=Counter(rows["skipped"]), first_example=dict(rows["first_example"]),
+                        answers=Counter(self.header.get("answers") or {}))
 
     def training_samples(self, max_length: int, min_supervised_tokens: int = 1) -> tuple[list[TrainingSample], RowStats]:
         """Samples truncated to `max_length` (features are causal: a prefix's features are a prefix

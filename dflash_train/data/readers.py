@@ -12,6 +12,9 @@ Row shapes:
     prompt    {"prompt": str, "system": str (optional)}   (prompt files only)
 An assistant message may carry `reasoning_content` (str), which templates such as Qwen3's use.
 An optional `id` field (string or integer) names the row; otherwise its id is `file:line`.
+A conversation row may carry the last answer's tokens as the target generated them (what
+`regenerate` writes): `answer_token_ids` (array of token ids, without the stop token) and
+`tokenizer_fingerprint` (str, `render.tokenizer_fingerprint` of the tokenizer they belong to).
 
 A bad row is skipped, never silently: it is counted in a `RowStats` under a reason, and the first
 example of each reason keeps the full message, e.g.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import io
+from array import array
 import json
 import logging
 import re
@@ -42,6 +46,10 @@ log = logging.getLogger(__name__)
 
 CONVERSATION_FORMATS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 PROMPT_FORMATS = CONVERSATION_FORMATS + (".txt", ".txt.gz")
+
+# RowStats.answers: a used row's answer rendered from the generated ids, or from text for want of them.
+FROM_TOKEN_IDS = "from token ids"
+WITHOUT_TOKEN_IDS = "without token ids"
 
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 _OPENAI_ROLES = ("system", "user", "assistant")
@@ -79,6 +87,9 @@ class RowStats:
     skipped_by_reason: Counter = field(default_factory=Counter)
     truncated: int = 0  # used rows longer than the length kept (their first tokens are used)
     first_example: dict[str, str] = field(default_factory=dict)
+    # Used rows by where their last answer's tokens came from: FROM_TOKEN_IDS, or why from the
+    # text (training counts them; see samples.py). Shown when some row carried token ids.
+    answers: Counter = field(default_factory=Counter)
 
     @property
     def skipped(self) -> int:
@@ -98,8 +109,17 @@ class RowStats:
             self.first_example.setdefault(reason, example)
         log.debug("skipped: %s", example or reason)
 
+    def answers_note(self) -> str:
+        """`(answers: N from token ids, M from text: why...)`, or "" when no row carried ids."""
+        if not any(kind != WITHOUT_TOKEN_IDS for kind in self.answers):
+            return ""
+        from_ids = self.answers.get(FROM_TOKEN_IDS, 0)
+        text = {kind: n for kind, n in self.answers.items() if kind != FROM_TOKEN_IDS}
+        why = ", ".join(f"{n} {kind}" for kind, n in sorted(text.items(), key=lambda item: (-item[1], item[0])))
+        return f" (answers: {from_ids} from token ids, {sum(text.values())} from text" + (f": {why})" if why else ")")
+
     def summary(self) -> str:
-        lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}"
+        lines = [f"rows: read={self.read} used={self.used} skipped={self.skipped}{self.answers_note()}"
                  + (f" (of the used, {self.truncated} truncated to the length kept)" if self.truncated else "")]
         for reason, count in sorted(self.skipped_by_reason.items(), key=lambda item: (-item[1], item[0])):
             example = self.first_example.get(reason)
@@ -114,6 +134,10 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
     source: str  # file:line, for error messages
+    # The last answer's tokens as generated, and the fingerprint of their tokenizer (None: absent).
+    # 4 bytes a token: a file's rows are held whole while it renders.
+    answer_ids: array | None = None
+    tokenizer_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -318,7 +342,24 @@ def parse_conversation(row: Any, where: str, path: Path) -> Conversation:
     messages = parse_messages(row, where)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(where, "messages", "no assistant message to learn from", reason="no assistant message")
-    return Conversation(_row_id(row, path, where), messages, where)
+    answer_ids, fingerprint = _answer_token_ids(row, where)
+    return Conversation(_row_id(row, path, where), messages, where, answer_ids, fingerprint)
+
+
+def _answer_token_ids(row: dict, where: str) -> tuple[array | None, str | None]:
+    ids = row.get("answer_token_ids")
+    fingerprint = row.get("tokenizer_fingerprint")
+    if ids is None:
+        return None, None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
+        bad = next((i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31)), ids) \
+            if isinstance(ids, list) else ids
+        raise DataError(where, "answer_token_ids", f"expected an array of token ids (integers >= 0), got {bad!r}"[:160],
+                        reason="answer_token_ids: not an array of token ids")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise DataError(where, "tokenizer_fingerprint", "answer_token_ids need the fingerprint of their tokenizer (a string)",
+                        reason="answer_token_ids without tokenizer_fingerprint")
+    return array("i", ids), fingerprint
 
 
 def parse_prompt(row: Any, where: str, path: Path) -> Prompt:

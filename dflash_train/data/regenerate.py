@@ -5,11 +5,19 @@ would write, so prompts are answered by the target (greedy by default), and each
 written as a training row the conversation reader takes as is:
 
     {"id": ..., "messages": [...prompt messages..., {"role": "assistant", "content": answer}],
-     "finish_reason": "stop" | "length", "completion_tokens": n}
+     "finish_reason": "stop" | "length", "completion_tokens": n,
+     "answer_token_ids": [...], "tokenizer_fingerprint": "sha256:..."}
 
 "stop" means the target emitted an end-of-turn token (tokenizer eos or generation_config eos ids;
 the token itself is not part of `content`, the chat template adds it back when the row is
-rendered); "length" means `max_new_tokens` ran out first.
+rendered); "length" means `max_new_tokens` ran out first. `answer_token_ids` are the answer's
+tokens exactly as the target generated them (the stop token excluded, like the text), and
+`tokenizer_fingerprint` names the tokenizer they belong to (`render.tokenizer_fingerprint`):
+training renders the answer from them where the target's tokenizer has that fingerprint, since
+a target does not always write the canonical tokenization of its own text. A row has them when
+the engine returned ids (the local engines always; a server where it returns them, see
+endpoint.py) and they decode to the row's text with the tokenizer given here; otherwise the row
+is text only, as rows written before ids were kept (training reads both kinds).
 
 This module is the driver: it reads and deduplicates the prompts, renders them, skips what
 cannot be answered, resumes, writes and accounts. The answers come from an `AnswerEngine`, which
@@ -54,7 +62,7 @@ from ..config import ConfigError, UserError
 from ..files import write_json_atomic
 from ..progress import Progress, format_seconds
 from .readers import DataError, Prompt, RowStats
-from .render import RenderError, render_prompt
+from .render import RenderError, render_prompt, tokenizer_fingerprint
 
 DUPLICATE_ID = "duplicate id"
 GENERATION_FAILED = "generation failed"
@@ -96,6 +104,8 @@ class Answer:
     text: str
     finish_reason: str  # "stop" | "length"
     completion_tokens: int  # generated tokens, the stop token included
+    # The generated tokens where the engine has them (a server's may include the stop token).
+    token_ids: list[int] | None = None
 
 
 class AnswerEngine(Protocol):
@@ -174,14 +184,15 @@ def check_output(out: Path, record: dict[str, Any]) -> bool:
     return True
 
 
-def prepare_output(out: Path, record: dict[str, Any], log: TextIO) -> set[str]:
-    """Ids already in `out`, after dropping a torn last line; checks or writes the settings sidecar."""
+def prepare_output(out: Path, record: dict[str, Any], log: TextIO) -> tuple[set[str], int]:
+    """Ids already in `out`, after dropping a torn last line, and how many of those rows carry no
+    answer token ids; checks or writes the settings sidecar."""
     if not check_output(out, record):
         out.parent.mkdir(parents=True, exist_ok=True)
         sidecar = settings_path(out)
         write_json_atomic(sidecar, record)
         out.touch()
-        return set()
+        return set(), 0
     data = out.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
@@ -192,16 +203,19 @@ def prepare_output(out: Path, record: dict[str, Any], log: TextIO) -> set[str]:
             os.fsync(handle.fileno())
         print(f"{out}: dropped an incomplete last line ({len(data) - end} bytes) left by an interrupted run", file=log)
     ids: set[str] = set()
+    without_token_ids = 0
     for number, raw in enumerate(data[:end].split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:
-            row_id = json.loads(raw.decode("utf-8"))["id"]
+            row = json.loads(raw.decode("utf-8"))
+            row_id = row["id"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise DataError(f"{out}:{number}", "", "not a row written by regenerate; the file was edited, "
                             "fix or delete that line to resume") from None
         ids.add(str(row_id))
-    return ids
+        without_token_ids += "answer_token_ids" not in row
+    return ids, without_token_ids
 
 
 @dataclass
@@ -215,6 +229,9 @@ class RegenerationReport:
     finish: Counter = field(default_factory=Counter)
     interrupted: bool = False
     engine_note: str = ""  # the engine's own account of the run (where it has one)
+    fingerprint: str | None = None  # of the tokenizer the answer token ids belong to
+    with_token_ids: int = 0  # rows written now with their answer's token ids
+    text_only: Counter = field(default_factory=Counter)  # rows written now without them, by reason
 
     @property
     def failed(self) -> int:
@@ -233,6 +250,9 @@ class RegenerationReport:
             f"{format_seconds(self.seconds)} ({self.seconds:.1f} s): {rate:.2f} rows/s, {tps:.1f} tokens/s",
             f"  resumed     {self.resumed} rows were already in the output",
             *([f"  engine      {self.engine_note}"] if self.engine_note else []),
+            f"  token ids   {self.with_token_ids} of {self.new} rows carry their answer's generated token ids"
+            + (f" (tokenizer {self.fingerprint})" if self.fingerprint and self.with_token_ids else "")
+            + "".join(f"; {n} without: {why}" for why, n in sorted(self.text_only.items())),
             f"  accounting  input {self.stats.read} = ok {self.new + self.resumed} + failed {self.failed} + skipped {skipped}",
             "=" * 72,
             self.stats.summary(),
@@ -240,13 +260,38 @@ class RegenerationReport:
         return "\n".join(lines)
 
 
-def _row(prompt: Prompt, answer: Answer) -> dict[str, Any]:
-    return {
+NO_IDS_FROM_ENGINE = "the engine returned no token ids"
+NO_TOKENIZER = "no tokenizer to name the ids' (pass --target, the served model)"
+IDS_NOT_THE_TEXT = "the ids do not decode to the answer text with the target's tokenizer"
+
+
+def answer_token_ids(answer: Answer, tokenizer: Any | None) -> tuple[list[int] | None, str | None]:
+    """The answer's generated token ids without the stop token, checked against its text with
+    `tokenizer`, or (None, why not). A server may return the stop token with the ids: a last id
+    whose removal makes the ids decode to the text is that token."""
+    ids = answer.token_ids
+    if ids is None:
+        return None, NO_IDS_FROM_ENGINE
+    if tokenizer is None:
+        return None, NO_TOKENIZER
+    if tokenizer.decode(ids, skip_special_tokens=False) == answer.text:
+        return list(ids), None
+    if answer.finish_reason == "stop" and ids and tokenizer.decode(ids[:-1], skip_special_tokens=False) == answer.text:
+        return list(ids[:-1]), None
+    return None, IDS_NOT_THE_TEXT
+
+
+def _row(prompt: Prompt, answer: Answer, token_ids: list[int] | None, fingerprint: str | None) -> dict[str, Any]:
+    row = {
         "id": prompt.id,
         "messages": [*prompt.messages, {"role": "assistant", "content": answer.text}],
         "finish_reason": answer.finish_reason,
         "completion_tokens": answer.completion_tokens,
     }
+    if token_ids is not None:
+        row["answer_token_ids"] = token_ids
+        row["tokenizer_fingerprint"] = fingerprint
+    return row
 
 
 class ChunkWriter:
@@ -314,8 +359,8 @@ def regenerate(
     if not out.name.endswith(".jsonl"):
         raise ConfigError(f"--out {out}: must be a .jsonl file (appended to and resumed; not compressed)")
     record = {**output_record(target_name, settings), **(record_extra or {})}
-    done = prepare_output(out, record, log)
-    report = RegenerationReport(out, stats)
+    done, without_token_ids = prepare_output(out, record, log)
+    report = RegenerationReport(out, stats, fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)
     print(engine.description, file=log)
 
     # Every input row is accounted for here: duplicates, template errors and over-long prompts
@@ -347,6 +392,9 @@ def regenerate(
         print(f"note: {out} also holds {foreign} rows whose ids are not in this input (kept)", file=log)
     if report.resumed:
         print(f"resuming {out}: {report.resumed} of {report.resumed + len(jobs)} rows already written", file=log)
+    if without_token_ids:
+        print(f"note: {without_token_ids} rows already in {out} carry no answer token ids (written by an engine that "
+              "returned none, or before regenerate kept them); training renders those from their text", file=log)
 
     progress = Progress(len(jobs), "regenerate", stream=progress_stream or sys.stderr)
     progress.last_draw = progress.started  # the first line after `every_seconds`: short runs print one line
@@ -364,7 +412,12 @@ def regenerate(
                     # Nothing has worked yet and every row so far failed: a setup problem, not bad rows.
                     raise first_failure
             else:
-                writer.add(json.dumps(_row(job.prompt, result), ensure_ascii=False) + "\n")
+                token_ids, why_not = answer_token_ids(result, tokenizer)
+                if token_ids is None:
+                    report.text_only[why_not] += 1
+                else:
+                    report.with_token_ids += 1
+                writer.add(json.dumps(_row(job.prompt, result, token_ids, report.fingerprint), ensure_ascii=False) + "\n")
                 report.new += 1
                 report.tokens += result.completion_tokens
                 report.finish[result.finish_reason] += 1

@@ -40,11 +40,24 @@ Thinking templates (Qwen3), with the mask this produces:
 Templates whose assistant turns contain special tokens before the end of turn (e.g. gpt-oss
 channel markers) are not supported by rule 3. An assistant message that opens the conversation
 answers no prompt and stays unmasked context.
+
+The answer as the target wrote it (`answer_ids`, what `regenerate` stores next to the text). A
+target does not always write the canonical tokenization of its own text (forty single "\\n"
+tokens re-tokenize into a few multi-newline ones), and a drafter trained on the re-tokenized
+text learns sequences the target never produces. Given the last answer's generated ids,
+everything the template adds (the prompt, the end-of-turn tokens after the answer) is still
+rendered from the template, and the answer's tokens are the ids themselves, all of them in the
+loss mask. They are used only where they are that answer: the last message is the assistant's,
+the ids decode to its text, and the template renders the text verbatim where the answer begins;
+otherwise the text is rendered as usual and `Rendered.text_because` says why. Whether the ids
+belong to this tokenizer at all is the caller's check (`tokenizer_fingerprint`).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import os
 import weakref
 from dataclasses import dataclass
@@ -59,10 +72,16 @@ class RenderError(UserError, ValueError):
     """The chat template cannot be used to place an assistant-only loss mask for this conversation."""
 
 
+ANSWER_FROM_IDS = "token ids"  # Rendered.answer_source: the last answer's tokens as generated
+
+
 @dataclass(frozen=True)
 class Rendered:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the assistant wrote the token (incl. its end-of-turn token)
+    # Why the given answer ids were not used (None: they were, or none were given).
+    text_because: str | None = None
+    from_ids: bool = False  # the last answer's tokens are the given ids
 
     @property
     def num_supervised(self) -> int:
@@ -81,6 +100,35 @@ def _special_token_ids(tokenizer: Any) -> frozenset[int]:
         cached = (size, ids)
         _special_ids_cache[tokenizer] = cached
     return cached[1]
+
+
+_fingerprint_cache: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable identity of what the tokenizer's ids mean and how it splits text: a hash of its
+    vocabulary (token -> id, added tokens included), which added tokens are special, and its BPE
+    merges where it has them. Independent of where the tokenizer was loaded from (a folder, a
+    GGUF) and of the library's serialization; another vocabulary or merge list gives another."""
+    size = len(tokenizer)
+    cached = _fingerprint_cache.get(tokenizer)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    digest = hashlib.sha256()
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8"))
+    special = sorted(int(i) for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    digest.update(json.dumps(special).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        merges = json.loads(backend.to_str()).get("model", {}).get("merges") or []
+        # tokenizers writes a merge as "a b" or as ["a", "b"] depending on its version
+        digest.update(json.dumps([m if isinstance(m, str) else " ".join(m) for m in merges], ensure_ascii=False).encode("utf-8"))
+    fingerprint = "sha256:" + digest.hexdigest()[:32]
+    try:
+        _fingerprint_cache[tokenizer] = (size, fingerprint)
+    except TypeError:  # not weak-referenceable: computed each time
+        pass
+    return fingerprint
 
 
 def render_text(tokenizer: Any, messages: Messages, add_generation_prompt: bool, enable_thinking: bool | None) -> str:
@@ -146,11 +194,13 @@ def render_conversation(
     *,
     enable_thinking: bool | None = None,
     max_length: int | None = None,
+    answer_ids: Sequence[int] | None = None,
 ) -> Rendered:
     """Token ids of the whole conversation and its assistant-only loss mask (see the module doc).
 
-    `max_length` keeps the first `max_length` tokens. Raises RenderError when the template does not
-    allow the assistant's tokens to be located.
+    `max_length` keeps the first `max_length` tokens. `answer_ids`: the last answer's tokens as
+    the target generated them (without its stop token), used where they fit (module doc). Raises
+    RenderError when the template does not allow the assistant's tokens to be located.
     """
     full = render_text(tokenizer, messages, False, enable_thinking)
     # An assistant message that opens the conversation answers no prompt: it stays context.
@@ -159,9 +209,15 @@ def render_conversation(
     # Two pieces, cut where the last answer begins (see the module doc): the head is exactly the
     # prompt served for that answer, and the answer starts with a fresh token.
     cut = starts[-1] if starts else len(full)
-    encoded = tokenizer([full[:cut], full[cut:]], add_special_tokens=False, return_offsets_mapping=True)
+    text_because = None
+    generated: list[int] | None = None
+    if answer_ids is not None:
+        text_because = _why_not_ids(tokenizer, messages, turns, full, cut, answer_ids)
+        generated = list(answer_ids) if text_because is None else None
+    pieces = [full[:cut], full[cut:]] if generated is None else [full[:cut], full[cut + len(messages[-1]["content"]):]]
+    encoded = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
     head_ids, tail_ids = encoded["input_ids"]
-    input_ids: list[int] = head_ids + tail_ids
+    input_ids: list[int] = head_ids + (generated or []) + tail_ids
     # Earlier answers lie inside the head: their first token is the first one ending after their
     # start (a token straddling it, prompt whitespace merged with the answer's, holds assistant text).
     head_ends = [end for _, end in encoded["offset_mapping"][0]]
@@ -172,8 +228,10 @@ def render_conversation(
     loss_mask = [0] * len(input_ids)
     for turn, (index, start) in enumerate(zip(turns, token_starts)):
         stop = token_starts[turn + 1] if turn + 1 < len(token_starts) else len(input_ids)
+        # The generated answer is the assistant's whole: its end of turn comes after it.
+        search_from = start + len(generated) if generated is not None and turn == len(turns) - 1 else start
         # The answer runs through the first special token: the end-of-turn token the assistant emitted.
-        end = next((i for i in range(start, stop) if input_ids[i] in special_ids), None)
+        end = next((i for i in range(search_from, stop) if input_ids[i] in special_ids), None)
         if end is None:
             raise RenderError(
                 f"chat template renders no special end-of-turn token after assistant message {index} "
@@ -183,7 +241,20 @@ def render_conversation(
 
     if max_length is not None:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    return Rendered(input_ids, loss_mask)
+    return Rendered(input_ids, loss_mask, text_because, generated is not None)
+
+
+def _why_not_ids(tokenizer: Any, messages: Messages, turns: list[int], full: str, cut: int,
+                 answer_ids: Sequence[int]) -> str | None:
+    """Why `answer_ids` cannot stand for the last answer of this render (None: they can)."""
+    if not turns or turns[-1] != len(messages) - 1:
+        return "token ids, but the conversation does not end with the answer"
+    text = messages[-1]["content"]
+    if not full.startswith(text, cut):
+        return "token ids, but the chat template rewrites the answer text"
+    if tokenizer.decode(list(answer_ids), skip_special_tokens=False) != text:
+        return "token ids that do not decode to the answer text"
+    return None
 
 
 def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool | None = None) -> list[int]:

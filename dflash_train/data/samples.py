@@ -4,6 +4,11 @@ A row becomes a sample only if, after truncation to `max_length`, it has at leas
 anchor (a position p with loss_mask[p] and loss_mask[p + 1]: the drafter must be shown a token
 the assistant wrote and asked for the next one) and at least `min_supervised_tokens` supervised
 tokens. Every other row is counted in the returned RowStats with its reason.
+
+A row that carries its answer's generated token ids (`regenerate` writes them) is rendered from
+them when `token_ids` is "auto" and their tokenizer's fingerprint is the target tokenizer's
+(render.py: the template around the answer, the answer's ids as generated); otherwise from its
+text. `RowStats.answers` counts the used rows of each kind, and why text was used.
 """
 
 from __future__ import annotations
@@ -13,15 +18,17 @@ import sys
 import time
 import warnings
 from array import array
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 
 import torch
 
+from ..config import TOKEN_IDS
 from ..progress import Progress
-from .readers import MAX_CHARS_PER_TOKEN, Conversation, RowStats, read_conversations
-from .render import RenderError, Rendered, render_conversation
+from .readers import FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, RowStats, read_conversations
+from .render import RenderError, render_conversation, tokenizer_fingerprint
 from .render_pool import RenderPoolError, render_in_workers
 
 NO_VALID_ANCHOR = "no valid anchor"
@@ -30,6 +37,8 @@ _QUIET_SECONDS = 2.0
 # Files with fewer rows render faster in this process than worker processes start (~3 s).
 PARALLEL_MIN_ROWS = 8192
 MAX_RENDER_WORKERS = 16
+IDS_IGNORED = "token ids ignored (--token-ids ignore)"
+OTHER_TOKENIZER = "token ids of another tokenizer"
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,10 @@ def load_training_samples(
     progress_stream: TextIO | None = None,
     workers: int | None = None,
     parallel_min_rows: int = PARALLEL_MIN_ROWS,
+    token_ids: str = "auto",
 ) -> tuple[list[TrainingSample], RowStats]:
-    """Render every conversation of `paths` (in order) with `tokenizer`'s chat template.
+    """Render every conversation of `paths` (in order) with `tokenizer`'s chat template
+    (`token_ids`: see the module doc).
 
     A file of `parallel_min_rows` rows or more is rendered by `workers` processes (None: one per
     core, at most MAX_RENDER_WORKERS; see render_pool). Same samples, order and stats either way;
@@ -64,8 +75,11 @@ def load_training_samples(
         paths = [paths]
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and its next token), got {max_length}")
+    if token_ids not in TOKEN_IDS:
+        raise ValueError(f"token_ids must be one of {', '.join(TOKEN_IDS)}, got {token_ids!r}")
     workers = min(os.cpu_count() or 1, MAX_RENDER_WORKERS) if workers is None else workers
-    rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking)
+    fingerprint = tokenizer_fingerprint(tokenizer) if token_ids == "auto" else None
+    rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking, fingerprint)
     stats = RowStats()
     samples: list[TrainingSample] = []
     for path in paths:
@@ -82,8 +96,9 @@ def load_training_samples(
             if isinstance(outcome, Skipped):
                 stats.skip(outcome.reason, outcome.example)
             else:
-                input_ids, loss_mask, truncated = outcome
+                input_ids, loss_mask, truncated, answer = outcome
                 stats.truncated += truncated
+                stats.answers[answer] += 1
                 samples.append(
                     TrainingSample(
                         sample_id=sample_id,
@@ -105,9 +120,10 @@ class Skipped(NamedTuple):
     example: str
 
 
-# (input_ids, loss_mask, whether the row was longer than max_length) of a sample, compact (8 + 1
-# bytes a token: a worker's share of 100k rows waits whole in memory), or why not.
-Outcome = Union[tuple[array, bytearray, bool], Skipped]
+# (input_ids, loss_mask, whether the row was longer than max_length, where the answer's tokens came
+# from) of a sample, compact (8 + 1 bytes a token: a worker's share of 100k rows waits whole in
+# memory), or why not.
+Outcome = Union[tuple[array, bytearray, bool, str], Skipped]
 
 
 @dataclass(frozen=True)
@@ -117,25 +133,39 @@ class _RenderRule:
     max_length: int
     min_supervised_tokens: int
     enable_thinking: bool | None
+    fingerprint: str | None  # the tokenizer's, whose answer ids are used; None: ids are ignored
 
     def render(self, tokenizer: Any, conversation: Conversation) -> Outcome:
+        answer_ids, answer = None, WITHOUT_TOKEN_IDS
+        if conversation.answer_ids is not None:
+            if self.fingerprint is None:
+                answer = IDS_IGNORED
+            elif conversation.tokenizer_fingerprint != self.fingerprint:
+                answer = OTHER_TOKENIZER
+            else:
+                answer_ids = conversation.answer_ids
         # Tokens past max_length are dropped, so text past max_length tokens' worth of characters
-        # is never tokenized: a 50 MB row costs what its first characters cost.
+        # is never tokenized: a 50 MB row costs what its first characters cost (a cut answer no
+        # longer matches its ids, and renders from the text).
         keep = self.max_length * MAX_CHARS_PER_TOKEN
         messages = [{**m, "content": m["content"][:keep]} for m in conversation.messages]
         cut = any(len(m["content"]) > keep for m in conversation.messages)
         try:
-            rendered = render_conversation(tokenizer, messages, enable_thinking=self.enable_thinking)
+            rendered = render_conversation(tokenizer, messages, enable_thinking=self.enable_thinking,
+                                           answer_ids=answer_ids)
         except RenderError as error:
             return Skipped("chat template error", f"{conversation.source}: {error}")
         truncated = cut or len(rendered.input_ids) > self.max_length
-        rendered = Rendered(rendered.input_ids[: self.max_length], rendered.loss_mask[: self.max_length])
+        rendered = dataclasses.replace(rendered, input_ids=rendered.input_ids[: self.max_length],
+                                       loss_mask=rendered.loss_mask[: self.max_length])
         if not has_valid_anchor(rendered.loss_mask):
             return Skipped(NO_VALID_ANCHOR, conversation.source)
         if rendered.num_supervised < self.min_supervised_tokens:
             return Skipped(f"fewer than {self.min_supervised_tokens} supervised tokens (after truncation to "
                            f"{self.max_length})", conversation.source)
-        return array("q", rendered.input_ids), bytearray(rendered.loss_mask), truncated
+        if answer_ids is not None:
+            answer = FROM_TOKEN_IDS if rendered.from_ids else rendered.text_because
+        return array("q", rendered.input_ids), bytearray(rendered.loss_mask), truncated, answer
 
 
 def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversation]]:

@@ -80,8 +80,11 @@ class Generated:
 
 
 def to_answer(tokenizer: Any, generated: Generated) -> Answer:
-    text = tokenizer.decode(generated.answer_tokens(), skip_special_tokens=False)
-    return Answer(text, generated.finish_reason, len(generated.tokens))
+    """The row's answer: its text, and its tokens as generated (training learns those, not the
+    text's canonical tokenization, which the target does not always write)."""
+    tokens = generated.answer_tokens()
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    return Answer(text, generated.finish_reason, len(generated.tokens), list(tokens))
 
 
 def _as_answers(tokenizer: Any, results: Iterator[tuple[Job, Generated | BaseException]]) -> Iterator[tuple[Job, Answer | BaseException]]:

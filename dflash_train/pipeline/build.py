@@ -235,6 +235,12 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
     if supply.cache is not None:
         samples, stats = supply.cache.training_samples(config.max_seq_len, config.min_supervised_tokens)
         print(stats.summary(), file=log)
+        from ..data.readers import FROM_TOKEN_IDS
+
+        if config.token_ids == "ignore" and stats.answers.get(FROM_TOKEN_IDS):
+            raise ConfigError(f"--token-ids ignore: the feature cache {config.features} rendered "
+                              f"{stats.answers[FROM_TOKEN_IDS]} answers from their generated token ids; make one with "
+                              "`dflash-train cache-features --token-ids ignore` to train on the re-tokenized text")
         if not samples:
             raise ConfigError(f"no usable training rows in the feature cache {config.features} (see the reasons above)")
         return samples
@@ -247,7 +253,7 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
         raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
     samples, stats = load_training_samples(
         config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
-        enable_thinking=THINKING[config.thinking],
+        enable_thinking=THINKING[config.thinking], token_ids=config.token_ids,
     )
     print(stats.summary(), file=log)
     if not samples:
