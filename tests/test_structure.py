@@ -30,7 +30,7 @@ FLOORS = {
     "feature_forward": 4,  # the target's feature forward as plain module calls (capturable)
     "objective": 3, "fp8": 3, "head_kernel": 3,  # the loss, its FP8 products, its fused softmax kernel
     # the bottom: the mask, settings, errors, and the small utilities everything may use
-    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "graph_capture": 2, "": 2,  # "" = __init__
+    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "recipe": 2, "graph_capture": 2, "": 2,  # "" = __init__
 }
 CORE = ("attention", "drafter", "dflash2", "objective", "step", "fp8", "head_kernel")
 # What the core must not touch: threads, files and processes, the command line.
