@@ -25,8 +25,11 @@ def test_quickstart_runs_every_stage_and_resumes(tmp_path, smollm2_dir, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "tau_real" in records[-1]
 
-    # a second run reuses everything: no new rows, a complete cache, nothing left to train
+    assert "--spec-draft-n-max 3" in output and "vllm serve" in output and "sglang.launch_server" in output
+
+    # a second run reuses everything: every stage (prompts, regenerate, features, train, eval,
+    # export) is recorded done in stages.json, and no model is loaded again
     assert main(args) == 0
     again = capsys.readouterr().out
-    assert "12 rows were already in the output" in again or "already in the output" in again
-    assert "is complete: reused" in again and "nothing to do" in again
+    assert again.count("done in an earlier run") == 6 and "loading target" not in again
+    assert "dflash-train quickstart finished" in again
