@@ -33,7 +33,8 @@ TRAIN_KEYS_SET_BY_PIPELINE = ("target", "data", "features", "out", "resume", "de
 
 @dataclasses.dataclass
 class PromptsSection:
-    source: str = option("default", "'default' (the built-in prompt set's train split) or a prompts file")
+    source: str = option("default", "'default' (the built-in prompt set) or a prompts file; its train split is "
+                                    "answered (a file's rows outside the 1-in-100 dev split of `dflash-train prompts`)")
     count: int = option(0, "prompts answered, self-written ones included (0 = every prompt of the source)")
     seed: int = option(0, "picks and orders the default prompts")
 
