@@ -46,20 +46,16 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
 def stage_settings(recipe: Recipe, target: str, stage: str) -> dict[str, Any]:
     """The settings `stage` depends on: the target and the inputs of it and every earlier stage
     (features only where the recipe caches them), flat as `table.key`."""
+    train = recipe.train_config("target", "data.jsonl", "run")  # [train] values with the defaults filled in
     settings: dict[str, Any] = {"target": target}
     for name in STAGES[: STAGES.index(stage) + 1]:
-        if name == "features" and not recipe.features.cache and stage != "features":
-            continue
-        if name in ("eval",) and stage != "eval":
-            continue  # export does not read the eval's results
+        if (name == "features" and not recipe.features.cache) or (name == "eval" and stage != "eval"):
+            continue  # no cache; export does not read the eval's results
         for item in STAGE_INPUTS[name]:
             table, _, key = item.partition(".")
-            values = recipe.section_values(table)
-            if table == "train":
-                values = {k: getattr(recipe.train_config("t", "d.jsonl", "o"), k) for k in (values if not key else [key])}
-            for k, v in values.items():
-                if not key or k == key:
-                    settings[f"{table}.{k}"] = v
+            values = vars(train) if table == "train" else recipe.section_values(table)
+            keys = [key] if key else (recipe.train if table == "train" else values)
+            settings.update({f"{table}.{k}": values[k] for k in keys})
     return json.loads(json.dumps(settings))  # as the book reads it back
 
 
@@ -276,8 +272,9 @@ def stage_train(work: Work) -> tuple[int, str]:
     write_json_atomic(work.folder / "train.json", {"steps_done": summary["steps_done"]["drafter"],
                                                      "samples": summary["data"]["samples"], **keep})
     rows = int(summary["data"]["samples"])
-    return rows, (f"{summary['steps_done']['drafter']} steps on {rows} rows: loss {keep['first_loss'] or float('nan'):.2f} "
-                  f"-> {keep['loss'] or float('nan'):.2f}, accuracy {keep['accuracy'] or float('nan'):.3f}")
+    numbers = {k: float("nan") if v is None else v for k, v in keep.items()}
+    return rows, (f"{summary['steps_done']['drafter']} steps on {rows} rows: loss {numbers['first_loss']:.2f} "
+                  f"-> {numbers['loss']:.2f}, accuracy {numbers['accuracy']:.3f}")
 
 
 def eval_prompt_files(work: Work, folder: Path, benches: list[str], limit: int) -> list[str]:

@@ -76,6 +76,9 @@ def run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], 
     except Interrupted as stop:
         say(f"{stop}; run the same command again to continue")
         return stop.exit_code
+    except KeyboardInterrupt:  # regenerate has flushed its rows, the feature cache its shards
+        say("stopped by Ctrl-C; run the same command again to continue")
+        return 130
     print(summary_screen(work, book, command, time.monotonic() - started, footer))
     return 0
 
