@@ -198,3 +198,50 @@ def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
         ["dev", "humaneval", "mtbench_odd", "math500"], 40, ["humaneval", "mtbench_odd"], 20, "static")
     with pytest.raises(ConfigError, match="not a built-in recipe"):
         load_recipe("smollm3")
+
+
+@pytest.mark.timeout(600)
+def test_self_written_requests_are_spread_through_the_prompts_regenerate_answers(files, smollm2_dir, tmp_path, capsys,
+                                                                                  one_thread):
+    """The real SmolLM2 target (a random one writes no request that ends): 2 of the 6 prompts are
+    its own, in place of the source's last 2, spread evenly; a rerun redoes nothing, and another
+    count of them (which changes what was answered) is refused."""
+    work = tmp_path / "work"
+    recipe = tmp_path / "own.toml"
+    recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 6").replace(
+        "[regenerate]", "[self_prompts]\ncount = 2\nmax_new_tokens = 40\n\n[regenerate]"))
+    run = ["pipeline", "--target", str(smollm2_dir), "--recipe", str(recipe), "--out", str(work), "--device", "cpu",
+           "--stages", "prompts,self-prompts,regenerate"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "2/3 self-prompts: done in" in out and "3/3 regenerate: done in" in out
+    own = [json.loads(line) for line in (work / "prompts" / "self-written.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in own] == ["self-prompts"] * 2
+    mixed = [json.loads(line)["id"] for line in (work / "prompts" / "mixed.jsonl").read_text().splitlines()]
+    # spread: the 4 prompts at (k + 0.5) / 4, the 2 own ones at (k + 0.5) / 2
+    assert mixed == ["p00", own[0]["id"], "p01", "p02", own[1]["id"], "p03"]
+    answered = [json.loads(line)["id"] for line in (work / "data.jsonl").read_text().splitlines()]
+    assert sorted(answered) == sorted(mixed)
+    recorded = book(work)
+    assert recorded["self-prompts"]["rows"] == 2 and recorded["regenerate"]["settings"]["self_prompts.count"] == 2
+
+    assert main(run) == 0 and capsys.readouterr().out.count("done in an earlier run") == 3
+    recipe.write_text(recipe.read_text().replace("count = 2", "count = 3"))
+    assert main(run) == 2
+    assert "stage prompts was started with other settings (self_prompts.count 2 then, 3 now)" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_a_tiny_recipe_on_a_gpu_with_graphs_and_the_static_speed_decoder(files, tmp_path, capsys):
+    """The product's stages on CUDA: regenerate's captured engine, training with compile and CUDA
+    graphs, tau and a [speed] run with the static decoder, the export."""
+    recipe = tmp_path / "gpu.toml"
+    recipe.write_text(files["recipe"].read_text().replace("steps = 4", "steps = 20").replace(
+        "[eval]", '[speed]\nbench = ["humaneval"]\nlimit = 2\ndecoder = "static"\n\n[eval]'))
+    work = tmp_path / "work"
+    run = ["pipeline", "--target", str(files["target"]), "--recipe", str(recipe), "--out", str(work), "--device", "cuda:0"]
+    assert main(run) == 0
+    assert "speed-up    humaneval:" in capsys.readouterr().out
+    speed = json.loads((work / "speed.json").read_text())["benchmarks"]["humaneval"]["summary"]
+    assert speed["compared"] == 2 and speed["errors"] == 0 and speed["speedup"] is not None
+    assert (work / "drafter" / "model.safetensors").is_file() and book(work)["train"]["done"]
