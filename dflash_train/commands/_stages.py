@@ -394,6 +394,8 @@ def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
     stages = [s for s in STAGES if s in requested and work.applies(s)]
     for stage in stages:
         for earlier in STAGES[: STAGES.index(stage)]:
+            if earlier == "eval" and stage == "export":
+                continue  # the export reads the training's checkpoint, not the eval's results
             if work.applies(earlier) and earlier not in stages and not book.done(earlier):
                 raise ConfigError(f"--stages: {stage} needs {earlier}, which is not done in {work.folder}; "
                                   f"add it (--stages {','.join(s for s in STAGES if s in (*stages, earlier))})")
