@@ -147,8 +147,7 @@ def serve_commands(target: str, drafter: Path) -> list[str]:
               f"             llama-server -m {gguf_target} -md drafter.gguf --spec-type draft-dflash "
               f"--spec-draft-n-max {block - 1}",
               f"  vLLM       vllm serve {hf_target} --speculative-config "
-              f"'{{\"method\": \"dflash\", \"model\": \"{drafter}\", \"num_speculative_tokens\": {block - 1}}}' "
-              "--attention-backend flash_attn",
+              f"'{{\"method\": \"dflash\", \"model\": \"{drafter}\", \"num_speculative_tokens\": {block - 1}}}'",
               f"  SGLang     python3 -m sglang.launch_server --model-path {hf_target} --speculative-algorithm DFLASH "
               f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block}"]
     return lines
