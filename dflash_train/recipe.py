@@ -215,6 +215,11 @@ def recipe_from_dict(raw: dict[str, Any], name: str) -> Recipe:
     owned = [key for key in TRAIN_KEYS_SET_BY_PIPELINE if key in train]
     if owned:
         raise ConfigError(f"{where}: [train] {owned[0]}: set by the pipeline itself (remove it from the recipe)")
+    if train.get("mode", "replicas") != "replicas":
+        raise ConfigError(f"{where}: [train] mode {train['mode']!r}: the pipeline trains one drafter (replicas); "
+                          "train variants with `dflash-train train`")
+    if train.get("export_dtype", "bfloat16") == "":
+        raise ConfigError(f"{where}: [train] export_dtype is empty: the eval stage reads the training's export")
     recipe = Recipe(name=name, description=raw.get("description", ""), measured=raw.get("measured", ""),
                     train=train, **sections)
     recipe.train_config("target", "data.jsonl", "run")  # every [train] value checked now

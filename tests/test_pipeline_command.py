@@ -168,6 +168,7 @@ def test_stages_runs_only_the_stages_named(files, tmp_path, capsys):
     (("num_anchors = 8", "num_anchors = 8\nlr = -1.0"), "[train] --lr must be > 0"),
     (("max_new_tokens = 12", "max_new_tokens = 0"), "[regenerate] max_new_tokens must be at least 1"),
     (("[train]\n", "[self_prompts]\ncount = 20\n[train]\n"), "[self_prompts] count 20 is more than [prompts] count 10"),
+    (("steps = 4", "steps = 4\nmode = 'variants'"), "[train] mode 'variants': the pipeline trains one drafter"),
 ])
 def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, capsys, edit, message):
     bad = tmp_path / "bad.toml"
