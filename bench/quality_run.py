@@ -20,9 +20,10 @@ adds what only experiments need:
                 --recipe-steps steps: equal data and steps by construction; tau on the dev prompts
                 only; writes WORK/recipe.json and a table
 
-The curve and recipe stages train on the pipeline's answers, or on --answers-from FILE (answers an
-earlier run made, e.g. the parts a call sent back), and measure tau with sharded `dflash-train
-eval` processes (several per GPU: decoding at batch 1 is launch-bound).
+--answers-from FILE (answers an earlier run made, e.g. the parts a call sent back) is imported
+once into WORK/answers.jsonl and replaces the stages that make answers (`pipeline --data`). The
+curve and recipe stages train on those answers or the pipeline's, and measure tau with sharded
+`dflash-train eval` processes (several per GPU: decoding at batch 1 is launch-bound).
 
     python3 bench/quality_run.py run --target smol.gguf --work ~/stage/q140k --samples 140000 \\
         --self-prompts 40000 --steps 20000 --deadline-seconds 570 --json-dir $OUT
@@ -59,7 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from dflash_train.commands._stages import STAGES as PIPELINE_STAGES  # noqa: E402
+from dflash_train.commands._stages import DATA_STAGES, STAGES as PIPELINE_STAGES  # noqa: E402
 from dflash_train.config import DECODERS, ConfigError, TrainConfig, UserError, add_arguments, from_args, load_file, option  # noqa: E402
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
 from dflash_train.gguf import check_gguf_file  # noqa: E402
@@ -99,10 +100,11 @@ class QualityRunConfig:
     samples: int = option(140000, "prompts answered, self-written ones included")
     self_prompts: int = option(40000, "of the --samples prompts, N written by the target itself (0 = none)")
     self_prompt_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)")
-    answers_from: str = option("", "the curve and recipe stages train on these answers (an earlier run's: a regenerate "
-                                   ".jsonl, the first of the .tar.gz.partNN files a call sent back, or a .tar.xz of a "
-                                   ".jsonl) instead of the pipeline's")
-    stages: list[str] = option(list(PIPELINE_STAGES), f"stages to run, in this order: {', '.join(STAGES)}")
+    answers_from: str = option("", "answers an earlier run made (a regenerate .jsonl, the first of the .tar.gz.partNN "
+                                   "files a call sent back, or a .tar.xz of a .jsonl): imported once into WORK, they "
+                                   "replace the prompts, self-prompts and regenerate stages (`pipeline --data`) and "
+                                   "feed the curve and recipe stages")
+    stages: list[str] = option([], f"stages to run, in this order: {', '.join(STAGES)} (default: the pipeline's)")
     max_new_tokens: int = option(256, "answer length cap of regenerate, and of every eval")
     max_prompt_tokens: int = option(512, "regenerate skips longer prompts (512 + 256 new tokens = the recipe's "
                                          "max length of 768, so no row is cut)")
@@ -152,14 +154,15 @@ class QualityRunConfig:
                                           "one run per variant, one after another (the same rows, steps and seed)")
 
     def validate(self) -> None:
+        if not self.stages:  # the pipeline's, less those imported answers replace
+            self.stages = [s for s in PIPELINE_STAGES if not (self.answers_from and s in DATA_STAGES)]
         for name in ("target", "work"):
             if not getattr(self, name):
                 raise ConfigError(f"--{name} is required")
-        pipeline = [s for s in self.stages if s in PIPELINE_STAGES]
         if self.answers_from:
-            if pipeline:
-                raise ConfigError(f"--answers-from feeds the curve and recipe stages; the pipeline's stages "
-                                  f"({', '.join(pipeline)}) make their own answers")
+            data_stages = [s for s in self.stages if s in DATA_STAGES]
+            if data_stages:
+                raise ConfigError(f"--answers-from replaces the stages that make answers ({', '.join(data_stages)})")
             if not Path(self.answers_from).is_file():
                 raise ConfigError(f"--answers-from {self.answers_from}: no such file")
             if not re.fullmatch(r".+\.(jsonl|tar\.(gz|xz)(\.part\d+)?)", Path(self.answers_from).name):
@@ -444,6 +447,9 @@ def stage_pipeline(call: Call, stages: list[str]) -> tuple[bool, str]:
     command = [sys.executable, "-m", "dflash_train.cli", "pipeline", "--target", str(Path(config.target).resolve()),
                "--recipe", str(config.recipe_file.resolve()), "--out", str(config.pipeline_dir.resolve()),
                "--stages", ",".join(stages), "--device", config.device]
+    if config.answers_from:
+        answers_ready(call)
+        command += ["--data", str(config.answers.resolve())]
     boxed = run_boxed(config, "pipeline", command, box)
     if boxed.returncode == 0:
         text = boxed.log_path.read_text(errors="replace").splitlines()

@@ -246,3 +246,31 @@ def test_a_tiny_recipe_on_a_gpu_with_graphs_and_the_static_speed_decoder(files, 
     speed = json.loads((work / "speed.json").read_text())["benchmarks"]["humaneval"]["summary"]
     assert speed["compared"] == 2 and speed["errors"] == 0 and speed["speedup"] is not None
     assert (work / "drafter" / "model.safetensors").is_file() and book(work)["train"]["done"]
+
+
+def answers_file(path: Path, count: int) -> Path:
+    """Answers made before (what `regenerate` writes), for --data."""
+    path.write_text("".join(json.dumps({"id": f"a{i:02d}", "messages": [
+        {"role": "user", "content": f"Tell me fact number {i} about ships."},
+        {"role": "assistant", "content": f"Ship fact {i}: " + "the hull keeps the water out. " * 4}]}) + "\n"
+        for i in range(count)))
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys, one_thread):
+    given = answers_file(tmp_path / "answers.jsonl", 8)
+    before = given.read_bytes()
+    work = tmp_path / "work"
+    assert main(args(files, work, "--data", str(given))) == 0
+    out = capsys.readouterr().out
+    assert "stages train, eval, export" in out and f"data        the answers given: {given}" in out
+    recorded = book(work)
+    assert list(recorded) == ["train", "eval", "export"] and recorded["train"]["rows"] == 8
+    assert recorded["train"]["settings"]["data"] == str(given) and "prompts.count" not in recorded["train"]["settings"]
+    assert given.read_bytes() == before and not (work / "data.jsonl").exists()
+    other = answers_file(tmp_path / "other.jsonl", 6)
+    assert main(args(files, work, "--data", str(other))) == 2
+    assert f"stage train was started with other settings (data '{given}' then, '{other}' now)" in capsys.readouterr().err
+    assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"))) == 2
+    assert "--data " in capsys.readouterr().err

@@ -138,8 +138,8 @@ def test_bad_arguments_fail_in_one_line_before_anything_loads(files, tmp_path):
         "bad dev row": (["--stages", "recipe", "--recipe-variants", "loss=decay", "--dev-prompts", str(bad_dev)],
                         "bad_dev.jsonl:2: invalid JSON"),
         "self prompts": (["--samples", "4", "--self-prompts", "5"], "--self-prompts must be in 0..--samples 4"),
-        "answers for the pipeline": (["--answers-from", str(answers), "--stages", "train"],
-                                     "--answers-from feeds the curve and recipe stages"),
+        "answers and regenerate": (["--answers-from", str(answers), "--stages", "regenerate,train"],
+                                   "--answers-from replaces the stages that make answers (regenerate)"),
         "variant key": (["--stages", "recipe", "--recipe-variants", "colour=red"], "'colour' is not a variant key"),
     }
     for name, (extra, message) in cases.items():
@@ -180,6 +180,30 @@ def earlier_answers(path: Path, count: int) -> Path:
         {"role": "assistant", "content": f"Ship fact {i}: " + "the hull keeps the water out. " * 6}],
         "finish_reason": "stop", "completion_tokens": 60}) + "\n" for i in range(count)))
     return path
+
+
+@pytest.mark.timeout(900)
+def test_answers_from_an_earlier_run_come_back_from_its_parts_and_train_through_the_pipeline(files, tmp_path):
+    """Answers an earlier run made (a .tar.xz of them, as packed for a carry limit) are imported
+    byte for byte and given to `pipeline --data`: no prompts, self-prompts or regenerate stage
+    runs. An archive cut short fails the call."""
+    earlier = earlier_answers(tmp_path / "earlier" / "answers.jsonl", 8)
+    packed = tmp_path / "earlier" / "answers.tar.xz"  # packed by hand with xz, to fit a carry limit
+    with tarfile.open(packed, "w:xz") as archive:
+        archive.add(earlier, arcname="answers.jsonl")
+    work = tmp_path / "work"
+    args = base_args(files, work, "--answers-from", str(packed), "--smoke", "--steps", "3", "--eval-limit", "1",
+                     "--speed-limit", "1", "--max-new-tokens", "8")
+    done = quality_run(*args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (work / "answers.jsonl").read_bytes() == earlier.read_bytes()
+    book = json.loads((work / "pipeline" / "stages.json").read_text())
+    assert list(book) == ["train", "eval", "export"] and all(entry["done"] for entry in book.values())
+    assert book["train"]["settings"]["data"] == str((work / "answers.jsonl").resolve())
+    cut = tmp_path / "cut.tar.xz"
+    cut.write_bytes(packed.read_bytes()[:-100])  # an archive cut short
+    failed = quality_run(*base_args(files, tmp_path / "work2", "--answers-from", str(cut), "--smoke"))
+    assert failed.returncode == 1 and "not a readable archive of" in failed.stdout
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from ..recipe import Recipe
 # `dflash-train export --format gguf` exists: add it here and to STAGE_FUNCTIONS.
 STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "eval", "export")
 BOOK = "stages.json"
+DATA_STAGES = ("prompts", "self-prompts", "regenerate")  # what answers given with --data replace
 
 # What each stage's output depends on, as recipe tables (a whole table) or "table.key": a stage
 # started with some values refuses others. Each stage also depends on the target and on every
@@ -43,14 +44,17 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def stage_settings(recipe: Recipe, target: str, stage: str) -> dict[str, Any]:
-    """The settings `stage` depends on: the target and the inputs of it and every earlier stage
-    (features only where the recipe caches them), flat as `table.key`."""
+def stage_settings(work: Work, stage: str) -> dict[str, Any]:
+    """The settings `stage` depends on: the target, the answers given (if any), and the inputs of
+    it and of every earlier stage the run has, flat as `table.key`."""
+    recipe = work.recipe
     train = recipe.train_config("target", "data.jsonl", "run")  # [train] values with the defaults filled in
-    settings: dict[str, Any] = {"target": target}
+    settings: dict[str, Any] = {"target": work.target}
+    if work.answers:
+        settings["data"] = work.answers
     for name in STAGES[: STAGES.index(stage) + 1]:
-        if (name == "features" and not recipe.features.cache) or (name == "eval" and stage != "eval"):
-            continue  # no cache; export does not read the eval's results
+        if not work.applies(name) or (name == "eval" and stage != "eval"):
+            continue  # a stage the run does not have; export does not read the eval's results
         for item in STAGE_INPUTS[name]:
             table, _, key = item.partition(".")
             values = vars(train) if table == "train" else recipe.section_values(table)
@@ -66,13 +70,13 @@ class StageBook:
         self.path = work / BOOK
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
 
-    def check(self, recipe: Recipe, target: str, stages: list[str]) -> None:
+    def check(self, work: Work, stages: list[str]) -> None:
         """Refuse, before anything runs, a stage that started with other settings."""
         for stage in stages:
             recorded = self.data.get(stage, {}).get("settings")
             if recorded is None:
                 continue
-            wanted = stage_settings(recipe, target, stage)
+            wanted = stage_settings(work, stage)
             changed = [f"{key} {recorded.get(key)!r} then, {wanted.get(key)!r} now"
                        for key in sorted(set(recorded) | set(wanted)) if recorded.get(key) != wanted.get(key)]
             if changed:
@@ -103,6 +107,7 @@ class Work:
     target: str
     folder: Path
     device: str = "auto"
+    answers: str = ""  # answers made before (a regenerate .jsonl): no prompts, self-prompts or regenerate stage
 
     @property
     def train_prompts(self) -> Path:
@@ -123,7 +128,7 @@ class Work:
 
     @property
     def data(self) -> Path:
-        return self.folder / "data.jsonl"
+        return Path(self.answers) if self.answers else self.folder / "data.jsonl"
 
     @property
     def features(self) -> Path:
@@ -146,7 +151,9 @@ class Work:
         return self.folder / "drafter"
 
     def applies(self, stage: str) -> bool:
-        """Whether the recipe has this stage at all."""
+        """Whether this run has the stage at all."""
+        if stage in DATA_STAGES and self.answers:
+            return False
         if stage == "self-prompts":
             return self.recipe.self_prompts.count > 0
         if stage == "features":
@@ -399,7 +406,7 @@ def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
             if work.applies(earlier) and earlier not in stages and not book.done(earlier):
                 raise ConfigError(f"--stages: {stage} needs {earlier}, which is not done in {work.folder}; "
                                   f"add it (--stages {','.join(s for s in STAGES if s in (*stages, earlier))})")
-    book.check(work.recipe, work.target, stages)
+    book.check(work, stages)
     return stages
 
 
@@ -412,7 +419,7 @@ def run_stages(work: Work, book: StageBook, stages: list[str]) -> dict[str, floa
             entry = book.entry(stage)
             say(f"{where}: done in an earlier run ({entry.get('rows', 0)} rows, {format_seconds(entry['seconds'])}); skipped")
             continue
-        settings = stage_settings(work.recipe, work.target, stage)
+        settings = stage_settings(work, stage)
         entry = book.start(stage, settings)
         say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
         started = time.monotonic()

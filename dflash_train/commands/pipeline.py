@@ -33,6 +33,8 @@ class PipelineConfig:
     stages: list[str] = option([], f"run only these stages (comma-separated, run in pipeline order): "
                                    f"{', '.join(STAGES)}; default: every stage the recipe has")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
+    data: str = option("", "train on these answers (a `regenerate` .jsonl made before, e.g. with --endpoint) instead "
+                           "of the prompts, self-prompts and regenerate stages; never written to")
 
     def validate(self) -> None:
         if not self.target:
@@ -48,6 +50,8 @@ class PipelineConfig:
             raise ConfigError(f"--stages {unknown[0]!r}: use some of {', '.join(STAGES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError(f"--stages {','.join(self.stages)}: a stage is named twice")
+        if self.data and not (Path(self.data).is_file() and self.data.endswith(".jsonl")):
+            raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
         check_work_folder(Path(self.out))
         load_recipe(self.recipe)  # every key checked now, before any model loads
 
@@ -55,14 +59,14 @@ class PipelineConfig:
 def run_pipeline(config: PipelineConfig) -> int:
     recipe = load_recipe(config.recipe)
     return run_recipe(recipe, config.target, Path(config.out), config.stages or list(STAGES), config.device,
-                      "dflash-train pipeline")
+                      "dflash-train pipeline", answers=config.data)
 
 
 def run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
-               footer: list[str] = ()) -> int:
+               footer: list[str] = (), answers: str = "") -> int:
     """Plan and check everything (no model loaded), run the stages, print the summary screen."""
     check_work_folder(folder)
-    work = Work(recipe, str(Path(target).resolve()), folder, device)
+    work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)
     stages = plan(work, book, requested)
     work.train_config()  # its values, with this target and folder
@@ -98,7 +102,9 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
     lines = ["=" * 96, f"{command} finished in {format_seconds(elapsed)}" + (f" (stages over all runs: {times})" if times else ""),
              f"  recipe      {work.recipe.name}: {work.recipe.description}",
              f"  target      {work.target}"]
-    if book.done("regenerate"):
+    if work.answers:
+        lines.append(f"  data        the answers given: {work.data}")
+    elif book.done("regenerate"):
         lines.append(f"  data        {book.entry('regenerate')['rows']} answers written by the target itself -> {work.data}")
     trained = _read(work.folder / "train.json")
     if trained:
