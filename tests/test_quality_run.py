@@ -183,7 +183,7 @@ def earlier_answers(path: Path, count: int) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_answers_from_an_earlier_run_come_back_from_its_parts_and_train_through_the_pipeline(files, tmp_path):
+def test_answers_from_an_earlier_run_are_imported_and_train_through_the_pipeline(files, tmp_path):
     """Answers an earlier run made (a .tar.xz of them, as packed for a carry limit) are imported
     byte for byte and given to `pipeline --data`: no prompts, self-prompts or regenerate stage
     runs. An archive cut short fails the call."""
