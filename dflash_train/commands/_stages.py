@@ -22,9 +22,10 @@ from ..files import write_json_atomic
 from ..progress import format_seconds
 from ..recipe import Recipe
 
-# In order. `export-gguf` (a GGUF drafter llama.cpp loads) goes after `export` once
-# `dflash-train export --format gguf` exists: add it here and to STAGE_FUNCTIONS.
-STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "eval", "export")
+# In order. `export-gguf` (the drafter file llama.cpp serves) needs the target's GGUF: it runs
+# where the target is one.
+STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "eval", "export", "export-gguf")
+EXPORTS = ("export", "export-gguf")  # each reads the training's checkpoint only
 BOOK = "stages.json"
 DATA_STAGES = ("prompts", "self-prompts", "regenerate")  # what answers given with --data replace
 
@@ -41,6 +42,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "train": ("train",),
     "eval": ("eval", "speed"),
     "export": ("export",),
+    "export-gguf": (),
 }
 
 
@@ -53,8 +55,8 @@ def stage_settings(work: Work, stage: str) -> dict[str, Any]:
     if work.answers:
         settings["data"] = work.answers
     for name in STAGES[: STAGES.index(stage) + 1]:
-        if not work.applies(name) or (name == "eval" and stage != "eval"):
-            continue  # a stage the run does not have; export does not read the eval's results
+        if not work.applies(name) or (name in ("eval", *EXPORTS) and name != stage and stage in EXPORTS):
+            continue  # a stage the run does not have; an export reads neither the eval nor the other export
         for item in STAGE_INPUTS[name]:
             table, _, key = item.partition(".")
             values = vars(train) if table == "train" else recipe.section_values(table)
@@ -150,6 +152,10 @@ class Work:
     def drafter(self) -> Path:
         return self.folder / "drafter"
 
+    @property
+    def drafter_gguf(self) -> Path:
+        return self.folder / "drafter.gguf"
+
     def applies(self, stage: str) -> bool:
         """Whether this run has the stage at all."""
         if stage in DATA_STAGES and self.answers:
@@ -158,6 +164,8 @@ class Work:
             return self.recipe.self_prompts.count > 0
         if stage == "features":
             return self.recipe.features.cache
+        if stage == "export-gguf":
+            return self.target.endswith(".gguf")
         return True
 
     def train_config(self):
@@ -345,9 +353,19 @@ def stage_export(work: Work) -> tuple[int, str]:
     return 0, f"the drafter engines load: {work.drafter}"
 
 
+def stage_export_gguf(work: Work) -> tuple[int, str]:
+    from .export import ExportConfig, run_export
+
+    if not work.drafter_gguf.exists():  # written whole, or not at all
+        run_export(checked(ExportConfig(checkpoint=str(work.run), out=str(work.drafter_gguf), format="gguf",
+                                        target=work.target, dtype=work.recipe.export.dtype)))
+    return 0, f"the drafter llama.cpp serves next to {Path(work.target).name}: {work.drafter_gguf}"
+
+
 STAGE_FUNCTIONS: dict[str, Callable[[Work], tuple[int, str]]] = {
     "prompts": stage_prompts, "self-prompts": stage_self_prompts, "regenerate": stage_regenerate,
     "features": stage_features, "train": stage_train, "eval": stage_eval, "export": stage_export,
+    "export-gguf": stage_export_gguf,
 }
 
 
@@ -401,8 +419,8 @@ def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
     stages = [s for s in STAGES if s in requested and work.applies(s)]
     for stage in stages:
         for earlier in STAGES[: STAGES.index(stage)]:
-            if earlier == "eval" and stage == "export":
-                continue  # the export reads the training's checkpoint, not the eval's results
+            if stage in EXPORTS and earlier in ("eval", *EXPORTS):
+                continue  # an export reads the training's checkpoint, not the eval's results
             if work.applies(earlier) and earlier not in stages and not book.done(earlier):
                 raise ConfigError(f"--stages: {stage} needs {earlier}, which is not done in {work.folder}; "
                                   f"add it (--stages {','.join(s for s in STAGES if s in (*stages, earlier))})")

@@ -145,12 +145,13 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
     drafter = work.drafter if book.done("export") else work.run / "export"
     if (drafter / "config.json").is_file():
         lines.append(f"  drafter     {drafter}  (Hugging Face folder; dflash.DFlashDraftModel.from_pretrained loads it)")
-        lines += serve_commands(work.target, drafter)
+        lines += serve_commands(work.target, work.run, drafter, work.drafter_gguf if book.done("export-gguf") else None)
     return "\n".join([*lines, *footer, "=" * 96])
 
 
-def serve_commands(target: str, drafter: Path) -> list[str]:
-    """How llama.cpp, vLLM and SGLang serve `drafter` with `target` (block size B from its config)."""
+def serve_commands(target: str, run: Path, drafter: Path, drafter_gguf: Path | None) -> list[str]:
+    """How llama.cpp, vLLM and SGLang serve `drafter` with `target` (block size B from its config);
+    llama.cpp loads `drafter_gguf` (the export-gguf stage's, when the target is a GGUF file)."""
     block = int(json.loads((drafter / "config.json").read_text()).get("block_size", 16))
     target_path = Path(target)
     hf_target = target
@@ -159,12 +160,15 @@ def serve_commands(target: str, drafter: Path) -> list[str]:
 
         hf_target = str(hf_folder_from_gguf(target_path))
     gguf_target = target if target_path.suffix == ".gguf" else "TARGET.gguf"
-    lines = ["serve it (B = {0}: the engines draft B - 1 = {1} tokens after the anchor):".format(block, block - 1),
-             "  llama.cpp  # its converter writes the drafter's GGUF: convert_hf_to_gguf.py of llama.cpp's source tree"]
-    if gguf_target == "TARGET.gguf":
-        lines.append(f"             python3 convert_hf_to_gguf.py {target} --outfile TARGET.gguf")
-    lines += [f"             python3 convert_hf_to_gguf.py {drafter} --target-model-dir {hf_target} --outfile drafter.gguf",
-              f"             llama-server -m {gguf_target} -md drafter.gguf --spec-type draft-dflash "
+    lines = [f"serve it (B = {block}: the engines draft B - 1 = {block - 1} tokens after the anchor):"]
+    if drafter_gguf is None:
+        drafter_gguf = Path("drafter.gguf")
+        lines.append(f"  llama.cpp  dflash-train export {run} --format gguf --target {gguf_target} "
+                     f"--out {drafter_gguf}   (TARGET.gguf: the target's GGUF file)")
+        prefix = "             "
+    else:
+        prefix = "  llama.cpp  "
+    lines += [f"{prefix}llama-server -m {gguf_target} -md {drafter_gguf} --spec-type draft-dflash "
               f"--spec-draft-n-max {block - 1}",
               f"  vLLM       vllm serve {hf_target} --speculative-config "
               f"'{{\"method\": \"dflash\", \"model\": \"{drafter}\", \"num_speculative_tokens\": {block - 1}}}'",
