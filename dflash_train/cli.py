@@ -32,6 +32,9 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "quickstart": Command("quickstart", "QuickstartConfig", "run_quickstart",
                           "the whole product on SmolLM2 in ~10 minutes on a CPU: data, training, acceptance, export"),
+    "pipeline": Command("pipeline", "PipelineConfig", "run_pipeline",
+                        "train a drafter for your model by a recipe: prompts, answers, training, tau, export "
+                        "(resumable stages) and the commands that serve it"),
     "regenerate": Command("regenerate", "RegenerateConfig", "run_regenerate",
                           "answer prompts with the target itself (resumable) to make training data"),
     "prompts": Command("prompts", "PromptsConfig", "run_prompts",

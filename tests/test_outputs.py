@@ -232,6 +232,8 @@ def test_every_writing_command_refuses_an_output_another_process_holds(tmp_path,
         "self-prompts": ["self-prompts", "--target", str(tiny_dir), "--count", "1", "--out",
                          str(tmp_path / "self.jsonl"), "--device", "cpu"],
         "quickstart": ["quickstart", "--out", str(tmp_path / "qs"), "--device", "cpu"],
+        "pipeline": ["pipeline", "--target", str(tiny_dir), "--recipe", "quickstart", "--out", str(tmp_path / "work"),
+                     "--device", "cpu"],
         "eval": ["eval", "--target", str(tiny_dir), "--drafter", str(run_dir), "--bench", str(prompts), "--json",
                  str(tmp_path / "eval.json"), "--device", "cpu"],
     }
@@ -252,7 +254,9 @@ def test_outputs_inside_a_commands_inputs_are_refused(tmp_path, tiny_dir, run_di
     cases = [
         (["train", "--target", str(tiny_dir), "--data", str(DATA), "--out", str(tiny_dir / "run"), "--device", "cpu"],
          "is inside the input"),
-        (["cache-features", "--target", str(tiny_dir), "--data", str(data), "--out", str(data)], "is inside the input"),
+        # (--out equal to the data file is refused for being a file: test_user_paths.py)
+        (["cache-features", "--target", str(tiny_dir), "--data", str(data), "--out", str(tiny_dir / "features")],
+         "is inside the input"),
         (["regenerate", "--target", str(tiny_dir), "--prompts", str(data.with_suffix(".x")), "--out",
           str(tiny_dir / "rows.jsonl")], "is inside the input"),
         (["self-prompts", "--target", str(tiny_dir), "--count", "1", "--out", str(tiny_dir / "p.jsonl")],

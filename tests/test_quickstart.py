@@ -25,17 +25,21 @@ def test_quickstart_runs_every_stage_and_resumes(tmp_path, smollm2_dir, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "tau_real" in records[-1]
 
-    # a second run reuses everything: no new rows, a complete cache, nothing left to train
+    assert "--spec-draft-n-max 3" in output and "vllm serve" in output and "sglang.launch_server" in output
+
+    # a second run reuses everything: every stage (prompts, regenerate, features, train, eval,
+    # export) is recorded done in stages.json, and no model is loaded again
     assert main(args) == 0
     again = capsys.readouterr().out
-    assert "12 rows were already in the output" in again or "already in the output" in again
-    assert "is complete: reused" in again and "nothing to do" in again
+    assert again.count("done in an earlier run") == 6 and "loading target" not in again
+    assert "dflash-train quickstart finished" in again
 
 
 def test_quickstart_refuses_layer_ids_beyond_the_target_at_start(tmp_path, smollm2_dir, capsys):
     """SmolLM2 has 30 layers: id 99 is refused once the target is known, before minutes of
     regenerating data (D14)."""
-    assert main(["quickstart", "--out", str(tmp_path), "--target-layer-ids", "2,99", "--device", "cpu"]) == 2
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--out", str(out), "--target-layer-ids", "2,99", "--device", "cpu"]) == 2
     captured = capsys.readouterr()
     assert "target_layer_ids [99] out of range" in captured.err and "valid ids are 0..29" in captured.err
-    assert "2/6 data" not in captured.out and not (tmp_path / "data.jsonl").exists()
+    assert not list(out.rglob("*.jsonl")), list(out.rglob("*"))

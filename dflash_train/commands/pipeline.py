@@ -1,0 +1,189 @@
+"""`dflash-train pipeline`: from a target to a served drafter in one command, by a recipe.
+
+prompts -> self-prompts (if the recipe has them) -> regenerate -> features (if the recipe caches
+them) -> train -> eval -> export, each stage one product command on the work folder
+(`_stages.py`), each resumable: run the same command again after a stop and it continues. The
+stages' settings, rows and seconds are kept in WORK/stages.json; another recipe or target for a
+started stage is refused, naming the setting. Ends with one screen: tau, speed-up, and the
+commands that serve the drafter with llama.cpp, vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import ConfigError, option
+from ..files import check_outside_inputs
+from ..progress import format_seconds
+from ..recipe import Recipe, builtin_recipes, load_recipe
+from ._stages import STAGES, Interrupted, StageBook, Work, check_benchmarks, check_work_folder, plan, run_stages, say
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    """Train, measure and export a drafter for a target, stage by stage, by a recipe."""
+
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    recipe: str = option("", f"a built-in recipe ({', '.join(builtin_recipes())}) or a recipe .toml file")
+    out: str = option("", "work folder: prompts, answers, run, results, drafter, stages.json (new, or an earlier "
+                          "pipeline's to continue it)")
+    stages: list[str] = option([], f"run only these stages (comma-separated, run in pipeline order): "
+                                   f"{', '.join(STAGES)}; default: every stage the recipe has")
+    device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
+    data: str = option("", "train on these answers (a `regenerate` .jsonl made before, e.g. with --endpoint) instead "
+                           "of the prompts, self-prompts and regenerate stages; never written to")
+
+    def validate(self) -> None:
+        if not self.target:
+            raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file)")
+        if not Path(self.target).exists():
+            raise ConfigError(f"--target {self.target}: no such file or folder")
+        if not self.recipe:
+            raise ConfigError(f"no recipe: pass --recipe NAME ({', '.join(builtin_recipes())}) or --recipe FILE.toml")
+        if not self.out:
+            raise ConfigError("no output: pass --out WORK_DIR")
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ConfigError(f"--stages {unknown[0]!r}: use some of {', '.join(STAGES)}")
+        if len(set(self.stages)) != len(self.stages):
+            raise ConfigError(f"--stages {','.join(self.stages)}: a stage is named twice")
+        if self.data and not (Path(self.data).is_file() and self.data.endswith(".jsonl")):
+            raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
+        check_work_folder(Path(self.out))
+        check_outside_inputs(self.out, "--out", [self.target, self.data])
+        load_recipe(self.recipe)  # every key checked now, before any model loads
+
+
+def run_pipeline(config: PipelineConfig) -> int:
+    recipe = load_recipe(config.recipe)
+    return run_recipe(recipe, config.target, Path(config.out), config.stages or list(STAGES), config.device,
+                      "dflash-train pipeline", answers=config.data)
+
+
+def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, requested: list[str], device: str,
+               command: str, footer: list[str] = (), answers: str = "") -> int:
+    """Plan and check everything (no model loaded), run the stages, print the summary screen; one
+    live process per work folder (its stages resume what they find). `target` may be a function
+    that finds it (quickstart's conversion), called once the folder is held."""
+    from ..files import hold_output
+
+    with hold_output(folder, "--out"):
+        if callable(target):
+            target = str(target())
+        return _run_recipe(recipe, target, folder, requested, device, command, footer, answers)
+
+
+def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
+                footer: list[str], answers: str) -> int:
+    check_work_folder(folder)
+    work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
+    book = StageBook(folder)
+    stages = plan(work, book, requested)
+    check_layer_ids(work.train_config().target_layer_ids, Path(work.target))  # its values, with this target and folder
+    if "eval" in stages:
+        check_benchmarks(recipe)
+    folder.mkdir(parents=True, exist_ok=True)
+    say(f"recipe {recipe.name} ({recipe.description}); stages {', '.join(stages)}; work folder {folder}")
+    started = time.monotonic()
+    try:
+        run_stages(work, book, stages)
+    except Interrupted as stop:
+        say(f"{stop}; run the same command again to continue")
+        return stop.exit_code
+    except KeyboardInterrupt:  # regenerate has flushed its rows, the feature cache its shards
+        say("stopped by Ctrl-C; run the same command again to continue")
+        return 130
+    print(summary_screen(work, book, command, time.monotonic() - started, footer))
+    return 0
+
+
+def check_layer_ids(layer_ids: list[int], target: Path) -> None:
+    """Layer ids beyond a target folder's depth are refused now, not after minutes of regenerating
+    (a .gguf target is checked when it loads)."""
+    from ..target import check_target_layer_ids
+
+    config = _read(target / "config.json") if target.is_dir() else None
+    if config and layer_ids:
+        layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+        if layers:
+            check_target_layer_ids(list(layer_ids), int(layers))
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _number(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, footer: list[str] = ()) -> str:
+    """One screen: what each stage made and took, tau, speed-up, the serve commands."""
+    times = ", ".join(f"{stage} {format_seconds(book.entry(stage)['seconds'])}" for stage in STAGES
+                      if book.entry(stage).get("done"))
+    lines = ["=" * 96, f"{command} finished in {format_seconds(elapsed)}" + (f" (stages over all runs: {times})" if times else ""),
+             f"  recipe      {work.recipe.name}: {work.recipe.description}",
+             f"  target      {work.target}"]
+    if work.answers:
+        lines.append(f"  data        the answers given: {work.data}")
+    elif book.done("regenerate"):
+        lines.append(f"  data        {book.entry('regenerate')['rows']} answers written by the target itself -> {work.data}")
+    trained = _read(work.folder / "train.json")
+    if trained:
+        lines.append(f"  training    {trained['steps_done']} steps on {trained['samples']} rows: loss "
+                     f"{_number(trained['first_loss'])} -> {_number(trained['loss'])}, accuracy "
+                     f"{_number(trained['accuracy'], 3)}, simulated tau {_number(trained['tau_sim'])}")
+    tau, speed = _read(work.eval_json), _read(work.speed_json) or _read(work.eval_json)
+    if tau:
+        for name, bench in tau["benchmarks"].items():
+            s = bench["summary"]
+            speedup = s.get("speedup") if speed is tau else None
+            lines.append(f"  {name:<11} tau {_number(s['tau_mean'])} (median {_number(s['tau_median'])}, pooled "
+                         f"{_number(s['tau_pooled'])}) on {s['prompts']} prompts"
+                         + (f", speed-up {speedup:.2f}x" if speedup else ""))
+    if speed and speed is not tau:
+        for name, bench in speed["benchmarks"].items():
+            s = bench["summary"]
+            lines.append(f"  speed-up    {name}: {_number(s.get('speedup'), suffix='x')} on {s['prompts']} prompts "
+                         f"({_number(s.get('tokens_per_s'), 1)} vs {_number(s.get('baseline_tokens_per_s'), 1)} tok/s, "
+                         f"{speed['config']['decoder']} decoder, batch 1; greedy identical "
+                         f"{s.get('identical_to_baseline')}/{s.get('compared')})")
+    if (work.folder / "training_curve.png").is_file():
+        lines.append(f"  curve       {work.folder / 'training_curve.png'}")
+    drafter = work.drafter if book.done("export") else work.run / "export"
+    if (drafter / "config.json").is_file():
+        lines.append(f"  drafter     {drafter}  (Hugging Face folder; dflash.DFlashDraftModel.from_pretrained loads it)")
+        lines += serve_commands(work.target, work.run, drafter, work.drafter_gguf if book.done("export-gguf") else None)
+    return "\n".join([*lines, *footer, "=" * 96])
+
+
+def serve_commands(target: str, run: Path, drafter: Path, drafter_gguf: Path | None) -> list[str]:
+    """How llama.cpp, vLLM and SGLang serve `drafter` with `target` (block size B from its config);
+    llama.cpp loads `drafter_gguf` (the export-gguf stage's, when the target is a GGUF file)."""
+    block = int(json.loads((drafter / "config.json").read_text()).get("block_size", 16))
+    target_path = Path(target)
+    hf_target = target
+    if target_path.suffix == ".gguf":
+        from ..gguf import hf_folder_from_gguf
+
+        hf_target = str(hf_folder_from_gguf(target_path))
+    gguf_target = target if target_path.suffix == ".gguf" else "TARGET.gguf"
+    lines = [f"serve it (B = {block}: the engines draft B - 1 = {block - 1} tokens after the anchor):"]
+    if drafter_gguf is None:
+        drafter_gguf = Path("drafter.gguf")
+        lines.append(f"  llama.cpp  dflash-train export {run} --format gguf --target {gguf_target} "
+                     f"--out {drafter_gguf}   (TARGET.gguf: the target's GGUF file)")
+        prefix = "             "
+    else:
+        prefix = "  llama.cpp  "
+    lines += [f"{prefix}llama-server -m {gguf_target} -md {drafter_gguf} --spec-type draft-dflash "
+              f"--spec-draft-n-max {block - 1}",
+              f"  vLLM       vllm serve {hf_target} --speculative-config "
+              f"'{{\"method\": \"dflash\", \"model\": \"{drafter}\", \"num_speculative_tokens\": {block - 1}}}'",
+              f"  SGLang     python3 -m sglang.launch_server --model-path {hf_target} --speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block}"]
+    return lines
