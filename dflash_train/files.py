@@ -53,8 +53,9 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(folder)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -> Path:
-    path = Path(path)
+def _fsynced_sibling(path: Path, data: bytes, mode: int | None) -> Path:
+    """`data` in a hidden temporary file beside `path` (made first), fsynced, with `mode` (default:
+    the umask's); the caller gives it its name or removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -63,9 +64,19 @@ def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(temp, umask_mode() if mode is None else mode)
-        os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
+        raise
+    return Path(temp)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    path = Path(path)
+    temp = _fsynced_sibling(path, data, mode)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
@@ -156,14 +167,8 @@ def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
     file that appeared meanwhile. If one did, the data goes to the first free `NAME.N.SUFFIX`
     beside it (returned), so neither the other file nor this result is lost."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temp = _fsynced_sibling(path, data, None)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, umask_mode())
         for attempt in range(1000):
             target = path if attempt == 0 else path.with_name(f"{path.stem}.{attempt}{path.suffix}")
             try:
@@ -174,7 +179,7 @@ def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
         else:
             raise FileExistsError(f"{path} and 999 numbered siblings exist")
     finally:
-        Path(temp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return target
 
