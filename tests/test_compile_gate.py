@@ -128,6 +128,18 @@ def test_this_torch_holds_the_gate():
     assert gate_problem() is None
 
 
+def test_the_gate_still_counts_after_torch_dynamo_reset():
+    """torch._dynamo.reset() (a test's, a notebook's, a library's) clears every compile callback:
+    the next run's gate registers its counter again rather than finding it gone and refusing the run."""
+    with CompileGate(recompile_limit=8):  # the counter registered in this process
+        pass
+    torch._dynamo.reset()
+    compiled = _fresh_compiled()
+    with CompileGate(recompile_limit=8) as gate:
+        compiled(torch.ones(5))
+    assert gate.compiles == 1 and gate.by_worker == {"MainThread": {"warm_up": 1, "after_warmup": 0}}
+
+
 @pytest.mark.filterwarnings("ignore:.*a compile after every warm-up")  # the probe's compiles, stance left on
 def test_a_torch_whose_stance_does_not_hold_is_refused(monkeypatch):
     """Fail closed on behaviour, not on a version: a torch where set_stance leaves compiling on
@@ -167,14 +179,39 @@ def test_a_compiled_cpu_run_with_two_drafter_threads_compiles_only_in_the_warm_u
     assert len(step_lines) == 4 and all(f"compiles {compiles['compiles']} (recompiles 0)" in line for line in step_lines)
 
 
+@pytest.mark.slow
+def test_compiled_cpu_runs_with_three_drafter_variants_credit_each_compile_to_its_warm_up(tmp_path):
+    """The GPU test's layout on the CPU (inductor, sdpa, no target compile): each drafter's compiles
+    are credited to its own warm-up, a drafter with another's shapes finds torch's cache, and a run
+    after torch._dynamo.reset() is counted as a fresh process's would be (about a minute on 2 cores)."""
+    variants = [{"name": "base"}, {"name": "b8", "block_size": 8}, {"name": "one-layer", "num_layers": 1}]
+    target = tiny_target("llama", layers=6)
+    for run in ("first", "after-reset"):
+        torch._dynamo.reset()
+        config = tiny_train_config(tmp_path / run, steps=2, compile="on", attention="sdpa", log_every=1, save_every=2,
+                                   export_dtype="", mode="variants", variants=variants, fail_on_recompile=True)
+        summary = train(config, samples=pattern_samples(32), target=target, log=io.StringIO())
+        compiles = summary["compiles"]
+        drafters = {name.split("[")[-1].rstrip("]"): name for name in summary["workers"] if name.startswith("drafter-")}
+        warm = {variant: compiles["by_worker"].get(name, {}).get("warm_up", 0) for variant, name in drafters.items()}
+        assert set(compiles["by_worker"]) <= set(drafters.values()), (run, compiles)  # the target compiles nothing
+        assert warm["b8"] > 0 and warm["base"] + warm["one-layer"] > 0, (run, compiles)
+        assert compiles["compiles"] == sum(warm.values()) and compiles["after_warmup"] == 0, (run, compiles)
+
+
 @pytest.mark.gpu
 def test_a_threaded_run_with_several_drafters_compiles_only_inside_the_gate(tmp_path):
     """train() on one GPU, three drafter variants and a target thread, flex attention compiled
-    (eager step, no CUDA graphs, and graphs on): every compile falls inside the warm-up, each
-    drafter worker compiled there, and 0 compiles after it over every step."""
+    (eager step, no CUDA graphs, and graphs on), each run cold as in a fresh process: every compile
+    falls inside the warm-up, credited to the worker warming then, and 0 compiles after it over
+    every step."""
     target = Target(tiny_hf_model("llama", layers=6, hidden=256).to("cuda:0", torch.bfloat16))
+    # tiny_train_config's drafter has one layer: "one-layer" has the base's shapes, "b8" its own.
     variants = [{"name": "base"}, {"name": "b8", "block_size": 8}, {"name": "one-layer", "num_layers": 1}]
     for graphs in ("off", "on"):
+        # Without this the second run finds every drafter graph in the first run's compile cache
+        # (same process, same shapes) and compiles nothing of its own.
+        torch._dynamo.reset()
         out = tmp_path / graphs
         config = tiny_train_config(out, device="cuda", steps=16, num_anchors=32, max_seq_len=256, log_every=4,
                                    save_every=16, export_dtype="", seq_buckets=[128, 256], mode="variants",
@@ -182,12 +219,17 @@ def test_a_threaded_run_with_several_drafters_compiles_only_inside_the_gate(tmp_
         summary = train(config, samples=pattern_samples(64, min_len=30, max_len=250), target=target,
                         log=open(os.devnull, "w"))
         compiles = summary["compiles"]
-        assert compiles["compiles"] > 0 and compiles["after_warmup"] == 0, compiles
-        drafters = [name for name in summary["workers"] if name.startswith("drafter-")]
-        assert len(drafters) == 3
-        # A drafter whose shapes another already compiled (the one-layer variant has the base's
-        # layer shapes) finds torch's cache and need not compile: no worker may compile after the
-        # gate, and the drafters together compiled inside it.
-        assert sum(compiles["by_worker"].get(name, {}).get("warm_up", 0) for name in drafters) > 0, compiles
-        assert all(counts["after_warmup"] == 0 for counts in compiles["by_worker"].values()), compiles
+        assert compiles["compiles"] > 0 and compiles["after_warmup"] == 0, (graphs, compiles)
+        workers = list(summary["workers"])
+        drafters = {name.split("[")[-1].rstrip("]"): name for name in workers if name.startswith("drafter-")}
+        assert sorted(drafters) == sorted(v["name"] for v in variants), workers
+        assert set(compiles["by_worker"]) <= set(workers), (graphs, compiles)  # no stray thread credited
+        warm = {name: compiles["by_worker"].get(name, {}).get("warm_up", 0) for name in workers}
+        assert warm[drafters["b8"]] > 0, (graphs, compiles)
+        # Whichever of the two same-shaped drafters warmed first compiled; the other found torch's cache.
+        assert warm[drafters["base"]] + warm[drafters["one-layer"]] > 0, (graphs, compiles)
+        # The target compiles its feature forward only to capture it (graphs on, --compile-target auto).
+        target_worker = next(name for name in workers if name.startswith("target-"))
+        assert (warm[target_worker] > 0) == (graphs == "on"), (graphs, compiles)
+        assert all(counts["after_warmup"] == 0 for counts in compiles["by_worker"].values()), (graphs, compiles)
         assert all(summary["steps_done"][v["name"]] == 16 for v in variants), summary["steps_done"]

@@ -62,7 +62,10 @@ class _CompileCounter:
 
     def attach(self, gate: "CompileGate") -> None:
         with self.lock:
-            if not self.registered:  # once per process: the callback list has no "is registered"
+            # torch._dynamo.reset() (tests, notebooks, libraries) clears every compile callback, so
+            # "registered once" is not enough: register again whenever ours is no longer listed.
+            listed = getattr(getattr(torch._dynamo.callback, "callback_handler", None), "start_callbacks", None)
+            if not self.registered or (listed is not None and self.on_start not in listed):
                 torch._dynamo.callback.on_compile_start(self.on_start)
                 self.registered = True
             self.gates.append(gate)
