@@ -89,11 +89,13 @@ def numeric_fields(cls: type) -> dict[str, type]:
     return found
 
 
-def check_numbers(config: Any) -> None:
+def check_numbers(config: Any, section: str = "") -> None:
     """The one rule for numbers, shared by every command's config: each numeric setting is a
     finite number inside the range its field declares (`option(..., at_least=1)`), checked
-    before anything loads; the error names the flag."""
+    before anything loads; the error names the flag (or, with `section`, the file's key:
+    `[section] key`)."""
     fields = {f.name: f for f in dataclasses.fields(config)}
+    label = (lambda name: f"[{section}] {name}") if section else _flag
     for name in numeric_fields(type(config)):
         value = getattr(config, name)
         for item in (value if isinstance(value, (list, tuple)) else [value]):
@@ -101,12 +103,12 @@ def check_numbers(config: Any) -> None:
                 continue
             bounds = fields[name].metadata.get("range")
             if isinstance(item, bool) or not isinstance(item, (int, float)):
-                raise ConfigError(f"{_flag(name)} {item!r}: not a number")
+                raise ConfigError(f"{label(name)} {item!r}: not a number")
             if not math.isfinite(item):
                 rule = f" {bounds.describe()}" if bounds else ""
-                raise ConfigError(f"{_flag(name)} must be a finite number{rule} (got {item})")
+                raise ConfigError(f"{label(name)} must be a finite number{rule} (got {item})")
             if bounds is not None and not bounds.contains(item):
-                raise ConfigError(f"{_flag(name)} must be {bounds.describe()} (got {item})")
+                raise ConfigError(f"{label(name)} must be {bounds.describe()} (got {item})")
 
 
 def _flag(name: str) -> str:

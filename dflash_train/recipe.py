@@ -21,6 +21,7 @@ from .config import (
     ConfigError,
     TrainConfig,
     canonical_dtype,
+    check_numbers,
     convert_values,
     load_file,
     option,
@@ -35,44 +36,35 @@ TRAIN_KEYS_SET_BY_PIPELINE = ("target", "data", "features", "out", "resume", "de
 class PromptsSection:
     source: str = option("default", "'default' (the built-in prompt set) or a prompts file; its train split is "
                                     "answered (a file's rows outside the 1-in-100 dev split of `dflash-train prompts`)")
-    count: int = option(0, "prompts answered, self-written ones included (0 = every prompt of the source)")
-    seed: int = option(0, "picks and orders the default prompts")
+    count: int = option(0, "prompts answered, self-written ones included (0 = every prompt of the source)", at_least=0)
+    seed: int = option(0, "picks and orders the default prompts", at_least=0)
 
     def validate(self) -> None:
+        check_numbers(self, "prompts")
         if not self.source:
             raise ConfigError("[prompts] source: 'default' or a prompts file")
-        if self.count < 0:
-            raise ConfigError(f"[prompts] count must be >= 0 (0 = all), got {self.count}")
 
 
 @dataclasses.dataclass
 class SelfPromptsSection:
-    count: int = option(0, "of [prompts] count, this many are requests the target writes itself (0 = none)")
-    max_new_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)")
-    seed: int = option(0, "sampling seed of the requests")
+    count: int = option(0, "of [prompts] count, this many are requests the target writes itself (0 = none)", at_least=0)
+    max_new_tokens: int = option(128, "length cap of a self-written request (a request cut by it is dropped)", at_least=1)
+    seed: int = option(0, "sampling seed of the requests", at_least=0)
 
     def validate(self) -> None:
-        if self.count < 0:
-            raise ConfigError(f"[self_prompts] count must be >= 0, got {self.count}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"[self_prompts] max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        check_numbers(self, "self_prompts")
 
 
 @dataclasses.dataclass
 class RegenerateSection:
-    max_new_tokens: int = option(1024, "answer length cap")
-    max_prompt_tokens: int = option(0, "skip longer prompts (0 = the target's context minus max_new_tokens)")
-    batch_size: int = option(0, "prompts decoded at once (0 = the device's default)")
-    temperature: float = option(0.0, "0 = greedy")
+    max_new_tokens: int = option(1024, "answer length cap", at_least=1)
+    max_prompt_tokens: int = option(0, "skip longer prompts (0 = the target's context minus max_new_tokens)", at_least=0)
+    batch_size: int = option(0, "prompts decoded at once (0 = the device's default)", at_least=0)
+    temperature: float = option(0.0, "0 = greedy", at_least=0)
     dtype: str = option("auto", "target weights while answering")
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"[regenerate] max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.max_prompt_tokens < 0 or self.batch_size < 0:
-            raise ConfigError("[regenerate] max_prompt_tokens and batch_size must be >= 0 (0 = automatic)")
-        if not self.temperature >= 0:
-            raise ConfigError(f"[regenerate] temperature must be >= 0, got {self.temperature}")
+        check_numbers(self, "regenerate")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ConfigError(f"[regenerate] dtype {self.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
 
@@ -90,16 +82,15 @@ class FeaturesSection:
 class EvalSection:
     bench: list[str] = option(["humaneval", "mtbench"], "benchmarks, 'dev' (the source's held-out split), "
                                                         "'mtbench_odd' (first turns of every other MT-Bench question) or files")
-    limit: int = option(0, "the first N prompts of each (0 = all)")
-    max_new_tokens: int = option(256, "new tokens per prompt")
+    limit: int = option(0, "the first N prompts of each (0 = all)", at_least=0)
+    max_new_tokens: int = option(256, "new tokens per prompt", at_least=1)
     decoder: str = option("auto", "auto, static or hf")
     baseline: bool = option(True, "also decode target-only: the speed-up (else only tau)")
 
     def validate(self) -> None:
         if not self.bench:
             raise ConfigError("[eval] bench is empty")
-        if self.limit < 0 or self.max_new_tokens < 1:
-            raise ConfigError("[eval] limit must be >= 0 and max_new_tokens at least 1")
+        check_numbers(self, "eval")
         if self.decoder not in DECODERS:
             raise ConfigError(f"[eval] decoder {self.decoder!r}: use {', '.join(DECODERS)}")
 
@@ -108,12 +99,11 @@ class EvalSection:
 class SpeedSection:
     bench: list[str] = option([], "benchmarks of the speed-up run, in one process with the target-only baseline "
                                   "(empty = the speed-up of [eval], which needs baseline = true)")
-    limit: int = option(0, "the first N prompts of each (0 = all)")
+    limit: int = option(0, "the first N prompts of each (0 = all)", at_least=0)
     decoder: str = option("static", "auto, static or hf")
 
     def validate(self) -> None:
-        if self.limit < 0:
-            raise ConfigError(f"[speed] limit must be >= 0, got {self.limit}")
+        check_numbers(self, "speed")
         if self.decoder not in DECODERS:
             raise ConfigError(f"[speed] decoder {self.decoder!r}: use {', '.join(DECODERS)}")
 

@@ -167,6 +167,9 @@ def test_stages_runs_only_the_stages_named(files, tmp_path, capsys):
     (("steps = 4", "steps = 4\nout = 'elsewhere'"), "[train] out: set by the pipeline itself"),
     (("num_anchors = 8", "num_anchors = 8\nlr = -1.0"), "[train] --lr must be > 0"),
     (("max_new_tokens = 12", "max_new_tokens = 0"), "[regenerate] max_new_tokens must be at least 1"),
+    (("max_new_tokens = 12", "max_new_tokens = 12\ntemperature = nan"), "[regenerate] temperature must be a finite number"),
+    (("limit = 2", "limit = -1"), "[eval] limit must be at least 0 (got -1)"),
+    (("num_anchors = 8", "num_anchors = 8\nlr = inf"), "[train] --lr must be a finite number"),
     (("[train]\n", "[self_prompts]\ncount = 20\n[train]\n"), "[self_prompts] count 20 is more than [prompts] count 10"),
     (("steps = 4", "steps = 4\nmode = 'variants'"), "[train] mode 'variants': the pipeline trains one drafter"),
 ])

@@ -25,27 +25,19 @@ from ..files import check_outside_inputs
 @dataclasses.dataclass
 class QuickstartConfig:
     out: str = option("runs/quickstart", "folder for everything the quickstart writes")
-    prompts: int = option(160, "training prompts taken from the default prompt set (dflash-train prompts)")
-    max_new_tokens: int = option(48, "answer length when the target regenerates the training data")
-    max_prompt_tokens: int = option(128, "skip longer prompts (they would leave no room to train on the answer)")
-    target_layer_ids: list[int] = option([2, 9, 16], "target layers the drafter reads (shallow: the forward stops at the last)")
-    steps: int = option(160, "drafter training steps")
-    num_layers: int = option(2, "drafter layers")
-    block_size: int = option(8, "draft block size")
-    eval_prompts: int = option(6, "prompts per benchmark for the final acceptance measurement")
-    eval_max_new_tokens: int = option(48, "new tokens per prompt in the final measurement")
+    prompts: int = option(160, "training prompts taken from the default prompt set (dflash-train prompts)", at_least=1)
+    max_new_tokens: int = option(48, "answer length when the target regenerates the training data", at_least=1)
+    max_prompt_tokens: int = option(128, "skip longer prompts (they would leave no room to train on the answer)", at_least=1)
+    target_layer_ids: list[int] = option([2, 9, 16], "target layers the drafter reads (shallow: the forward stops at the last)", at_least=0)
+    steps: int = option(160, "drafter training steps", at_least=1)
+    num_layers: int = option(2, "drafter layers", at_least=1)
+    block_size: int = option(8, "draft block size", at_least=2)
+    eval_prompts: int = option(6, "prompts per benchmark for the final acceptance measurement", at_least=1)
+    eval_max_new_tokens: int = option(48, "new tokens per prompt in the final measurement", at_least=1)
     device: str = option("auto", "auto (cuda:0 if present, else cpu)")
-    seed: int = option(0, "seed for prompt choice, drafter init, data order")
+    seed: int = option(0, "seed for prompt choice, drafter init, data order", at_least=0)
 
     def validate(self) -> None:
-        for name in ("prompts", "max_new_tokens", "steps", "num_layers", "eval_prompts", "eval_max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1")
-        if self.block_size < 2:
-            raise ConfigError("block_size must be at least 2")
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ConfigError(f"--out {self.out} is a file; the quickstart writes a folder (new, or one it wrote before)")
-        check_outside_inputs(self.out, "--out")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; the quickstart writes a folder (new, or one it wrote before)")
         check_outside_inputs(self.out, "--out")
