@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.config import ConfigError
 from dflash_train.files import write_bytes_atomic, write_dir_atomically
 from dflash_train.pipeline.trainer import train
 from tiny import pattern_samples, tiny_target, tiny_train_config

@@ -6,7 +6,6 @@ the non-canonical tokenization a drafter trained on the text never learns."""
 import http.server
 import io
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -17,12 +16,13 @@ import torch
 from dflash_train.cli import main as cli_main
 from dflash_train.data.endpoint import token_ids_from_choice
 from dflash_train.data.feature_cache import FeatureCacheError
-from dflash_train.data.readers import FROM_TOKEN_IDS, WITHOUT_TOKEN_IDS, Prompt, RowStats
+from dflash_train.data.readers import FROM_TOKEN_IDS, WITHOUT_TOKEN_IDS, Prompt
 from dflash_train.data.regenerate import GenerationSettings, regenerate
 from dflash_train.data.render import render_conversation, render_prompt, stop_token_ids, tokenizer_fingerprint
 from dflash_train.data.samples import IDS_IGNORED, OTHER_TOKENIZER, load_training_samples
 from dflash_train.decode.batched import EagerBatchEngine, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.target import load_target
+from test_regenerate import _quiet, _rows, _stats
 from tiny import tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,20 +61,6 @@ def newline(newline_dir):
 
 def _prompts(texts=TEXTS, prefix="p"):
     return [Prompt(f"{prefix}{i}", [{"role": "user", "content": t}], f"test:{i + 1}") for i, t in enumerate(texts)]
-
-
-def _stats(prompts):
-    stats = RowStats()
-    stats.count_read(len(prompts))
-    return stats
-
-
-def _rows(path: Path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _quiet():
-    return open(os.devnull, "w")
 
 
 def _regenerate(target, prompts, out, engine=None, **kwargs):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from ..config import ConfigError, option
 from ..files import check_outside_inputs
-from ..files import check_outside_inputs
 
 
 @dataclasses.dataclass
