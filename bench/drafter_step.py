@@ -10,7 +10,7 @@ warm-up, timed with CUDA events, split into forward / backward / optimizer.
     python bench/drafter_step.py --configs A,D --cuda-graphs on,off   # the step captured in CUDA graphs, and eager
     python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
 
-With `--cuda-graphs on` the step is `pipeline.step_graphs.GraphedStep` (its warm-up compiles and
+With `--cuda-graphs on` the step is `train.step_graphs.GraphedStep` (its warm-up compiles and
 captures the shape first, reported as `prepare_s`); ms/step is then also measured back to back
 (`pipelined_ms`: N steps, one synchronize at the end), which is how training runs them.
 
@@ -31,15 +31,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_train.target.model import default_dtype  # noqa: E402
+
 from dflash_train.config import FP8_CHOICES  # noqa: E402
-from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.fp8 import use_fp8_linears  # noqa: E402
-from dflash_train.objective import fused_head_unsupported  # noqa: E402
-from dflash_train.step import (  # noqa: E402
-    FrozenTargetParts, drafter_loss, make_optimizer, training_step, warmup_cosine,
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.core.fp8 import use_fp8_linears  # noqa: E402
+from dflash_train.core.objective import fused_head_unsupported  # noqa: E402
+from dflash_train.core.step import (  # noqa: E402
+    FrozenTargetParts,
+    drafter_loss,
+    make_optimizer,
+    training_step,
+    warmup_cosine,
 )
-from dflash_train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
-from dflash_train.target import default_dtype  # noqa: E402
+from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.11)
@@ -128,7 +133,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     last: dict = {}
     graphed, prepare_s, prepare_note = None, None, ""
     if graphs == "on":
-        from dflash_train.pipeline.step_graphs import GraphedStep, step_shapes
+        from dflash_train.train.step_graphs import GraphedStep, step_shapes
 
         shapes = step_shapes([shape["seq"]], shape["batch"], objective, batch.target_features.shape[-1], dtype,
                              config.vocab_size)
@@ -196,7 +201,8 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
 
 def profile(step, device: torch.device, out: Path, steps: int = 3) -> None:
     """Kernel-level table of `steps` steps (self device time, top 40) written to `out`."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -227,7 +233,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--head", choices=["compiled", "fused", "eager"], default="compiled",
-                        help="frozen-head CE chunk compiled (default, with --compile on), through head_kernel.py's "
+                        help="frozen-head CE chunk compiled (default, with --compile on), through core/head_kernel.py's "
                              "fused softmax kernel (what train runs on CUDA), or eager")
     parser.add_argument("--fp8", default="off",
                         help=f"comma-separated FP8 modes to run each config in, of {FP8_CHOICES} (train --fp8)")
@@ -241,7 +247,7 @@ def main() -> int:
     faulthandler.dump_traceback_later(540, exit=True)
     device = torch.device(args.device)
     if args.flex_options:
-        from dflash_train import attention
+        from dflash_train.core import attention
 
         attention.flex_kernel_options = json.loads(args.flex_options)
     dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]

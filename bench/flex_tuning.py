@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.drafter_step import QWEN3_8B, SPECFORGE  # noqa: E402
-from dflash_train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
-from dflash_train.attention import block_mask  # noqa: E402
+from dflash_train.core.attention import block_mask  # noqa: E402
+from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
 
 # (name, kernel_options); None = the torch release's own choice for this GPU.
 CANDIDATES: list[tuple[str, dict | None]] = [

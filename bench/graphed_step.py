@@ -93,9 +93,10 @@ def child(args: argparse.Namespace) -> int:
     """One training run; writes its numbers to --result."""
     if args.run_timeout > 5:  # a run that hangs shows where: every thread's stack, just before the parent kills it
         faulthandler.dump_traceback_later(args.run_timeout - 3)
+    from dflash_train.target.gguf import hf_folder_from_gguf, smollm2_target_dir
+
     from bench.quality_smollm2 import quality_config
-    from dflash_train.gguf import hf_folder_from_gguf, smollm2_target_dir
-    from dflash_train.pipeline.trainer import train
+    from dflash_train.train.trainer import train
 
     target_dir = hf_folder_from_gguf(args.gguf, args.cache_dir or None) if args.gguf else smollm2_target_dir(args.cache_dir or None)
     config = quality_config(str(target_dir), args.data, args.out, steps=args.steps, device=args.device,

@@ -1,5 +1,5 @@
 """The frozen-head cross-entropy alone (forward and backward, bf16): eager chunks, compiled chunks
-and head_kernel.py's fused kernel, at the bar recipe's shapes (SmolLM2 head 49,152 × 576).
+and core/head_kernel.py's fused kernel, at the bar recipe's shapes (SmolLM2 head 49,152 × 576).
 
     python3 bench/head_ce.py --json head_ce.json
     python3 bench/head_ce.py --device cpu --rows 300 --vocab 4000 --kernels eager   # smoke test
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_train.objective import frozen_head_cross_entropy, fused_head_unsupported  # noqa: E402
+from dflash_train.core.objective import frozen_head_cross_entropy, fused_head_unsupported  # noqa: E402
 
 KERNELS = ("fused", "compiled", "eager")
 

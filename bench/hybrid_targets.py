@@ -39,16 +39,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from dflash_train.target.model import Target, default_dtype, default_target_layer_ids  # noqa: E402
 
 from bench.pipeline import variable_length_samples  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data.readers import Prompt  # noqa: E402
-from dflash_train.data.regenerate import GenerationSettings, Job  # noqa: E402
-from dflash_train.decode.batched import EagerBatchEngine, StaticBatchEngine  # noqa: E402
 from dflash_train.decode.families import describe_target  # noqa: E402
 from dflash_train.decode.static import cache_capacity, static_unsupported  # noqa: E402
-from dflash_train.pipeline.trainer import train  # noqa: E402
-from dflash_train.target import Target, default_dtype, default_target_layer_ids  # noqa: E402
+from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine  # noqa: E402
+from dflash_train.generate.regenerate import GenerationSettings, Job  # noqa: E402
+from dflash_train.train.trainer import train  # noqa: E402
 
 LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
               linear_conv_kernel_dim=4)

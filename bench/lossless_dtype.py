@@ -21,12 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_train.export.hf import export_model  # noqa: E402
+from dflash_train.target.gguf import hf_folder_from_gguf  # noqa: E402
+from dflash_train.target.model import load_target  # noqa: E402
+
 from bench.quality_smollm2 import ShardRunner, merge_group, shard_jobs  # noqa: E402
-from dflash_train.drafter import DrafterConfig  # noqa: E402
-from dflash_train.export import export_model  # noqa: E402
-from dflash_train.gguf import hf_folder_from_gguf  # noqa: E402
-from dflash_train.pipeline.build import init_drafter  # noqa: E402
-from dflash_train.target import load_target  # noqa: E402
+from dflash_train.core.drafter import DrafterConfig  # noqa: E402
+from dflash_train.train.build import init_drafter  # noqa: E402
 
 
 def main() -> int:

@@ -32,9 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_train.target.model import Target, default_dtype  # noqa: E402
+
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.pipeline.trainer import train  # noqa: E402
-from dflash_train.target import Target, default_dtype  # noqa: E402
+from dflash_train.train.trainer import train  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)

@@ -17,10 +17,11 @@ import json
 import tempfile
 import time
 
+from dflash_train.data.prompts.registry import evals_registry_dir
+from dflash_train.data.prompts.sets import build_prompt_set
+
 from dflash_train.commands._common import benchmark_prompt_texts
 from dflash_train.data.decontaminate import Decontaminator
-from dflash_train.data.prompt_set import build_prompt_set
-from dflash_train.data.prompts import evals_registry_dir
 
 
 def registry_texts() -> list[str]:

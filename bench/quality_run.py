@@ -60,10 +60,21 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from dflash_train.commands._stages import DATA_STAGES, STAGES as PIPELINE_STAGES  # noqa: E402
-from dflash_train.config import DECODERS, ConfigError, TrainConfig, UserError, add_arguments, from_args, load_file, option  # noqa: E402
+from dflash_train.target.gguf import check_gguf_file  # noqa: E402
+
+from dflash_train.commands._stages import DATA_STAGES  # noqa: E402
+from dflash_train.commands._stages import STAGES as PIPELINE_STAGES
+from dflash_train.config import (  # noqa: E402
+    DECODERS,
+    ConfigError,
+    TrainConfig,
+    UserError,
+    add_arguments,
+    from_args,
+    load_file,
+    option,
+)
 from dflash_train.files import write_bytes_atomic, write_json_atomic, write_text_atomic  # noqa: E402
-from dflash_train.gguf import check_gguf_file  # noqa: E402
 from dflash_train.recipe import recipe_from_dict, recipe_path  # noqa: E402
 
 EXPERIMENTS = ("curve", "recipe")
@@ -347,7 +358,7 @@ class Call:
 
     def target_dir(self) -> Path:
         if self._target_dir is None:
-            from dflash_train.gguf import hf_folder_from_gguf
+            from dflash_train.target.gguf import hf_folder_from_gguf
 
             target = Path(self.config.target)
             if target.is_file():
@@ -536,7 +547,7 @@ def train_boxed(config, box: float) -> TrainOutcome:
     """Train (resuming `config.out`) until the steps are done or `box` seconds have passed (the
     trainer stops gracefully: the step in flight finishes and is checkpointed). A finished run is
     exported by the trainer."""
-    from dflash_train.pipeline.trainer import train
+    from dflash_train.train.trainer import train
 
     started = time.monotonic()
 

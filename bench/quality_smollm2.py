@@ -42,7 +42,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflash_train.checkpoint import STATE_FILE, read_state  # noqa: E402
+from dflash_train.target.gguf import hf_folder_from_gguf  # noqa: E402
+from dflash_train.target.model import resolve_device  # noqa: E402
+
 from dflash_train.cli import main as cli_main  # noqa: E402
 from dflash_train.config import DECODERS, FP8_CHOICES, TrainConfig  # noqa: E402
 from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
@@ -54,9 +56,8 @@ from dflash_train.eval.stats import (  # noqa: E402
     merge_eval_results,
     summarize,
 )
-from dflash_train.gguf import hf_folder_from_gguf  # noqa: E402
-from dflash_train.pipeline.trainer import train  # noqa: E402
-from dflash_train.target import resolve_device  # noqa: E402
+from dflash_train.train.checkpoint import STATE_FILE, read_state  # noqa: E402
+from dflash_train.train.trainer import train  # noqa: E402
 
 FINAL = "final"
 

@@ -9,7 +9,7 @@
 The same real prompts (rendered with the target's chat template, variable lengths, answers that
 stop early) go to every engine, at each batch size of --batches:
 
-    ours        regenerate's engine (decode/batched.py): continuous batching over static
+    ours        regenerate's engine (generate/engine.py): continuous batching over static
                 caches, one CUDA graph per (slots, attention span)
     hf-static   model.generate(cache_implementation="static"), which transformers compiles
                 (torch.compile, CUDA graphs) on CUDA; batches of the length-sorted prompts
@@ -43,15 +43,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from dflash_train.target.model import Target, load_target, model_folder  # noqa: E402
 
-from bench.profiling import write_tables  # noqa: E402
 from bench.pipeline import QWEN3_8B, random_target  # noqa: E402
+from bench.profiling import write_tables  # noqa: E402
 from bench.static_decode_speed import SMOLLM2  # noqa: E402
 from dflash_train.data.readers import RowStats, read_prompts  # noqa: E402
-from dflash_train.data.regenerate import GenerationSettings, Job, row_seed  # noqa: E402
 from dflash_train.data.render import RenderError, render_prompt, stop_token_ids  # noqa: E402
-from dflash_train.decode.batched import StaticBatchEngine  # noqa: E402
-from dflash_train.target import Target, load_target, model_folder  # noqa: E402
+from dflash_train.generate.engine import StaticBatchEngine  # noqa: E402
+from dflash_train.generate.regenerate import GenerationSettings, Job, row_seed  # noqa: E402
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
@@ -86,8 +86,9 @@ def bench_jobs(args, tokenizer, needed: int) -> tuple[list[Job], dict]:
     (rendering all of the default set's 119k prompts took 85 s of a device call)."""
     stats = RowStats()
     if args.prompts == "default":  # what `regenerate --prompts default` answers
+        from dflash_train.data.prompts.sets import PromptSetSettings
+
         from dflash_train.commands._common import default_prompt_set
-        from dflash_train.data.prompt_set import PromptSetSettings
 
         prompts = default_prompt_set(PromptSetSettings(seed=args.seed)).split("train")
     else:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from dflash_train.target.model import model_folder  # noqa: E402
+
 from dflash_train.data.samples import load_training_samples  # noqa: E402
-from dflash_train.target import model_folder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from dflash_train.target.model import dtype_from_name  # noqa: E402
 
 from dflash_train.config import DECODERS  # noqa: E402
 from dflash_train.data.render import render_prompt, stop_token_ids  # noqa: E402
@@ -46,7 +47,6 @@ from dflash_train.decode.loop import generate  # noqa: E402
 from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
 from dflash_train.eval.run import load_pair  # noqa: E402
 from dflash_train.eval.stats import tau_statistics  # noqa: E402
-from dflash_train.target import dtype_from_name  # noqa: E402
 
 
 def log(message: str) -> None:

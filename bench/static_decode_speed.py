@@ -38,13 +38,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from dflash_train.target.model import Target  # noqa: E402
 
 from bench.flex_tuning import time_ms  # noqa: E402
 from bench.pipeline import QWEN3_8B, TINY, random_target  # noqa: E402
 from bench.profiling import gpu_busy, write_tables  # noqa: E402
-from dflash_train.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.decode.loop import generate, make_decoder  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)

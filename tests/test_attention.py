@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dflash_train.attention import attend, dense_mask, dflash_mask_mod
+from dflash_train.core.attention import attend, dense_mask, dflash_mask_mod
 
 
 def _anchors(batch, num_anchors, context_len, valid_counts, seed):
@@ -81,7 +81,7 @@ def test_flex_gradients_equal_sdpa_on_gpu(context_len, block_size, num_anchors, 
     anchors = _anchors(2, num_anchors, context_len, valid, seed=3).to(device)
     queries = num_anchors * block_size
     tensors = [t.to(device).requires_grad_() for t in _random_qkv(2, 4, 2, queries, context_len + queries, 64, seed=4)]
-    from dflash_train.attention import block_mask
+    from dflash_train.core.attention import block_mask
 
     block = block_mask(anchors, context_len, block_size)  # the production path (closed form)
     dense = dense_mask(anchors, context_len, block_size)
@@ -118,7 +118,7 @@ def _effective_mask(mask, anchors, context_len, block_size, tile):
 
 
 def test_closed_form_block_mask_equals_the_mask_definition():
-    from dflash_train.attention import block_mask
+    from dflash_train.core.attention import block_mask
 
     generator = torch.Generator().manual_seed(0)
     for _ in range(60):
@@ -134,7 +134,7 @@ def test_closed_form_block_mask_equals_the_mask_definition():
 
 @pytest.mark.parametrize("context_len,block_size,num_anchors,valid", CASES)
 def test_closed_form_block_mask_in_flex_equals_sdpa(context_len, block_size, num_anchors, valid):
-    from dflash_train.attention import block_mask
+    from dflash_train.core.attention import block_mask
 
     anchors = _anchors(2, num_anchors, context_len, valid, seed=11)
     queries = num_anchors * block_size

@@ -1,4 +1,4 @@
-"""The batched generators behind `regenerate` (decode/batched.py) against Hugging Face `generate`.
+"""The batched generators behind `regenerate` (generate/engine.py) against Hugging Face `generate`.
 
 On CPU the static generator runs its steps eagerly (no CUDA graphs), so these tests check the
 whole of its logic: slots, refill, per-row positions, attention spans, stop flags, phases, the
@@ -14,13 +14,13 @@ import re
 
 import pytest
 import torch
-
-from dflash_train.data.readers import Prompt
-from dflash_train.data.regenerate import GenerationSettings, Job
-from dflash_train.decode.batched import ATTENTION_STEP, BatchState, EagerBatchEngine, Generated, StaticBatchEngine
-from dflash_train.decode.static import StaticTarget
 from threads import run_in_threads
 from tiny import tiny_target
+
+from dflash_train.data.readers import Prompt
+from dflash_train.decode.static import StaticTarget
+from dflash_train.generate.engine import ATTENTION_STEP, BatchState, EagerBatchEngine, Generated, StaticBatchEngine
+from dflash_train.generate.regenerate import GenerationSettings, Job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

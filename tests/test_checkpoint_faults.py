@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train import cli
-from dflash_train.checkpoint import (
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.train.checkpoint import (
     STATE_FILE,
     latest_checkpoint,
     resumable_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target, tiny_train_config
+from dflash_train.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,7 +210,7 @@ def test_every_checkpoint_file_is_fsynced_before_latest_names_it(tmp_path, monke
 KILLED_SAVE = textwrap.dedent("""
     import sys, time, torch
     sys.path[:0] = [sys.argv[2], sys.argv[3]]
-    from dflash_train.checkpoint import save_checkpoint
+    from dflash_train.train.checkpoint import save_checkpoint
     from test_checkpoint_faults import _drafter, _optimizer_with_state
 
     class StallsWhileSaving(torch.optim.AdamW):
@@ -255,7 +255,7 @@ def test_a_save_killed_midway_is_cleaned_at_the_next_save(tmp_path):
 FULL_DISK = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [sys.argv[2], sys.argv[3]]
-    from dflash_train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify_checkpoint
+    from dflash_train.train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify_checkpoint
     from test_checkpoint_faults import _drafter, _optimizer_with_state
 
     drafter = _drafter(hidden=int(sys.argv[4]))

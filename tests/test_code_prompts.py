@@ -6,9 +6,7 @@ import json
 import textwrap
 
 import pytest
-
-from dflash_train.assets import MissingAsset, package_path
-from dflash_train.data.code_prompts import (
+from dflash_train.data.prompts.code import (
     CODEIO_FILES,
     HUMANEVAL_HEADER,
     REASONING_GYM_INSTALL,
@@ -17,6 +15,8 @@ from dflash_train.data.code_prompts import (
     package_root,
     stdlib_prompts,
 )
+
+from dflash_train.assets import MissingAsset, package_path
 
 MODULE = '''
 import os

@@ -1,4 +1,4 @@
-"""The compile gate (pipeline/compile_gate.py) with real threads and real torch.compile.
+"""The compile gate (train/compile_gate.py) with real threads and real torch.compile.
 
 The invariant that keeps torch.compile's races out of the threaded trainer: warm-ups run one at
 a time, and once every warm-up is done nothing compiles. A call that would compile runs eagerly
@@ -16,14 +16,14 @@ import warnings
 
 import pytest
 import torch
+from dflash_train.target.model import Target
+from tiny import pattern_samples, tiny_hf_model, tiny_target, tiny_train_config
 
 from dflash_train.errors import ConfigError
-from dflash_train.pipeline.compile_gate import CompileGate, gate_problem
-from dflash_train.pipeline.runtime import StopSignal, Worker
-from dflash_train.pipeline.startup import Warmup
-from dflash_train.pipeline.trainer import train
-from dflash_train.target import Target
-from tiny import pattern_samples, tiny_hf_model, tiny_target, tiny_train_config
+from dflash_train.parallel.threads import StopSignal, Worker
+from dflash_train.train.compile_gate import CompileGate, gate_problem
+from dflash_train.train.startup import Warmup
+from dflash_train.train.trainer import train
 
 WORKERS = 3
 LIMIT = 40

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-
-from dflash_train.dflash2 import grouped_causal_conv
-from dflash_train.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
-from dflash_train.export import export_model, load_exported_drafter
-from dflash_train.export_rules import check_folder, failures
+from dflash_train.export.hf import export_model, load_exported_drafter
+from dflash_train.export.rules import check_folder, failures
 from tiny import tiny_target
+
+from dflash_train.core.dflash2 import grouped_causal_conv
+from dflash_train.core.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
 
 dflash = pytest.importorskip("dflash", reason="reference package: pip install --no-deps dflash==0.1.0")
 
@@ -139,8 +139,8 @@ def _inference_hidden(target, drafter, ids, anchor):
 
 
 def _dflash2_loss_and_metrics(target, drafter, ids, loss_mask, miss, weight=0.5):
-    from dflash_train.objective import ObjectiveConfig, block_labels
-    from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
+    from dflash_train.core.objective import ObjectiveConfig, block_labels
+    from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss
 
     anchors = torch.tensor([ANCHORS + [0]])
     anchor_valid = torch.tensor([[True] * len(ANCHORS) + [False]])
@@ -158,7 +158,7 @@ def _dflash2_loss_and_metrics(target, drafter, ids, loss_mask, miss, weight=0.5)
 def _dflash2_loss_from_inference(target, drafter, ids, loss_mask, miss, weight=0.5):
     """By hand from inference-style drafts: slot k of anchor a predicts ids[a + k] with the true
     ids[a + k − 1] as the selector's predecessor; plus the greedy path's leading matches."""
-    from dflash_train.objective import decay_weights
+    from dflash_train.core.objective import decay_weights
 
     selector = drafter.candidate_selector
     w = decay_weights(BLOCK, 3.0)
@@ -223,8 +223,8 @@ def test_dflash2_training_loss_and_simulated_tau_equal_inference(miss):
 
 def test_dflash2_training_blocks_equal_inference_blocks():
     """The convolutions stay inside each block in the training forward (N blocks side by side)."""
-    from dflash_train.attention import make_mask
-    from dflash_train.objective import block_token_ids
+    from dflash_train.core.attention import make_mask
+    from dflash_train.core.objective import block_token_ids
 
     target = tiny_target("llama")
     drafter = random_dflash2(target, block_size=BLOCK, std=0.3)
@@ -241,7 +241,7 @@ def test_dflash2_training_blocks_equal_inference_blocks():
 
 
 def test_selector_miss_rules():
-    from dflash_train.dflash2 import CandidateSelector
+    from dflash_train.core.dflash2 import CandidateSelector
 
     selector = CandidateSelector(8, 20, 4, 3)
     selector.reset_parameters(torch.Generator().manual_seed(0), std=0.5)
@@ -260,10 +260,10 @@ def test_selector_miss_rules():
 
 
 def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert"):
-    from dflash_train.objective import ObjectiveConfig
-    from dflash_train.pipeline.build import init_drafter
-    from dflash_train.step import FrozenTargetParts, make_optimizer, training_step, warmup_cosine
-    from dflash_train.synthetic import TINY, drafter_config, make_batch
+    from dflash_train.core.objective import ObjectiveConfig
+    from dflash_train.core.step import FrozenTargetParts, make_optimizer, training_step, warmup_cosine
+    from dflash_train.train.build import init_drafter
+    from dflash_train.train.synthetic import TINY, drafter_config, make_batch
 
     config = drafter_config(TINY, 4)
     config.arch, config.conv_kernel_size, config.conv_group_size = "dflash2", 2, 16
@@ -295,10 +295,9 @@ def test_our_decoders_give_the_references_tokens_and_acceptance_lengths(tmp_path
 
     import dflash.model as reference_module
     from dflash import DFlash2DraftModel
+    from test_evaluate import fit_drafter
 
     from dflash_train.decode.loop import generate
-
-    from test_evaluate import fit_drafter
 
     monkeypatch.setattr(reference_module, "_cuda_time", time.perf_counter)  # its timer syncs CUDA
     target = tiny_target(family, head_scale=8.0)
@@ -373,11 +372,12 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
     import os
     from pathlib import Path
 
-    from dflash_train.checkpoint import latest_checkpoint, load_drafter
-    from dflash_train.pipeline.trainer import train
-    from dflash_train.target import Target
+    from dflash_train.target.model import Target
     from test_evaluate import char_tokenizer
     from tiny import pattern_samples, tiny_hf_model, tiny_train_config
+
+    from dflash_train.train.checkpoint import latest_checkpoint, load_drafter
+    from dflash_train.train.trainer import train
 
     target = Target(tiny_hf_model("llama", vocab=104), char_tokenizer())
     variants = [{"name": "dflash"},
@@ -404,12 +404,13 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
 
 
 def test_eval_command_decodes_a_dflash2_export_losslessly(tmp_path, capsys):
-    import transformers
     from pathlib import Path
 
-    from dflash_train import cli
-    from dflash_train.target import Target
+    import transformers
+    from dflash_train.target.model import Target
     from test_evaluate import char_tokenizer
+
+    from dflash_train import cli
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
@@ -436,11 +437,12 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
     loss and metrics unchanged, and 4 steps of 2 micro-batches equal training_step's."""
     import copy
 
-    from dflash_train.objective import ObjectiveConfig
-    from dflash_train.pipeline.build import init_drafter
-    from dflash_train.static_step import InputShape, StaticInputs, rows_bucket, static_drafter_loss
-    from dflash_train.step import drafter_loss, training_step
     from test_step_graphs import LAYERS, _compare, _frozen, _graphed, _steps, _trainer
+
+    from dflash_train.core.objective import ObjectiveConfig
+    from dflash_train.core.static_step import InputShape, StaticInputs, rows_bucket, static_drafter_loss
+    from dflash_train.core.step import drafter_loss, training_step
+    from dflash_train.train.build import init_drafter
 
     target = tiny_target("llama", layers=6, head_scale=20)
     objective = ObjectiveConfig(block_size=4, num_anchors=24, loss_chunk_rows=16, selector_miss=miss)
@@ -475,9 +477,10 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
 def test_fp8_all_names_a_dflash2_dimension_fp8_cannot_multiply(tmp_path):
     import os
 
-    from dflash_train.config import ConfigError
-    from dflash_train.pipeline.trainer import train
     from tiny import pattern_samples, tiny_train_config
+
+    from dflash_train.config import ConfigError
+    from dflash_train.train.trainer import train
 
     config = tiny_train_config(tmp_path / "run", fp8="all", arch="dflash2", conv_kernel_size=3, conv_group_size=16)
     with pytest.raises(ConfigError, match="conv_kernel_size"):

@@ -9,13 +9,6 @@ import warnings
 
 import pytest
 import torch
-
-from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.objective import ObjectiveConfig
-from dflash_train.pipeline.build import init_drafter
-from dflash_train.pipeline.trainer import train
-from dflash_train.step import training_step
 from test_step_graphs_gpu import (
     DEVICE,
     LAYERS,
@@ -31,6 +24,13 @@ from test_step_graphs_gpu import (
     _trainer,
 )
 from tiny import pattern_samples, tiny_target
+
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.core.objective import ObjectiveConfig
+from dflash_train.core.step import training_step
+from dflash_train.decode.loop import generate, make_decoder
+from dflash_train.train.build import init_drafter
+from dflash_train.train.trainer import train
 
 pytestmark = pytest.mark.gpu
 

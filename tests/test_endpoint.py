@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
-from dflash_train.data.endpoint import EndpointError, RowError, answer_from_response, api_base
+from dflash_train.generate.endpoint import EndpointError, RowError, answer_from_response, api_base
 
 SERVE_MODULES = ("fastapi", "uvicorn", "openai")
 MAX_NEW_TOKENS = "6"

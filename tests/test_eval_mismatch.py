@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from dflash_train.export.hf import export_model
+from dflash_train.target.model import Target, TargetError, load_target
 from safetensors.torch import load_file, save_file
+from test_evaluate import char_tokenizer, random_drafter
 
 from dflash_train import cli
 from dflash_train.eval.stats import MergeError, merge_eval_results
-from dflash_train.export import export_model
-from dflash_train.target import Target, TargetError, load_target
-from test_evaluate import char_tokenizer, random_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "tests" / "data" / "eval_prompts.jsonl"

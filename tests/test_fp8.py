@@ -16,18 +16,26 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from dflash_train.export.hf import load_exported_drafter
+from tiny import pattern_samples, tiny_target, tiny_train_config
 from torch import nn
 
-from dflash_train import fp8
 from dflash_train.config import ConfigError, TrainConfig
-from dflash_train.export import load_exported_drafter
-from dflash_train.fp8 import (
-    ACTIVATION, GRADIENT, Fp8Linear, Fp8Weight, check_fp8_dims, fp8_unsupported, frozen_forward, frozen_input_grad,
-    quantize, use_fp8_linears,
+from dflash_train.core import fp8
+from dflash_train.core.fp8 import (
+    ACTIVATION,
+    GRADIENT,
+    Fp8Linear,
+    Fp8Weight,
+    check_fp8_dims,
+    fp8_unsupported,
+    frozen_forward,
+    frozen_input_grad,
+    quantize,
+    use_fp8_linears,
 )
-from dflash_train.objective import frozen_head_cross_entropy
-from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target, tiny_train_config
+from dflash_train.core.objective import frozen_head_cross_entropy
+from dflash_train.train.trainer import train
 
 FP8_BUDGET = 60_000_000  # multiply-adds per CPU test: ~3 s at the slowest host's ~20 M/s
 
@@ -320,7 +328,7 @@ def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
     from drafter_step import TINY, drafter_config, make_batch
     from fp8_check import build
 
-    from dflash_train.step import FrozenTargetParts, drafter_loss, make_optimizer
+    from dflash_train.core.step import FrozenTargetParts, drafter_loss, make_optimizer
 
     device = torch.device("cuda")
     dims = dict(TINY, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, vocab=4096)

@@ -6,11 +6,7 @@ import time
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-from dflash_train.assets import MissingAsset, package_path
-from dflash_train.gguf import (
+from dflash_train.target.gguf import (
     MANIFEST_NAME,
     GGUFError,
     check_same_logits,
@@ -20,6 +16,10 @@ from dflash_train.gguf import (
     smollm2_gguf_path,
     smollm2_target_dir,
 )
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from dflash_train.assets import MissingAsset, package_path
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

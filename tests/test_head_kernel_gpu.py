@@ -1,11 +1,11 @@
-"""head_kernel.py's fused softmax kernel on a GPU against the torch reference
+"""core/head_kernel.py's fused softmax kernel on a GPU against the torch reference
 (`objective.softmax_cross_entropy`) and the whole chunked frozen-head CE through it."""
 
 import pytest
 import torch
 
-from dflash_train.head_kernel import BLOCK, fused_softmax_cross_entropy
-from dflash_train.objective import fused_head_unsupported, frozen_head_cross_entropy, softmax_cross_entropy
+from dflash_train.core.head_kernel import BLOCK, fused_softmax_cross_entropy
+from dflash_train.core.objective import frozen_head_cross_entropy, fused_head_unsupported, softmax_cross_entropy
 
 pytestmark = pytest.mark.gpu
 

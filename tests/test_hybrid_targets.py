@@ -16,20 +16,20 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from dflash_train.target.features import FeatureForward, feature_forward_unsupported, float32_replica
+from dflash_train.target.model import Target, load_target
+from test_batched import by_id, hf_generate, make_jobs
+from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
 
 from dflash_train.config import UserError
-from dflash_train.data.regenerate import GenerationSettings
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.decode import hf as hf_decoder
-from dflash_train.decode.batched import EagerBatchEngine, StaticBatchEngine, generate_batch
 from dflash_train.decode.families import describe_target
 from dflash_train.decode.loop import describe_decoder, generate
 from dflash_train.decode.recurrent import StateSnapshot
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.eval.in_training import InTrainingEvaluator
-from dflash_train.feature_forward import FeatureForward, feature_forward_unsupported, float32_replica
-from dflash_train.target import Target, load_target
-from test_batched import by_id, hf_generate, make_jobs
-from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
+from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine, generate_batch
+from dflash_train.generate.regenerate import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,7 +114,6 @@ def test_a_qwen3_5_image_text_folder_loads_as_its_language_model(tmp_path):
     """Qwen3.5 releases are image-text models (model_type qwen3_5, text_config inside): the
     target is their language model, with the wrapper's own logits."""
     import transformers
-
     from tiny import hybrid_layer_types
 
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -271,8 +270,9 @@ def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_moe", "gpt_oss"])
 def test_the_threaded_pipeline_trains_on_hybrid_and_moe_targets(family, tmp_path):
-    from dflash_train.pipeline.trainer import train
     from tiny import pattern_samples, tiny_train_config
+
+    from dflash_train.train.trainer import train
 
     target = tiny_target(family, layers=4, head_scale=20)
     log = io.StringIO()
@@ -309,7 +309,7 @@ def test_the_feature_cache_holds_a_hybrid_targets_features(tmp_path):
 # --- the drafter's config ------------------------------------------------------------------------
 
 def _export_for(family: str, out):
-    from dflash_train.export import export_model
+    from dflash_train.export.hf import export_model
 
     target = family_target(family)
     config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
@@ -319,7 +319,7 @@ def _export_for(family: str, out):
 
 
 def _verdicts(folder, target_dir) -> dict[str, str]:
-    from dflash_train.export_rules import check_folder, target_shape_from_config
+    from dflash_train.export.rules import check_folder, target_shape_from_config
 
     shape = target_shape_from_config(json.loads((target_dir / "config.json").read_text()))
     return {v.rule.name: v.status for v in check_folder(folder, shape)}

@@ -8,15 +8,15 @@ import warnings
 
 import pytest
 import torch
-
-from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.objective import ObjectiveConfig
-from dflash_train.pipeline.batches import BatchPlanner
-from dflash_train.pipeline.build import LiveTarget
-from dflash_train.pipeline.feature_graphs import GraphedFeatures
-from dflash_train.target import Target
+from dflash_train.target.model import Target
 from tiny import NEW_FAMILIES, pattern_samples, tiny_hf_model
+
+from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.core.objective import ObjectiveConfig
+from dflash_train.decode.loop import generate, make_decoder
+from dflash_train.train.batches import BatchPlanner
+from dflash_train.train.build import LiveTarget
+from dflash_train.train.feature_graphs import GraphedFeatures
 
 pytestmark = pytest.mark.gpu
 

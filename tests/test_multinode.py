@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from dflash_train.checkpoint import latest_checkpoint
-from dflash_train.config import ConfigError
-from dflash_train.pipeline.batches import BatchPlanner, stream_identity
-from dflash_train.pipeline.distributed import FlatGradients, Launch, detect_launch, place_devices
-from dflash_train.pipeline.trainer import train
 from tiny import pattern_samples, tiny_train_config
 from torchrun_train import build_targets, fingerprint
+
+from dflash_train.config import ConfigError
+from dflash_train.parallel.nodes import FlatGradients, Launch, detect_launch, place_devices
+from dflash_train.train.batches import BatchPlanner, stream_identity
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.trainer import train
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -361,7 +361,7 @@ def test_processes_sharing_a_host_take_disjoint_gpus():
 
 
 def test_node_shares_cover_the_step_with_the_global_normaliser():
-    from dflash_train.objective import ObjectiveConfig
+    from dflash_train.core.objective import ObjectiveConfig
 
     samples = pattern_samples(64)
     objectives = {"d": ObjectiveConfig(block_size=4, num_anchors=4)}

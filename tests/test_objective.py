@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_train.objective import (
+from dflash_train.core.objective import (
     ObjectiveConfig,
     block_labels,
     block_metrics,

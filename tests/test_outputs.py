@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError
 from dflash_train.files import write_bytes_atomic, write_dir_atomically
-from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target, tiny_train_config
+from dflash_train.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data" / "smollm2_regenerated_64.jsonl.gz"

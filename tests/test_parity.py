@@ -7,14 +7,14 @@ variants (a `<=` anchor visibility, +1-shifted labels) and assert the checks cat
 
 import pytest
 import torch
-
-import dflash_train.attention as attention
-import dflash_train.objective as objective_module
-import dflash_train.step as step_module
-from dflash_train.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
-from dflash_train.objective import ObjectiveConfig, block_labels, block_token_ids
-from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
 from tiny import tiny_target
+
+import dflash_train.core.attention as attention
+import dflash_train.core.objective as objective_module
+import dflash_train.core.step as step_module
+from dflash_train.core.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
+from dflash_train.core.objective import ObjectiveConfig, block_labels, block_token_ids
+from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss
 
 BLOCK = 4
 ANCHORS = [3, 9, 10, 21]  # adjacent anchors (9, 10) and one near the end
@@ -151,7 +151,7 @@ def test_rms_norm_is_the_references_float32_then_cast_form_eager_and_traced(dtyp
     """The drafter's RMSNorm runs F.rms_norm eagerly (one kernel on CUDA) and the written-out
     form under the compiler; both must be the reference's: normalise in float32, round to the
     input's dtype, then the weight."""
-    from dflash_train.drafter import RMSNorm
+    from dflash_train.core.drafter import RMSNorm
 
     torch.manual_seed(3)
     norm = RMSNorm(64, 1e-5)

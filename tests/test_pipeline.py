@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.config import ConfigError
-from dflash_train.pipeline.runtime import PipelineError
-from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target, tiny_train_config
+from dflash_train.parallel.threads import PipelineError
+from dflash_train.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_interrupt_stops_cleanly_with_a_checkpoint(tmp_path, target):
 def test_target_workers_share_each_planned_step():
     """Several target threads asking for the same steps get the same planned batches, and each
     step is planned once (its anchors and loss normaliser are drawn for the whole step)."""
-    from dflash_train.objective import ObjectiveConfig
-    from dflash_train.pipeline.batches import BatchPlanner
+    from dflash_train.core.objective import ObjectiveConfig
+    from dflash_train.train.batches import BatchPlanner
 
     class CountingPlanner(BatchPlanner):
         planned: list[int] = []
@@ -166,7 +166,7 @@ def test_a_stop_never_undoes_a_released_barrier_generation():
     """The last replica through the gradient barrier may stop the pipeline at once (its step hook
     raised); a peer released by that same generation must still see a normal return and apply
     its update. threading.Barrier.abort() broke such peers when they woke up late."""
-    from dflash_train.pipeline.runtime import PipelineStopped, StopBarrier
+    from dflash_train.parallel.threads import PipelineStopped, StopBarrier
 
     undone = 0
     for _ in range(200):
@@ -197,7 +197,7 @@ def test_a_drafter_reading_fewer_layers_takes_its_columns_in_its_order_with_one_
     """Feature batches hold the union of every variant's target layers; a variant reading a subset
     selects its own, in its own order. Its index tensor is made once per layer set: made per batch
     on CUDA it made the drafter thread wait for the target (see LayerColumns)."""
-    from dflash_train.pipeline.workers import LayerColumns, select_layers
+    from dflash_train.train.workers import LayerColumns, select_layers
 
     held, hidden = [1, 3, 5, 7], 4
     features = torch.stack([torch.full((2, 3, hidden), float(k)) for k in held], dim=2).flatten(2)  # [2, 3, 4 · 4]

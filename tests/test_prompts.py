@@ -7,9 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
-
-from dflash_train.data.prompts import (
+from dflash_train.data.prompts.registry import (
     MAX_PROMPT_CHARS,
     MIN_PROMPT_CHARS,
     asks_for_short_answer,
@@ -18,6 +16,8 @@ from dflash_train.data.prompts import (
     looks_like_junk,
     prompt_rejection,
 )
+from transformers import AutoTokenizer
+
 from dflash_train.data.readers import RowStats
 
 # The bar recipe's data set (docs/RESULTS.md): $DFLASH_REGENERATED_4000, else its copy in a `shared` data folder beside the checkout.

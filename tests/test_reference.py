@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-
-from dflash_train.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
-from dflash_train.export import ExportError, expected_weight_names, export_model
+from dflash_train.export.hf import ExportError, expected_weight_names, export_model
 from tiny import tiny_target
+
+from dflash_train.core.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
 
 dflash = pytest.importorskip("dflash", reason="reference package: pip install --no-deps dflash==0.1.0")
 

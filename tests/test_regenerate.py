@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_train.target.model import Target, load_target
+from tiny import tiny_hf_model
 
 from dflash_train.cli import main as cli_main
 from dflash_train.data.readers import Prompt, RowStats, read_conversations, read_prompts
-from dflash_train.data.regenerate import GenerationSettings, RegenerateError, regenerate, row_seed, settings_path
 from dflash_train.data.render import render_prompt, stop_token_ids
-from dflash_train.decode.batched import EagerBatchEngine, Generated, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.data.samples import load_training_samples
-from dflash_train.target import Target, load_target
-from tiny import tiny_hf_model
+from dflash_train.generate.engine import EagerBatchEngine, Generated, StaticBatchEngine, generate_batch, local_engine
+from dflash_train.generate.regenerate import GenerationSettings, RegenerateError, regenerate, row_seed, settings_path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"

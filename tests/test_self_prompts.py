@@ -10,19 +10,25 @@ import re
 from pathlib import Path
 
 import pytest
+from dflash_train.data.prompts.sets import in_dev_split
 from transformers import AutoTokenizer
 
 from dflash_train.cli import main
 from dflash_train.commands._common import benchmark_prompt_texts
 from dflash_train.data.decontaminate import Decontaminator, normalized_key
-from dflash_train.data.prompt_set import in_dev_split
 from dflash_train.data.readers import Prompt, RowStats, read_prompts
-from dflash_train.data.regenerate import GenerationSettings, Job, row_seed
 from dflash_train.data.render import stop_token_ids
-from dflash_train.data.self_prompts import (
-    MAX_CHARS, MIN_CHARS, OVERLAP, SOURCE, RequestFilter, SelfPromptSettings, user_request_prefix,
-)
 from dflash_train.errors import ConfigError
+from dflash_train.generate.regenerate import GenerationSettings, Job, row_seed
+from dflash_train.generate.self_prompts import (
+    MAX_CHARS,
+    MIN_CHARS,
+    OVERLAP,
+    SOURCE,
+    RequestFilter,
+    SelfPromptSettings,
+    user_request_prefix,
+)
 
 COUNT, NEW_TOKENS = 4, 40
 
@@ -109,8 +115,9 @@ def test_kept_requests_pass_every_filter_and_the_accounting_adds_up(first_run):
 
 
 def test_each_request_is_the_decoded_sample_of_its_own_seed_ending_at_the_end_of_turn(first_run, smollm2_dir, one_thread):
-    from dflash_train.decode.batched import StaticBatchEngine
-    from dflash_train.target import load_target
+    from dflash_train.target.model import load_target
+
+    from dflash_train.generate.engine import StaticBatchEngine
 
     rows = file_rows(first_run[0])
     target = load_target(smollm2_dir, "cpu")

@@ -9,24 +9,31 @@ from __future__ import annotations
 
 import inspect
 import threading
-
 import warnings
 
 import pytest
 import torch
 import transformers
-
-from dflash_train.config import UserError
-from dflash_train.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from dflash_train.graph_capture import GraphPool, capture
-from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.decode.static import (PREFILL_STEP, StaticDrafter, StaticTarget, attention_bias, fused_norm,
-                                        matmul_attention, prefill_width, static_state, static_unsupported)
-from dflash_train.target import Target
+from dflash_train.target.model import Target
 from test_evaluate import random_drafter
 from threads import run_in_threads
 from tiny import tiny_target
 
+from dflash_train.capture import GraphPool, capture
+from dflash_train.config import UserError
+from dflash_train.core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from dflash_train.decode.loop import generate, make_decoder
+from dflash_train.decode.static import (
+    PREFILL_STEP,
+    StaticDrafter,
+    StaticTarget,
+    attention_bias,
+    fused_norm,
+    matmul_attention,
+    prefill_width,
+    static_state,
+    static_unsupported,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -423,7 +430,7 @@ def test_the_cache_argument_is_named_by_the_first_forward_that_names_one():
     """A forward of *args, **kwargs over a Hugging Face model's (ScaledLogitsLlama) gets the
     name its base's forward uses, not the old `past_key_values` (a FutureWarning, and an error
     once transformers removes it)."""
-    from dflash_train.target import cache_argument
+    from dflash_train.target.model import cache_argument
 
     base = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
     expected = "cache" if "cache" in base else "past_key_values"

@@ -14,26 +14,31 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dflash_train.config import ConfigError, TrainConfig
-from dflash_train.drafter import DrafterConfig
-from dflash_train.feature_forward import FeatureForward, feature_forward_unsupported
-from dflash_train.objective import ObjectiveConfig
-from dflash_train.pipeline.batches import BatchPlanner
-from dflash_train.pipeline.build import init_drafter
-from dflash_train.pipeline.runtime import StopSignal
-from dflash_train.pipeline.startup import choose_cuda_graphs
-from dflash_train.pipeline.step_graphs import GraphedStep, step_shapes
-from dflash_train.pipeline.trainer import train
-from dflash_train.pipeline.utilisation import WorkerLoad, bottleneck
-from dflash_train.pipeline.workers import GradientReducer
-from dflash_train.static_step import (
-    InputShape, StaticInputs, padded_slot_index, rows_bucket, rows_buckets, static_drafter_loss,
-)
-from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss, training_step, warmup_cosine
-from dflash_train.target import Target
+from dflash_train.target.features import FeatureForward, feature_forward_unsupported
+from dflash_train.target.model import Target
 from threads import run_in_threads
 from tiny import pattern_samples, tiny_target, tiny_train_config
+
+from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.core.drafter import DrafterConfig
+from dflash_train.core.objective import ObjectiveConfig
+from dflash_train.core.static_step import (
+    InputShape,
+    StaticInputs,
+    padded_slot_index,
+    rows_bucket,
+    rows_buckets,
+    static_drafter_loss,
+)
+from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss, training_step, warmup_cosine
+from dflash_train.parallel.threads import StopSignal
+from dflash_train.parallel.utilisation import WorkerLoad, bottleneck
+from dflash_train.train.batches import BatchPlanner
+from dflash_train.train.build import init_drafter
+from dflash_train.train.startup import choose_cuda_graphs
+from dflash_train.train.step_graphs import GraphedStep, step_shapes
+from dflash_train.train.trainer import train
+from dflash_train.train.workers import GradientReducer
 
 LAYERS = [1, 3]
 BUCKETS = [64, 112]
@@ -281,8 +286,8 @@ def test_feature_forward_refuses_models_it_would_get_wrong():
 
 
 def test_graphed_features_on_cpu_fall_back_to_the_live_target(target):
-    from dflash_train.pipeline.build import LiveTarget
-    from dflash_train.pipeline.feature_graphs import GraphedFeatures
+    from dflash_train.train.build import LiveTarget
+    from dflash_train.train.feature_graphs import GraphedFeatures
 
     live = LiveTarget(target, LAYERS)
     graphed = GraphedFeatures(live, target, BUCKETS, 4)
@@ -325,8 +330,8 @@ def test_compile_target_decides_which_graphed_sources_compile_the_feature_forwar
     """--compile-target auto compiles the target's feature forward wherever --compile compiles the
     drafter (auto: on CUDA); off, or --compile off, captures the plain forward; anything else is a
     one-line configuration error."""
-    from dflash_train.pipeline.build import LiveTarget, compiles_target
-    from dflash_train.pipeline.startup import GraphChoice, graphed_sources
+    from dflash_train.train.build import LiveTarget, compiles_target
+    from dflash_train.train.startup import GraphChoice, graphed_sources
 
     cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
     assert compiles_target(TrainConfig(), cuda) and not compiles_target(TrainConfig(), cpu)
@@ -420,7 +425,7 @@ def test_startup_numbers_reach_the_first_record_and_the_summary(tmp_path, target
 def test_a_damaged_compile_cache_is_reported_and_ignored(tmp_path):
     import io
 
-    from dflash_train.pipeline.compile_cache import CACHE_FILE, artifacts_supported, load_compile_cache
+    from dflash_train.train.compile_cache import CACHE_FILE, artifacts_supported, load_compile_cache
 
     if not artifacts_supported():
         pytest.skip("this torch has no save/load_cache_artifacts")
@@ -457,7 +462,7 @@ class _Stream:
 
 def _warm_up_on_cpu(graphed, monkeypatch, capture):
     """GraphedStep's warm-up sequence (prepare without its CUDA streams) with `capture` standing in."""
-    from dflash_train.pipeline import step_graphs
+    from dflash_train.train import step_graphs
 
     monkeypatch.setattr(step_graphs, "capture", capture)
     graphed.stream = _Stream()
@@ -548,7 +553,7 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
     lost the FP8 products would not keep). Not equal: a rows bucket's padding rows
     (copies of a real row) can change the last head chunk's FP8 scale; on this model the first
     loss differs by ~1e-4 relative and the weights by ~half of FP8's own distance from float32."""
-    from dflash_train.fp8 import use_fp8_linears
+    from dflash_train.core.fp8 import use_fp8_linears
 
     fp8_objective, exact_objective = _objective(anchors=24), _objective(anchors=24)
     fp8_objective.fp8_head = True
@@ -633,8 +638,8 @@ def test_graphed_features_capture_the_compiled_forward_or_say_why_not(target):
     """`GraphedFeatures(compiled=True)` runs the torch.compile'd FeatureForward before its capture
     (dynamo's eager backend here: the same trace inductor gets on the GPU), and it equals
     Target.features; a compile that fails leaves that length on the plain forward, with the reason."""
-    from dflash_train.pipeline.build import LiveTarget
-    from dflash_train.pipeline.feature_graphs import GraphedFeatures
+    from dflash_train.train.build import LiveTarget
+    from dflash_train.train.feature_graphs import GraphedFeatures
 
     ids = torch.randint(0, 96, (4, BUCKETS[0]), generator=torch.Generator().manual_seed(2))
     expected = target.features(ids, LAYERS)

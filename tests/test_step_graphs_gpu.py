@@ -9,21 +9,21 @@ import warnings
 
 import pytest
 import torch
-
-from dflash_train.drafter import DrafterConfig
-from dflash_train.fp8 import use_fp8_linears
-from dflash_train.objective import ObjectiveConfig
-from dflash_train.pipeline.batches import BatchPlanner
-from dflash_train.pipeline.build import LiveTarget, init_drafter
-from dflash_train.pipeline.feature_graphs import GraphedFeatures
-from dflash_train.pipeline.runtime import StopSignal
-from dflash_train.pipeline.step_graphs import GraphedStep, step_shapes
-from dflash_train.pipeline.trainer import train
-from dflash_train.pipeline.workers import GradientReducer
-from dflash_train.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
-from dflash_train.target import Target
+from dflash_train.target.model import Target
 from threads import run_in_threads
 from tiny import pattern_samples, tiny_hf_model, tiny_train_config
+
+from dflash_train.core.drafter import DrafterConfig
+from dflash_train.core.fp8 import use_fp8_linears
+from dflash_train.core.objective import ObjectiveConfig
+from dflash_train.core.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
+from dflash_train.parallel.threads import StopSignal
+from dflash_train.train.batches import BatchPlanner
+from dflash_train.train.build import LiveTarget, init_drafter
+from dflash_train.train.feature_graphs import GraphedFeatures
+from dflash_train.train.step_graphs import GraphedStep, step_shapes
+from dflash_train.train.trainer import train
+from dflash_train.train.workers import GradientReducer
 
 pytestmark = pytest.mark.gpu
 
@@ -156,7 +156,7 @@ def test_graphed_step_equals_the_eager_step_in_float32(fused_head):
     update reads): weights to 1e-6 relative, Adam moments to 1e-5 (the compiled step sums a norm
     weight's gradient over rows in another order than eager; on an H200 a q_norm's first moment,
     values ~1e-5, differed by 1.27e-6 relative, the same with and without worker streams).
-    With the head's softmax compiled or as head_kernel.py's fused kernel."""
+    With the head's softmax compiled or as core/head_kernel.py's fused kernel."""
     target, objective = _target(), _objective(fused_head)
     steps = _steps(target, objective, 24, poison=(9, 1))
     eager, eager_opt, expected = _run_eager(target, objective, steps, None, torch.float32, round_lr=True)
@@ -275,7 +275,7 @@ def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
 def test_a_target_thread_and_two_drafter_threads_warm_up_in_turn():
     """Three real threads on one GPU warm up (compile and capture) one at a time, as the pipeline's
     start-up gate runs them (compiles in several threads at once are not supported: see
-    pipeline/compile_gate.py), each on its own thread's stream. Every graph is captured, and a
+    train/compile_gate.py), each on its own thread's stream. Every graph is captured, and a
     replay then equals the eager computation of each, in the main thread."""
     target, objective = _target(), _objective()
     steps = _steps(target, objective, 3)

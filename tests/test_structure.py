@@ -15,24 +15,24 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 # Floors, top to bottom (docs/ARCHITECTURE.md): a module may import its own floor or lower ones.
-# A dotted prefix names every module under it ("pipeline" covers pipeline.trainer, ...).
+# A dotted prefix names every module under it ("train" covers train.trainer, ...).
 FLOORS = {
     "commands": 10,  # one module per CLI command
     "cli": 9,  # the static command table
-    "pipeline": 8,  # build steps, workers, coordinator, reporting, compile gate
-    "eval": 7,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
-    "decode": 6, "step": 6, "export": 6, "export_rules": 6, "export_gguf": 6, "checkpoint": 6,  # use a drafter: decode it, train it, write it
-    "static_step": 6,  # the training step with static shapes (what CUDA graphs capture)
-    "synthetic": 6,  # synthetic drafter batches of a shape (benchmarks, GPU tests)
-    "drafter": 5, "data": 5,  # the model; rows, rendering, prompts, regeneration, the feature cache
-    "dflash2": 5,  # DFlash2's convolutions and candidate selector, parts of the drafter
-    "target": 4, "gguf": 4,  # the frozen target (a GGUF file is one way to load it)
-    "feature_forward": 4,  # the target's feature forward as plain module calls (capturable)
-    "objective": 3, "fp8": 3, "head_kernel": 3,  # the loss, its FP8 products, its fused softmax kernel
-    # the bottom: the mask, settings, errors, and the small utilities everything may use
-    "attention": 2, "config": 2, "errors": 2, "files": 2, "progress": 2, "assets": 2, "recipe": 2, "graph_capture": 2, "": 2,  # "" = __init__
+    "train": 8,  # the training run: build steps, workers, coordinator, reporting, step graphs, checkpoints
+    "parallel": 7,  # threads and streams, nodes: launch, liveness, gradient reduction, the stop vote
+    "eval": 6,  # benchmarks, tau statistics, the in-training evaluator, the eval driver
+    "generate": 6,  # answers for training: the batched engine, regeneration, endpoints, self-prompts
+    "decode": 5,  # speculative decoding: Hugging Face, static (CUDA graphs), the loop, rollback
+    "export": 4,  # a drafter written for engines: Hugging Face folder, GGUF, the loader rules
+    "core": 3,  # the drafter, the mask, the objective, one training step
+    "data": 3,  # rows, rendering, samples, the feature cache; data/prompts: prompt sets
+    "target": 2,  # the frozen target: loading (Hugging Face or GGUF) and its feature forward
+    # the bottom: settings, errors, files, progress, recipes, the checked CUDA-graph capture
+    "config": 1, "errors": 1, "files": 1, "progress": 1, "assets": 1, "recipe": 1, "capture": 1, "": 1,  # "" = __init__
 }
-CORE = ("attention", "drafter", "dflash2", "objective", "step", "fp8", "head_kernel")
+CORE = ("core.attention", "core.drafter", "core.dflash2", "core.objective", "core.step", "core.static_step",
+        "core.fp8", "core.head_kernel")
 # What the core must not touch: threads, files and processes, the command line.
 NOT_FOR_THE_CORE = {"threading", "queue", "os", "pathlib", "shutil", "tempfile", "json", "signal", "subprocess",
                     "argparse", "sys"}
@@ -144,16 +144,16 @@ def test_the_checks_can_fail():
     if the table said so, and the imports of a real module."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert "pipeline.workers" in GRAPH["pipeline.trainer"] or "pipeline.build" in GRAPH["pipeline.trainer"]
-    assert "target" in GRAPH["drafter"] and floor_of("drafter") > floor_of("target")
-    assert {"commands.cache_features", "pipeline.trainer"} <= GRAPH["commands._stages"]  # lazy imports count
+    assert "train.workers" in GRAPH["train.trainer"] or "train.build" in GRAPH["train.trainer"]
+    assert "target.model" in GRAPH["core.drafter"] and floor_of("core.drafter") > floor_of("target.model")
+    assert {"commands.cache_features", "train.trainer"} <= GRAPH["commands._stages"]  # lazy imports count
 
 
 def test_the_core_knows_nothing_of_threads_files_or_the_cli():
     for module in CORE:
         _, outside = _imports(module, MODULES[module])
         assert not outside & NOT_FOR_THE_CORE, f"dflash_train.{module} imports {sorted(outside & NOT_FOR_THE_CORE)}"
-        assert all(floor_of(t) <= floor_of("step") and not t.startswith(("data", "pipeline", "eval", "decode"))
+        assert all(t.startswith(("core.", "target.")) or floor_of(t) < floor_of("target")
                    for t in GRAPH[module]), (module, GRAPH[module])
 
 

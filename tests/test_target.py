@@ -4,8 +4,7 @@ import json
 
 import pytest
 import torch
-
-from dflash_train.target import (
+from dflash_train.target.model import (
     TargetError,
     check_target_layer_ids,
     default_target_layer_ids,

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
+from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.config import ConfigError
-from dflash_train.pipeline.trainer import train
-from tiny import pattern_samples, tiny_target, tiny_train_config
+from dflash_train.train.trainer import train
 
 pytest.importorskip("tensorboard", reason="test extra: pip install tensorboard")
 

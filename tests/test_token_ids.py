@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dflash_train.cli import main as cli_main
-from dflash_train.data.endpoint import token_ids_from_choice
-from dflash_train.data.feature_cache import FeatureCacheError
-from dflash_train.data.readers import FROM_TOKEN_IDS, WITHOUT_TOKEN_IDS, Prompt
-from dflash_train.data.regenerate import GenerationSettings, regenerate
-from dflash_train.data.render import render_conversation, render_prompt, stop_token_ids, tokenizer_fingerprint
-from dflash_train.data.samples import IDS_IGNORED, OTHER_TOKENIZER, load_training_samples
-from dflash_train.decode.batched import EagerBatchEngine, StaticBatchEngine, generate_batch, local_engine
-from dflash_train.target import load_target
+from dflash_train.target.model import load_target
 from test_regenerate import _quiet, _rows, _stats
 from tiny import tiny_hf_model
+
+from dflash_train.cli import main as cli_main
+from dflash_train.data.feature_cache import FeatureCacheError
+from dflash_train.data.readers import FROM_TOKEN_IDS, WITHOUT_TOKEN_IDS, Prompt
+from dflash_train.data.render import render_conversation, render_prompt, stop_token_ids, tokenizer_fingerprint
+from dflash_train.data.samples import IDS_IGNORED, OTHER_TOKENIZER, load_training_samples
+from dflash_train.generate.endpoint import token_ids_from_choice
+from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine, generate_batch, local_engine
+from dflash_train.generate.regenerate import GenerationSettings, regenerate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

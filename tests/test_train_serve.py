@@ -7,14 +7,14 @@ import os
 
 import pytest
 import torch
+from dflash_train.export.hf import load_exported_drafter
+from tiny import Sample, tiny_target
 
 from dflash_train.config import TrainConfig
+from dflash_train.core.objective import ObjectiveConfig, block_labels
+from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss
 from dflash_train.decode.loop import generate, generate_target_only
-from dflash_train.export import load_exported_drafter
-from dflash_train.objective import ObjectiveConfig, block_labels
-from dflash_train.pipeline.trainer import train
-from dflash_train.step import DrafterBatch, FrozenTargetParts, drafter_loss
-from tiny import Sample, tiny_target
+from dflash_train.train.trainer import train
 
 # The module fixture trains a drafter first: 14 s on one core of a busy machine, 140 s on both
 # cores of it (measured; threads contend).

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_train.target.model import TargetError
 from safetensors.torch import load_file
-
-from dflash_train.checkpoint import latest_checkpoint, load_drafter
-from dflash_train.config import ConfigError
-from dflash_train.pipeline.trainer import train
-from dflash_train.target import TargetError
 from tiny import pattern_samples, tiny_target, tiny_train_config
+
+from dflash_train.config import ConfigError
+from dflash_train.train.checkpoint import latest_checkpoint, load_drafter
+from dflash_train.train.trainer import train
 
 
 def _config(out, **overrides):
@@ -134,7 +134,7 @@ def test_cli_trains_on_real_smollm2_data_with_in_training_eval(tmp_path, smollm2
 def test_gpu_training_measures_real_tau_with_captured_graphs(tmp_path):
     """In-training evaluation on the GPU: the drafter thread captures the static decoder's CUDA
     graphs while the target thread computes features on the same device, and measures real tau."""
-    from dflash_train.target import Target
+    from dflash_train.target.model import Target
     from test_evaluate import char_tokenizer
     from tiny import tiny_hf_model
 
@@ -154,7 +154,7 @@ def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
     """`clipped_fused_step` folds the clip into the fused kernel's grad_scale: the same update
     as clip_grad_norm_ then AdamW, for a norm under and over the limit; a non-finite
     gradient leaves weights and optimizer moments untouched."""
-    from dflash_train.step import clipped_fused_step
+    from dflash_train.core.step import clipped_fused_step
 
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(2)]
@@ -187,9 +187,9 @@ def test_drafter_loss_and_backward_never_wait_for_the_gpu():
     no synchronising CUDA call, so the host can run ahead of the GPU for the whole step."""
     import warnings
 
-    from dflash_train.drafter import DFlashDrafter
-    from dflash_train.step import FrozenTargetParts, drafter_loss
-    from dflash_train.synthetic import TINY, drafter_config, make_batch
+    from dflash_train.core.drafter import DFlashDrafter
+    from dflash_train.core.step import FrozenTargetParts, drafter_loss
+    from dflash_train.train.synthetic import TINY, drafter_config, make_batch
 
     device = torch.device("cuda")
     config = drafter_config(TINY, 16)
@@ -223,13 +223,13 @@ def test_thinking_switch_reaches_the_training_rows_and_the_eval_prompts():
     """--thinking renders --data and the in-training evaluator's prompts the way regenerate does,
     with the real Qwen3 template: off makes the empty think block part of the prompt (masked,
     and the end of every eval prompt); on and auto leave it to the target (supervised)."""
-    from transformers import AutoTokenizer
-
-    from dflash_train.pipeline.build import FeatureSupply, build_evaluation, load_samples
-    from dflash_train.pipeline.workers import StepRange
-    from dflash_train.target import Target
+    from dflash_train.target.model import Target
     from test_render import NPM_SETUP, npm_tokenizer_dir
     from tiny import tiny_hf_model
+    from transformers import AutoTokenizer
+
+    from dflash_train.train.build import FeatureSupply, build_evaluation, load_samples
+    from dflash_train.train.workers import StepRange
 
     path = npm_tokenizer_dir("qwen3")
     if path is None:

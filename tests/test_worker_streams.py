@@ -1,15 +1,15 @@
-"""Worker streams off CUDA (pipeline/streams.py): nothing changes on the CPU, and the gradient sum
+"""Worker streams off CUDA (parallel/streams.py): nothing changes on the CPU, and the gradient sum
 of replicas keeps each replica's gradient reads and writes in that replica's own thread (on CUDA,
 its own stream; tests/test_worker_streams_gpu.py checks the GPU order)."""
 
 import threading
 
 import torch
-
-from dflash_train.pipeline.runtime import StopSignal
-from dflash_train.pipeline.streams import WorkerStream, mark, receive, wait_for
-from dflash_train.pipeline.workers import GradientReducer
 from threads import run_in_threads
+
+from dflash_train.parallel.streams import WorkerStream, mark, receive, wait_for
+from dflash_train.parallel.threads import StopSignal
+from dflash_train.train.workers import GradientReducer
 
 CPU = torch.device("cpu")
 

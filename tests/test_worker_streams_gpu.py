@@ -1,4 +1,4 @@
-"""Every worker thread on its own CUDA stream (pipeline/streams.py), on one GPU: each worker's
+"""Every worker thread on its own CUDA stream (parallel/streams.py), on one GPU: each worker's
 kernels run on its stream; with the target's and one replica's GPU work deliberately delayed
 (spin kernels, no host work), every hand-off between streams still waits for what it reads (the
 features, the gradient sum of two replicas on the same GPU), so the weights equal one drafter's
@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
+from dflash_train.target.model import Target
 from safetensors.torch import load_file
-
-from dflash_train.drafter import DFlashDrafter
-from dflash_train.pipeline.trainer import train
-from dflash_train.target import Target
 from tiny import pattern_samples, tiny_hf_model, tiny_train_config
+
+from dflash_train.core.drafter import DFlashDrafter
+from dflash_train.train.trainer import train
 
 pytestmark = pytest.mark.gpu
 

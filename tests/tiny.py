@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from dflash_train.target.model import Target
 
 from dflash_train.config import TrainConfig
-from dflash_train.target import Target
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Gated DeltaNet + full attention

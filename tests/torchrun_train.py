@@ -33,7 +33,7 @@ from tiny import pattern_samples, tiny_target, tiny_train_config  # noqa: E402
 
 def build_targets(count: int = 1, device: str = "cpu"):
     """Identical tiny targets (tiny_hf_model seeds its own init), one per target worker."""
-    from dflash_train.target import Target
+    from dflash_train.target.model import Target
 
     return [Target(tiny_target("llama", layers=6, head_scale=20).model.to(device)) for _ in range(count)]
 
@@ -47,7 +47,7 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def train_node(spec: dict, rank: int) -> dict:
-    from dflash_train.pipeline.trainer import train
+    from dflash_train.train.trainer import train
 
     config = tiny_train_config(spec["out"].format(rank=rank), **spec.get("config", {}))
     prints: dict[int, dict[int, str]] = {}
@@ -88,8 +88,8 @@ def train_node(spec: dict, rank: int) -> dict:
 def protocol(spec: dict) -> dict:
     """Three steps of NodeStep with no model: rank 0 spends `busy_seconds` after step 1, as a
     checkpoint or an in-training eval would, announcing it in its vote only if `announce`."""
-    from dflash_train.pipeline.distributed import NodeGroup, NodeStep, detect_launch
-    from dflash_train.pipeline.runtime import StopSignal
+    from dflash_train.parallel.nodes import NodeGroup, NodeStep, detect_launch
+    from dflash_train.parallel.threads import StopSignal
 
     settings = spec["protocol"]
     launch = detect_launch()

@@ -23,7 +23,7 @@ def check_target_flags(target: str, out: str, thinking: str, dtype: str) -> None
 
 def load_target_for(target_path: str, device: Any, dtype: str) -> Any:
     """The target on `device`, its weights in `dtype` ("auto" keeps load_target's default)."""
-    from ..target import dtype_from_name, load_target
+    from ..target.model import dtype_from_name, load_target
 
     weights = dtype_from_name(dtype, device)
     print(f"loading target {target_path} on {device}")
@@ -39,10 +39,10 @@ def benchmark_prompt_texts() -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=2)
 def default_prompt_set(settings: Any) -> Any:
-    """The default prompt set (data/prompt_set.py) for `settings`, decontaminated, cached in the cache
+    """The default prompt set (data/prompts/sets.py) for `settings`, decontaminated, cached in the cache
     folder (and in this process: quickstart and tests ask more than once)."""
-    from ..data.prompt_set import build_prompt_set
-    from ..gguf import default_cache_dir
+    from ..data.prompts.sets import build_prompt_set
+    from ..target.gguf import default_cache_dir
 
     return build_prompt_set(benchmark_prompt_texts(), settings, cache_dir=default_cache_dir())
 

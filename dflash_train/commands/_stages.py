@@ -218,7 +218,7 @@ def stage_prompts(work: Work) -> tuple[int, str]:
 
 
 def stage_self_prompts(work: Work) -> tuple[int, str]:
-    from ..data.prompt_set import spread
+    from ..data.prompts.sets import spread
     from ..data.readers import RowStats, read_prompts
     from .self_prompts import SelfPromptsConfig, run_self_prompts
 
@@ -272,7 +272,7 @@ class Interrupted(Exception):
 
 
 def stage_train(work: Work) -> tuple[int, str]:
-    from ..pipeline.trainer import train
+    from ..train.trainer import train
     from .train import exit_code
 
     config = work.train_config()

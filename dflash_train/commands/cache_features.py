@@ -54,7 +54,7 @@ def _run_cache_features(config: CacheFeaturesConfig) -> int:
 
     from ..data.feature_cache import DTYPES, write_feature_cache
     from ..data.samples import load_training_samples
-    from ..target import default_target_layer_ids, resolve_device
+    from ..target.model import default_target_layer_ids, resolve_device
 
     device = resolve_device(config.device)
     target = load_target_for(config.target, device, config.dtype)

@@ -79,8 +79,8 @@ def check_versions() -> list[Finding]:
 
 
 def check_compile_gate() -> list[Finding]:
-    """Does this torch hold the compile gate (pipeline/compile_gate.py)? Probed, not looked up."""
-    from ..pipeline.compile_gate import gate_problem
+    """Does this torch hold the compile gate (train/compile_gate.py)? Probed, not looked up."""
+    from ..train.compile_gate import gate_problem
 
     problem = gate_problem()
     if problem is not None:
@@ -106,7 +106,7 @@ def _bf16_product_error(device) -> str | None:
 def check_gpus() -> list[Finding]:
     import torch
 
-    from ..fp8 import fp8_unsupported
+    from ..core.fp8 import fp8_unsupported
 
     if not torch.cuda.is_available():
         return [Finding("info", "GPU", "no CUDA GPU: training and eval run on the CPU (slow; fine for quickstart)")]
@@ -139,7 +139,7 @@ def check_flex() -> list[Finding]:
     if not torch.cuda.is_available():
         return [Finding("skip", "flex attention", "no CUDA: flex attention's backward is not implemented on CPU; "
                         "training there uses SDPA (--attention auto)")]
-    from ..attention import attend, block_mask, dense_mask
+    from ..core.attention import attend, block_mask, dense_mask
 
     device = torch.device("cuda", 0)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -172,7 +172,7 @@ def _free_gib(path: Path) -> tuple[Path, float]:
 
 
 def check_disk(out: str) -> list[Finding]:
-    from ..gguf import default_cache_dir
+    from ..target.gguf import default_cache_dir
 
     found = []
     for name, path in (("disk: cache", default_cache_dir()), *([("disk: --out", Path(out))] if out else [])):
@@ -194,8 +194,8 @@ def check_target(target: str) -> list[Finding]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..decode.static import cache_capacity, static_unsupported
-    from ..feature_forward import float32_replica
-    from ..target import Target, TargetSpec
+    from ..target.features import float32_replica
+    from ..target.model import Target, TargetSpec
 
     path = Path(target)
     try:

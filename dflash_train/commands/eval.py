@@ -62,7 +62,7 @@ def _run_eval(config: EvalConfig) -> int:
     from ..decode.loop import describe_decoder, generate, make_decoder
     from ..eval.run import load_pair, pair_identity, run_benchmark
     from ..eval.stats import format_benchmark, format_summary, summarize
-    from ..target import dtype_from_name, resolve_device
+    from ..target.model import dtype_from_name, resolve_device
 
     device = resolve_device(config.device)
     dtype = dtype_from_name(config.dtype, device)

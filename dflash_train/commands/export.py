@@ -60,11 +60,10 @@ def run_export(config: ExportConfig) -> int:
     if config.format == "gguf":
         return _export_gguf(config)
     import torch
-
-    from ..checkpoint import load_drafter, resolve_checkpoint
-    from ..export import export_model
-
     from safetensors import SafetensorError
+
+    from ..export.hf import export_model
+    from ..train.checkpoint import load_drafter, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(config.checkpoint)
     drafter = load_drafter(checkpoint)
@@ -84,10 +83,15 @@ def run_export(config: ExportConfig) -> int:
 def _export_gguf(config: ExportConfig) -> int:
     import torch
 
-    from ..export_gguf import write_gguf_from_checkpoint
+    from ..export.gguf import check_gguf_output, write_gguf_drafter
+    from ..train.checkpoint import load_drafter, resolve_checkpoint
 
-    out, cfg = write_gguf_from_checkpoint(config.checkpoint, config.out, target=config.target,
-                                          dtype=getattr(torch, config.dtype))
+    check_gguf_output(config.out, config.target)  # before the checkpoint is read
+    checkpoint = resolve_checkpoint(config.checkpoint)
+    drafter = load_drafter(checkpoint)
+    cfg = drafter.config
+    out = write_gguf_drafter(cfg, drafter.state_dict(), config.out, target=config.target,
+                             dtype=getattr(torch, config.dtype), model_dir=checkpoint.parent.parent)
     print(f"exported {config.checkpoint} -> {out} (llama.cpp DFlash GGUF, tokenizer of {config.target})")
     print(f"  dflash: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids} (+1 in the file), mask token {cfg.mask_token_id}, {config.dtype}")
@@ -102,7 +106,7 @@ def run_check(folder: str, target: str = "") -> int:
     from pathlib import Path
 
     from ..errors import UserError
-    from ..export_rules import check_folder, failures, render_verdicts, target_shape_from_config
+    from ..export.rules import check_folder, failures, render_verdicts, target_shape_from_config
 
     if not Path(folder).is_dir():
         raise UserError(f"--check {folder}: no such folder")

@@ -104,7 +104,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
 def check_layer_ids(layer_ids: list[int], target: Path) -> None:
     """Layer ids beyond a target folder's depth are refused now, not after minutes of regenerating
     (a .gguf target is checked when it loads)."""
-    from ..target import check_target_layer_ids
+    from ..target.model import check_target_layer_ids
 
     config = _read(target / "config.json") if target.is_dir() else None
     if config and layer_ids:
@@ -168,7 +168,7 @@ def serve_commands(target: str, run: Path, drafter: Path, drafter_gguf: Path | N
     target_path = Path(target)
     hf_target = target
     if target_path.suffix == ".gguf":
-        from ..gguf import hf_folder_from_gguf
+        from ..target.gguf import hf_folder_from_gguf
 
         hf_target = str(hf_folder_from_gguf(target_path))
     gguf_target = target if target_path.suffix == ".gguf" else "TARGET.gguf"

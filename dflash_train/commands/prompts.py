@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 
 from ..config import ConfigError, option
-from ..data.prompt_set import SPLITS
+from ..data.prompts.sets import SPLITS
 from ..files import check_new_output, hold_output
 
 
@@ -39,7 +39,7 @@ def run_prompts(config: PromptsConfig) -> int:
 
 
 def _run_prompts(config: PromptsConfig) -> int:
-    from ..data.prompt_set import PromptSetSettings
+    from ..data.prompts.sets import PromptSetSettings
     from ._common import default_prompt_set, write_new_prompt_file
 
     prompt_set = default_prompt_set(PromptSetSettings(

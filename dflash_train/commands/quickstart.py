@@ -48,8 +48,8 @@ For a strong drafter, on a GPU (one H200: about 20 minutes, tau 3.55 on HumanEva
 
 
 def run_quickstart(config: QuickstartConfig) -> int:
-    from ..gguf import smollm2_target_dir
     from ..recipe import load_recipe
+    from ..target.gguf import smollm2_target_dir
     from ._stages import STAGES
     from .pipeline import run_recipe
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..config import MAX_SECONDS, THINKING, ConfigError, option
 from ..files import check_outside_inputs, hold_output
@@ -60,7 +58,7 @@ class RegenerateConfig:
 
     def validate(self) -> None:
         if self.endpoint:
-            from ..data.endpoint import api_base
+            from ..generate.endpoint import api_base
 
             api_base(self.endpoint)
             if not self.out:
@@ -87,7 +85,7 @@ class RegenerateConfig:
 
 def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats]:
     """The prompts to answer (split, then limit) and the RowStats that counts them as read."""
-    from ..data.prompt_set import PromptSetSettings
+    from ..data.prompts.sets import PromptSetSettings
     from ..data.readers import RowStats, read_prompts
     from ._common import default_prompt_set
 
@@ -106,7 +104,7 @@ def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats
 
 
 def _in_split(rows, split: str, stats):
-    from ..data.prompt_set import select_split
+    from ..data.prompts.sets import select_split
 
     for prompt in rows:
         if select_split([prompt], split):
@@ -121,8 +119,8 @@ def run_regenerate(config: RegenerateConfig) -> int:
 
 
 def _run_regenerate(config: RegenerateConfig) -> int:
-    from ..data.regenerate import GenerationSettings, check_output, output_record, regenerate
-    from ..target import resolve_device
+    from ..generate.regenerate import GenerationSettings, check_output, output_record, regenerate
+    from ..target.model import resolve_device
 
     settings = GenerationSettings(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
@@ -148,8 +146,8 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     """The same driver with a server as the engine: the server and model take the target's
     place in the settings sidecar, so resuming against another server or model is refused like
     resuming with another target."""
-    from ..data.endpoint import SAMPLER, EndpointClient, EndpointEngine, RetryPolicy, resolve_model
-    from ..data.regenerate import check_output, output_record, regenerate
+    from ..generate.endpoint import SAMPLER, EndpointClient, EndpointEngine, RetryPolicy, resolve_model
+    from ..generate.regenerate import check_output, output_record, regenerate
 
     client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
     model, server = resolve_model(client, config.model)
@@ -190,11 +188,11 @@ def load_tokenizer(target: str):
 
 
 def _local_engine(config: RegenerateConfig, device: Any, settings: Any) -> tuple[Any, Any, int | None, dict[str, Any]]:
-    """The target loaded here and its engine (decode/batched.py): (engine, tokenizer for
+    """The target loaded here and its engine (generate/engine.py): (engine, tokenizer for
     rendering, prompt token cap, what the settings sidecar records besides the settings)."""
-    from ..data.regenerate import prompt_token_limit
     from ..data.render import stop_token_ids
-    from ..decode.batched import local_engine
+    from ..generate.engine import local_engine
+    from ..generate.regenerate import prompt_token_limit
 
     target = load_target_for(config.target, device, config.dtype)
     if target.tokenizer is None:

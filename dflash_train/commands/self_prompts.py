@@ -1,4 +1,4 @@
-"""`dflash-train self-prompts`: the target writes user requests itself (data/self_prompts.py), kept
+"""`dflash-train self-prompts`: the target writes user requests itself (generate/self_prompts.py), kept
 when they end properly, look like text, are new and overlap no benchmark; written as a prompts
 .jsonl ({id, source, messages}) that `regenerate --prompts FILE` answers."""
 
@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from ..config import ConfigError, option
-from ..data.prompt_set import SPLITS
-from ..data.self_prompts import SelfPromptSettings
+from ..data.prompts.sets import SPLITS
 from ..files import check_new_output, hold_output
+from ..generate.self_prompts import SelfPromptSettings
 from ._common import check_target_flags, load_target_for
 
 DEFAULTS = SelfPromptSettings(count=1)  # the flags' defaults are the settings' own (light imports: no torch)
@@ -58,13 +58,12 @@ def run_self_prompts(config: SelfPromptsConfig) -> int:
 
 
 def _run_self_prompts(config: SelfPromptsConfig) -> int:
-    from ..data.regenerate import GenerationSettings
-    from ..data.self_prompts import SOURCE, sample_requests, user_request_prefix
-    from ..decode.batched import local_engine
     from ..errors import RunFailed
-    from ._common import write_new_prompt_file
-    from ..target import resolve_device
-    from ._common import benchmark_prompt_texts
+    from ..generate.engine import local_engine
+    from ..generate.regenerate import GenerationSettings
+    from ..generate.self_prompts import SOURCE, sample_requests, user_request_prefix
+    from ..target.model import resolve_device
+    from ._common import benchmark_prompt_texts, write_new_prompt_file
 
     settings = config.settings()
     benchmarks = benchmark_prompt_texts()

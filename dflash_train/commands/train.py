@@ -10,7 +10,7 @@ from ..config import TrainConfig
 def run_train(config: TrainConfig) -> int:
     """0 when the run finished; 128 + the signal's number (130 Ctrl-C, 143 SIGTERM) when a
     signal stopped it after its checkpoint was saved, so `train && next` does not run `next`."""
-    from ..pipeline.trainer import train
+    from ..train.trainer import train
 
     summary = train(config)
     return exit_code(summary)

@@ -55,9 +55,10 @@ from typing import Any, Sequence, TextIO
 import torch
 
 from ..config import DTYPE_NAMES, ConfigError
-from ..files import fsync_dir as _fsync_dir, write_json_atomic as _write_json
+from ..files import fsync_dir as _fsync_dir
+from ..files import write_json_atomic as _write_json
 from ..progress import Progress, format_seconds
-from ..target import check_target_layer_ids, default_dtype
+from ..target.model import check_target_layer_ids, default_dtype
 from .readers import RowStats
 from .samples import TrainingSample, has_valid_anchor
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..feature_forward import feature_forward_unsupported
-from ..target import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
+from ..target.features import feature_forward_unsupported
+from ..target.model import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
 from .hf import rollback_unsupported
 from .recurrent import has_recurrent_layers
 from .static import cache_capacity, static_unsupported

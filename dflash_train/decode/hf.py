@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import UserError
-
-from ..drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from ..feature_forward import ProbeVerdicts, float32_replica
-from ..target import Target, cache_argument, hidden_state_index
+from ..core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
+from ..target.features import ProbeVerdicts, float32_replica
+from ..target.model import Target, cache_argument, hidden_state_index
 from .recurrent import StateSnapshot, has_recurrent_layers
 from .static import greedy_by_parts
 

@@ -36,8 +36,8 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import DECODERS, ConfigError, UserError
-from ..drafter import DFlashDrafter, unwrap_drafter
-from ..target import Target
+from ..core.drafter import DFlashDrafter, unwrap_drafter
+from ..target.model import Target
 from .hf import HFDecoder, rollback_note
 from .static import StaticDecoder, cache_capacity, static_state, static_unsupported
 

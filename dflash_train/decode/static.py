@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafter import DFlashDrafter, apply_rope, embed_block_tokens
-from ..feature_forward import ProbeVerdicts, float32_replica, sliding_window
-from ..graph_capture import GraphPool, capture
-from ..target import Target, hidden_state_index
+from ..capture import GraphPool, capture
+from ..core.drafter import DFlashDrafter, apply_rope, embed_block_tokens
+from ..target.features import ProbeVerdicts, float32_replica, sliding_window
+from ..target.model import Target, hidden_state_index
 
 Outputs = TypeVar("Outputs")
 
@@ -233,7 +233,7 @@ class CapturedStep(Generic[Outputs]):
             expected = [t.clone() for t in _output_tensors(result)]  # a copy: an output may be a buffer the step reuses
         torch.cuda.current_stream(self.device).wait_stream(stream)
         try:
-            # One capture at a time, thread_local, on our own stream of our device: graph_capture
+            # One capture at a time, thread_local, on our own stream of our device: capture.py
             # says why each matters.
             graph, outputs = capture(self.fn, self.device, stream, self.pool)
             for tensor, value in zip(self.restore, saved):

@@ -10,13 +10,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..core.drafter import unwrap_drafter
 from ..data.render import render_prompt, stop_token_ids
 from ..decode.loop import generate
-from ..drafter import unwrap_drafter
-from ..target import Target
+from ..target.model import Target
 from .benchmarks import load_benchmark
 from .stats import tau_statistics
-
 
 _HOOK_DICTS = (
     "_forward_hooks",

@@ -12,10 +12,10 @@ from typing import Any, Sequence
 import torch
 
 from ..config import UserError
+from ..core.drafter import DFlashDrafter
 from ..data.render import render_prompt
 from ..decode.loop import generate
-from ..drafter import DFlashDrafter
-from ..target import Target, file_sha256, target_identity
+from ..target.model import Target, file_sha256, target_identity
 from .benchmarks import BenchPrompt
 from .stats import PromptResult, _fmt
 
@@ -61,8 +61,8 @@ def pair_identity(target_path: str | Path, drafter_path: str | Path) -> dict[str
 
 
 def load_pair(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype) -> tuple[Target, DFlashDrafter]:
-    from ..export import load_exported_drafter
-    from ..target import load_target
+    from ..export.hf import load_exported_drafter
+    from ..target.model import load_target
 
     target = load_target(target_path, device, dtype)
     drafter = load_exported_drafter(drafter_path, device).eval()

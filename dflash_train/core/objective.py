@@ -1,0 +1,418 @@
+"""The training objective: anchors, labels, weights, chunked frozen-head cross-entropy, metrics.
+
+Anchors: position p is valid when loss_mask[p] and loss_mask[p + 1]. Each sequence gets a
+fixed number N of anchor slots (static shapes), drawn from (seed, sample id, epoch) alone so
+the draw is identical on any number of GPUs; sorted, padded slots masked out.
+
+Labels are same-position: block slot k (k = 1..B−1) of anchor a predicts the token at a + k;
+slot 0 is the anchor itself and is never scored. Weights (decay CE):
+    w_k = exp(−(k − 1) / γ) · loss_mask[a + k] · [a + k < S],   loss = Σ w·CE / Σ w
+with Σ w taken over the whole global batch (all replicas, all micro-batches), computed on
+the host from the masks before any GPU work, so no cross-device reduction of the
+denominator is needed. D-PACE (arXiv 2605.18810) is offered as an alternative weighting.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .fp8 import Fp8Weight, frozen_forward, frozen_input_grad
+from .head_kernel import fused_softmax_cross_entropy
+
+# γ per block size from the DFlash paper; other sizes interpolate as 0.4375·B (=7 at B=16).
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return PAPER_GAMMA.get(block_size, round(0.4375 * block_size, 3))
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p with loss_mask[p] and loss_mask[p + 1] (1-D mask of one sequence)."""
+    mask = loss_mask.bool()
+    return torch.nonzero(mask[:-1] & mask[1:]).flatten()
+
+
+def anchor_seed(seed: int, sample_id: int, epoch: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{sample_id}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def draw_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, *, seed: int, sample_id: int, epoch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N sorted anchor slots for one sequence: (positions [N] long, valid [N] bool).
+
+    Fewer valid positions than N: all are used and the rest are padded (position 0, invalid).
+    """
+    candidates = valid_anchor_positions(loss_mask)
+    generator = torch.Generator().manual_seed(anchor_seed(seed, sample_id, epoch))
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
+    chosen, _ = torch.sort(chosen)
+    anchors = torch.zeros(num_anchors, dtype=torch.long)
+    valid = torch.zeros(num_anchors, dtype=torch.bool)
+    anchors[: len(chosen)] = chosen
+    valid[: len(chosen)] = True
+    return anchors, valid
+
+
+def block_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [b, N, B] (token at a + k) and label_valid [b, N, B] (scored slots)."""
+    seq_len = input_ids.shape[1]
+    offsets = torch.arange(block_size, device=anchors.device)
+    positions = anchors[..., None] + offsets  # [b, N, B]
+    inside = positions < seq_len
+    clamped = positions.clamp(max=seq_len - 1)
+    labels = torch.gather(input_ids, 1, clamped.flatten(1)).view_as(positions)
+    supervised = torch.gather(loss_mask.bool(), 1, clamped.flatten(1)).view_as(positions)
+    valid = supervised & inside & anchor_valid[..., None] & (offsets > 0)
+    return labels, valid
+
+
+def block_token_ids(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
+    """[b, N, B]: the anchor token then MASK × (B − 1)."""
+    block = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block[..., 0] = torch.gather(input_ids, 1, anchors)
+    return block
+
+
+def decay_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B] with w_0 = 0 and w_k = exp(−(k − 1)/γ)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    # Masked rather than `weights[0] = 0.0`: assigning a Python number copies a host scalar to
+    # the device, which waits for the GPU (found by the sync-free-step GPU test).
+    return torch.exp(-(k - 1).clamp(min=0) / gamma) * (k > 0)
+
+
+def decay_weight_sum(label_valid: torch.Tensor, gamma: float) -> float:
+    """Σ w over a batch, on the host: the global normaliser is the sum of these."""
+    weights = decay_weights(label_valid.shape[-1], gamma, label_valid.device)
+    return float((label_valid.float() * weights).sum())
+
+
+def dpace_weights(target_prob: torch.Tensor, label_valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [b, N, B] from detached target-token probabilities.
+
+    Smoothed acceptance s_k = (1 − α)·q_k + α on scored slots (1 elsewhere); prefix
+    acceptance P_k = Π_{j≤k} s_j; the weight of slot k is the expected-length contribution of
+    everything from k on: Σ_{m≥k} P_m · valid_m. Positions that limit acceptance gain weight.
+    """
+    valid = label_valid.to(target_prob.dtype)
+    smooth = torch.where(label_valid, (1 - alpha) * target_prob + alpha, torch.ones_like(target_prob))
+    prefix = torch.cumprod(smooth, dim=-1)
+    contribution = prefix * valid
+    return contribution.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+def softmax_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, softcap: float, with_grad: bool, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per row of logits [rows, V]: float32 CE of the label, whether the first argmax is the label,
+    and d(CE)/d(logits) in `grad_dtype` (None without `with_grad`). The reference that
+    core/head_kernel.py's fused kernel is checked against."""
+    logits = logits.float()
+    if softcap:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    correct = logits.argmax(dim=-1) == labels
+    if not with_grad:
+        return ce, correct, None
+    grad_logits = torch.exp(logits - lse[:, None])
+    grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
+    if softcap:
+        grad_logits *= 1.0 - capped.square()
+    return ce, correct, grad_logits.to(grad_dtype)
+
+
+def _head_logits(hidden: torch.Tensor, head: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    return frozen_forward(head, hidden, hidden.dtype) if isinstance(head, Fp8Weight) else hidden @ head.t()
+
+
+def _head_input_grad(head: torch.Tensor | Fp8Weight, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(head, Fp8Weight):
+        return frozen_input_grad(head, grad_logits, dtype)
+    return (grad_logits @ head).to(dtype)
+
+
+def _logits_grad_dtype(head: torch.Tensor | Fp8Weight) -> torch.dtype:
+    # The FP8 product quantises the float32 gradient itself: one rounding, not two.
+    return torch.float32 if isinstance(head, Fp8Weight) else head.dtype
+
+
+def _head_chunk(
+    hidden: torch.Tensor, head: torch.Tensor | Fp8Weight, labels: torch.Tensor, softcap: float, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CE, top-1 correctness and d(CE)/d(hidden) of one chunk of rows through the frozen head
+    (a weight [V, H], or its FP8 copy)."""
+    ce, correct, grad_logits = softmax_cross_entropy(
+        _head_logits(hidden, head), labels, softcap, with_grad, _logits_grad_dtype(head))
+    return ce, correct, None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
+
+
+@functools.cache
+def _head_chunk_compiled():
+    """The chunk compiled once per shape: the float32 casts, log-sum-exp, argmax, softmax and
+    one-hot subtraction fuse into a few kernels around the two matmuls, so the [rows, vocab]
+    logits are written once in the matmul's dtype instead of passing through ~7 float32 copies.
+    Built on first use: importing this module must not pull in the compiler."""
+    return torch.compile(_head_chunk, dynamic=False)
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Cross-entropy through a frozen LM head, in row chunks, gradient computed in the forward.
+
+    Peak extra memory is one chunk of logits (rows × vocab) plus a [rows, hidden] gradient
+    buffer, independent of how many rows there are in total. Because the head is frozen,
+    d(CE)/d(hidden) = (softmax − onehot) · W needs nothing else, so the backward only scales
+    the stored rows by the incoming per-row gradient; logits are never kept.
+    A chunk runs one of three ways (`kernel`): "eager" (the reference), "compiled" or "fused"
+    (the two head products around core/head_kernel.py's single softmax kernel). The last two pad the
+    rows with zeros to whole chunks, so the number of scored rows, which changes every step,
+    never triggers a recompile, and every product has the shape a graphed step's has.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head, labels, chunk_rows, softcap, kernel):
+        rows = hidden.shape[0]
+        if kernel != "eager" and rows % chunk_rows:
+            # Zero rows up to whole chunks: one compiled shape, and the products a graphed step
+            # (whose rows are whole chunks) runs too, so both round alike.
+            pad = chunk_rows - rows % chunk_rows
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+            labels = torch.nn.functional.pad(labels, (0, pad))
+        padded_rows = hidden.shape[0]
+        ce = torch.empty(padded_rows, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(padded_rows, dtype=torch.bool, device=hidden.device)
+        with_grad = ctx.needs_input_grad[0]
+        grad_rows = torch.empty_like(hidden) if with_grad else None
+        labels = labels.contiguous()
+        chunk_fn = _head_chunk_compiled() if kernel == "compiled" else _head_chunk
+        for start in range(0, padded_rows, chunk_rows):
+            end = min(start + chunk_rows, padded_rows)
+            chunk_hidden = hidden[start:end]
+            if kernel == "fused":
+                grad_logits = fused_softmax_cross_entropy(
+                    _head_logits(chunk_hidden, head), labels, ce, correct, start, softcap, with_grad,
+                    _logits_grad_dtype(head))
+                chunk_grad = None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
+            else:
+                ce[start:end], correct[start:end], chunk_grad = chunk_fn(
+                    chunk_hidden, head, labels[start:end], softcap, with_grad)
+            if grad_rows is not None:
+                grad_rows[start:end] = chunk_grad
+        ce, correct = ce[:rows], correct[:rows]
+        ctx.save_for_backward(None if grad_rows is None else grad_rows[:rows])
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_correct):
+        (grad_rows,) = ctx.saved_tensors
+        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None, None
+
+
+def head_chunk_rows(vocab_size: int, chunk_rows: int = 0, compiled: bool = False) -> int:
+    """Rows per frozen-head CE chunk: `chunk_rows`, or for 0 about 256 MiB of float32 logits
+    (a multiple of 64 rows when compiled, where every chunk is padded to that size)."""
+    if chunk_rows > 0:
+        return chunk_rows
+    rows = max(16, (256 << 20) // (4 * vocab_size))
+    return max(64, rows // 64 * 64) if compiled else rows
+
+
+def frozen_head_cross_entropy(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_rows: int = 0,
+    softcap: float | None = None,
+    compiled: bool = False,
+    fused: bool = False,
+    fp8_head: Fp8Weight | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row CE (float32) and top-1 correctness for hidden [T, H] against a frozen head [V, H].
+
+    chunk_rows = 0 picks about 256 MiB of float32 logits per chunk (a multiple of 64 rows when
+    compiled, where every chunk is padded to that size). `compiled` runs each chunk through
+    torch.compile (GPU training; the eager path is the reference and the CPU default); `fused`
+    (CUDA, where `fused_head_unsupported` found nothing wrong) runs core/head_kernel.py's kernel instead.
+    `fp8_head` (the same head quantised, see core/fp8.py) runs both vocabulary-sized products in FP8.
+    """
+    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows, compiled or fused)
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+    kernel = "fused" if fused else "compiled" if compiled else "eager"
+    with torch.autocast(hidden.device.type, enabled=False):
+        head = fp8_head if fp8_head is not None else head_weight
+        return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, kernel)
+
+
+@torch.no_grad()
+def frozen_head_top_k(
+    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, k: int, *, chunk_rows: int = 0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DFlash2 selector's candidates for hidden [T, H] through the frozen head [V, H], in row
+    chunks (never T × V logits at once): the top-k logits [T, k] (float32, softcapped as the
+    drafter's logits are) and their ids [T, k], and each row's label logit [T]. No gradient: the
+    backbone learns the logits from its own cross-entropy; the selector re-scores them."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
+    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows)
+    values, ids, label_logits = [], [], []
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_rows):
+            # In the head's dtype, as a serving engine ranks them; only k + 1 values per row are
+            # widened and softcapped (tanh is increasing: the top-k of capped logits is the same).
+            logits = hidden[start:start + chunk_rows] @ head_weight.t()
+            top_values, top_ids = torch.topk(logits, k, dim=-1)
+            values.append(_softcapped(top_values.float(), softcap))
+            ids.append(top_ids)
+            label_logits.append(_softcapped(logits.gather(1, labels[start:start + chunk_rows, None])[:, 0].float(), softcap))
+    return torch.cat(values), torch.cat(ids), torch.cat(label_logits)
+
+
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+_FUSED_PROBES: dict[tuple[torch.device, float], str | None] = {}
+
+
+def fused_head_unsupported(device: torch.device, softcap: float | None = None) -> str | None:
+    """Why core/head_kernel.py's fused kernel must not be used on `device`, or None: on a CUDA device
+    with Triton, its CE, correctness and gradients on bfloat16 and float32 logits (ties, a label
+    at the vocabulary's last entry, a vocabulary that is no multiple of the kernel's sweep)
+    are checked against `softmax_cross_entropy` once per device and softcap."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"not a CUDA device ({device})"
+    key = (device, float(softcap or 0.0))
+    if key not in _FUSED_PROBES:
+        try:
+            _FUSED_PROBES[key] = _probe_fused_head(device, key[1])
+        except Exception as error:  # noqa: BLE001 - any failure (no Triton, a compile error) means: do not use it
+            _FUSED_PROBES[key] = f"the fused head kernel failed its probe ({type(error).__name__}: {error})"
+    return _FUSED_PROBES[key]
+
+
+def _probe_fused_head(device: torch.device, softcap: float) -> str | None:
+    rows, vocab = 37, 9000
+    # Made on the CPU from a formula: no CUDA random numbers (another thread may be capturing).
+    grid = torch.arange(rows * vocab, dtype=torch.float64).view(rows, vocab)
+    base = (torch.sin(grid * 0.7311) * 6.0).float()
+    base[:, 5000] = base.max() + 1.0  # a tie with the last entry: the first index wins
+    base[:, vocab - 1] = base[:, 5000]
+    labels = (torch.arange(rows) * 997) % vocab
+    labels[0], labels[1] = 5000, vocab - 1
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = base.to(dtype).to(device)
+        want_ce, want_correct, want_grad = softmax_cross_entropy(logits, labels.to(device), softcap, True, dtype)
+        ce = torch.zeros(rows + 3, dtype=torch.float32, device=device)
+        correct = torch.zeros(rows + 3, dtype=torch.bool, device=device)
+        padded_labels = torch.cat([labels[:3], labels]).to(device)
+        grad = fused_softmax_cross_entropy(logits, padded_labels, ce, correct, 3, softcap, True, dtype)
+        ce_error = float(((ce[3:] - want_ce).abs() / want_ce.abs().clamp(min=1e-3)).max())
+        # Entry by entry, one rounding of the gradient's dtype apart at most.
+        rounding = max(2.0 * torch.finfo(dtype).eps, 1e-5)  # float32: exp and log-sum-exp orders differ
+        grad_error = float(((grad.float() - want_grad.float()).abs() / (want_grad.float().abs() + 1e-6)).max())
+        if not ce_error <= 1e-5:
+            return f"its CE differs from the reference on {dtype} logits (relative {ce_error:.1e})"
+        if not grad_error <= rounding:
+            return f"its gradient differs from the reference on {dtype} logits (relative {grad_error:.1e})"
+        if not torch.equal(correct[3:], want_correct):
+            return f"its top-1 correctness differs from the reference on {dtype} logits"
+    return None
+
+
+@dataclass
+class ObjectiveConfig:
+    block_size: int
+    num_anchors: int
+    loss: str = "decay"  # "decay" or "dpace"
+    gamma: float | None = None
+    dpace_alpha: float = 0.5
+    loss_chunk_rows: int = 0
+    compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
+    fused_head: bool = False  # core/head_kernel.py's softmax kernel instead (GPU training, where its probe passed)
+    fp8_head: bool = False  # frozen-head products in FP8 (core/fp8.py)
+    # DFlash2 drafters: the candidate selector's cross-entropy over the head's top-k, teacher forced
+    # (the true previous token as predecessor), weighted like the slot's backbone CE times this.
+    selector_weight: float = 1.0
+    selector_miss: str = "drop"  # a true token outside the top-k: "drop" the slot or "insert" the token
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("decay", "dpace"):
+            raise ValueError(f"loss {self.loss!r}: use 'decay' (DFlash paper) or 'dpace'")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha {self.dpace_alpha}: must be in [0, 1]")
+        if self.num_anchors < 1:
+            raise ValueError("num_anchors must be at least 1")
+        if self.selector_miss not in ("drop", "insert"):
+            raise ValueError(f"selector_miss {self.selector_miss!r}: use 'drop' or 'insert'")
+        if not self.selector_weight >= 0:
+            raise ValueError(f"selector_weight {self.selector_weight}: must be >= 0")
+        if self.gamma is None:
+            self.gamma = default_gamma(self.block_size)
+
+    def normalizer(self, label_valid: torch.Tensor) -> float:
+        """This batch's share of the global loss denominator (summed over the global batch)."""
+        if self.loss == "decay":
+            return decay_weight_sum(label_valid, self.gamma)
+        return float(label_valid.shape[0])  # D-PACE: per sequence, as its authors normalise
+
+
+def loss_weights(ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig) -> torch.Tensor:
+    """w [b, N, B] of each slot: decay weights on scored slots, or D-PACE's from the detached CE."""
+    if objective.loss == "decay":
+        return decay_weights(ce.shape[-1], objective.gamma, ce.device) * label_valid
+    return dpace_weights(torch.exp(-ce.detach()), label_valid, objective.dpace_alpha)
+
+
+def weighted_loss(
+    ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig, normalizer: float
+) -> torch.Tensor:
+    """ce, label_valid: [b, N, B]; returns Σ w·CE / normalizer."""
+    return (loss_weights(ce, label_valid, objective) * ce).sum() / max(normalizer, 1e-12)
+
+
+def block_metrics(correct: torch.Tensor, label_valid: torch.Tensor, anchor_valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums (not means) so they add across micro-batches and replicas without host syncs.
+
+    position_correct/position_count [B]: per-position top-1 accuracy. accepted_sum/blocks:
+    simulated τ = 1 + mean number of leading correct scored slots per block — exactly what a
+    greedy verify would accept if the block's context were the training context.
+    """
+    scored_correct = correct & label_valid
+    leading = torch.cumprod(scored_correct[..., 1:].int(), dim=-1).sum(-1)  # [b, N]
+    return {
+        "position_correct": scored_correct.sum(dim=(0, 1)).float(),
+        "position_count": label_valid.sum(dim=(0, 1)).float(),
+        "accepted_sum": (leading * anchor_valid).sum().float(),
+        "blocks": anchor_valid.sum().float(),
+    }
+
+
+def summarize_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    count = sums["position_count"].clamp(min=1)
+    accuracy = (sums["position_correct"] / count)[1:]
+    blocks = float(sums["blocks"])
+    return {
+        "accuracy": float(sums["position_correct"].sum() / count[1:].sum().clamp(min=1)),
+        "position_accuracy": [round(float(a), 4) for a in accuracy],
+        "tau_sim": 1.0 + float(sums["accepted_sum"]) / blocks if blocks else math.nan,
+    }

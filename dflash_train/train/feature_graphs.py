@@ -1,0 +1,147 @@
+"""The target's feature forward as one CUDA graph per length bucket (a FeatureSource).
+
+`target.features.FeatureForward` runs the target's modules up to the deepest captured layer with
+no hooks and no early-exit exception, so it can be captured. `prepare` (in the target worker's
+thread, before step 1, one worker at a time: train/startup.py) checks the model on behaviour
+(`feature_forward_unsupported`), then per length bucket runs the forward once on a private
+stream, captures it there, and checks that a replay on other ids equals `Target.features` on them.
+
+With `compiled` (train --compile-target auto, on CUDA) the captured forward is the
+torch.compile'd one, one compile per length bucket in that first run: a Hugging Face layer is
+dozens of small kernels (RMSNorm, rotary embedding, SiLU, residual adds) that inductor fuses; on
+SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A bucket whose
+compiled forward fails to compile, to capture or to pass the replay check captures the plain
+forward instead, and the warning says why (on SmolLM2 in bf16 the compiled forward passed the
+check at 256 and 384 tokens and differed by 3.1-3.6e-2 at 512 and 768; why it grows with length
+was not measured).
+A batch then costs one copy of its ids in, one replay and one copy of the features out (the queue
+holds several batches, and the graph's own output is rewritten by the next replay).
+
+A model or bucket that fails any of this keeps `Target.features` (one warning naming the reason).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..capture import CaptureError, GraphPool, capture, error_summary
+from ..target.features import FeatureForward, feature_forward_unsupported
+from ..target.model import Target
+from .batches import HostBatch
+
+FEATURE_TOLERANCE = 2e-2  # relative: the replay runs the same modules; bf16 last bits may differ
+
+
+class GraphedFeatures:
+    """A FeatureSource over a live target whose `features` replays a captured forward where one
+    was prepared for the batch's shape, and calls `fallback.features` otherwise."""
+
+    def __init__(self, fallback: Any, target: Target, lengths: list[int], batch_size: int, compiled: bool = False):
+        self.fallback = fallback  # the eager FeatureSource (build.LiveTarget)
+        self.target = target
+        self.device = fallback.device
+        self.layer_ids = list(fallback.layer_ids)
+        self.lengths = sorted(set(lengths))
+        self.batch_size = batch_size
+        self.forward = FeatureForward(target, self.layer_ids)
+        self.compiled_forward = torch.compile(self.forward, dynamic=False) if compiled else None
+        self.plain_reasons: dict[int, str] = {}  # length -> why its graph holds the uncompiled forward
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, Any] = {}
+        self.eager_reasons: dict[int, str] = {}
+
+    def prepare(self, say: Callable[[str], None]) -> str:
+        if self.device.type != "cuda":
+            return "eager features (not a CUDA device)"
+        started = time.perf_counter()
+        stream, pool = torch.cuda.Stream(self.device), GraphPool()
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for length in self.lengths:
+                try:
+                    self._prepare_length(length, stream, pool)
+                except Exception as error:  # noqa: BLE001 - this length keeps Target.features
+                    self.eager_reasons[length] = error_summary(error)
+                    self.graphs.pop(length, None)
+        current.wait_stream(stream)
+        if self.eager_reasons:
+            listed = "; ".join(f"length {length}: {why}" for length, why in self.eager_reasons.items())
+            warnings.warn(f"CUDA graphs: the target's feature forward runs eagerly for {listed}", stacklevel=2)
+        if self.plain_reasons:
+            listed = "; ".join(f"length {length}: {why}" for length, why in self.plain_reasons.items())
+            warnings.warn(f"torch.compile: the target's feature forward is captured uncompiled for {listed}", stacklevel=2)
+        compiled = sum(1 for length in self.graphs if length not in self.plain_reasons) if self.compiled_forward else 0
+        say(f"feature forward: {len(self.graphs)}/{len(self.lengths)} length bucket(s) captured "
+            f"({compiled} compiled) in {time.perf_counter() - started:.1f}s")
+        return f"{len(self.graphs)}/{len(self.lengths)} feature graphs, {compiled} compiled"
+
+    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> None:
+        """This length's graph: of the compiled forward where it compiles, captures and passes the
+        replay check; else of the plain forward (the reason in `plain_reasons`); else raises."""
+        reason = feature_forward_unsupported(self.target, length)
+        if reason is not None:
+            raise CaptureError(reason)
+        ids = torch.zeros(self.batch_size, length, dtype=torch.long, device=self.device)
+        forward = self._warm_forward(ids, length)
+        if forward is not self.forward:
+            try:
+                self._capture_checked(forward, ids, stream, pool)
+                return
+            except Exception as error:  # noqa: BLE001 - the plain forward's graph instead (GraphPool: a fresh pool)
+                self.plain_reasons[length] = error_summary(error)
+        self._capture_checked(self.forward, ids, stream, pool)
+
+    def _capture_checked(self, forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, stream: Any,
+                         pool: GraphPool) -> None:
+        """Capture `forward(ids)`, then check that a replay on other ids equals Target.features."""
+        length, vocab = ids.shape[1], self.target.embed_weight.shape[0]
+        ids.copy_(_synthetic_ids(self.batch_size, length, vocab, 0))
+        graph, output = capture(lambda: forward(ids), self.device, stream, pool)
+        other = _synthetic_ids(self.batch_size, length, vocab, 1).to(self.device)
+        ids.copy_(other)
+        graph.replay()
+        expected = self.target.features(other, self.layer_ids)
+        scale = float(expected.abs().max())
+        difference = (output - expected).float()
+        error = float(difference.abs().max()) / (scale + 1e-12)
+        if not error <= FEATURE_TOLERANCE:
+            # The whole-tensor figure too: whether the largest error is one outlier or everywhere.
+            spread = float(difference.norm() / expected.float().norm().clamp(min=1e-12))
+            raise CaptureError(f"a replay differs from Target.features (relative error {error:.1e}; "
+                               f"{spread:.1e} in norm)")
+        self.inputs[length], self.outputs[length], self.graphs[length] = ids, output, graph
+
+    def _warm_forward(self, ids: torch.Tensor, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The forward to capture for this length, run on this stream first (the compile, lazily
+        made state): the compiled one, or the plain one where it fails. The plain forward runs
+        first either way: it makes the positions buffer, which a compile must find already made,
+        or the call under capture would fail its guards and recompile (the capture then fails)."""
+        self.forward(ids)
+        if self.compiled_forward is not None:
+            try:
+                self.compiled_forward(ids)
+                self.compiled_forward(ids)  # guards pass now: nothing is compiled under capture
+                return self.compiled_forward
+            except Exception as error:  # noqa: BLE001 - the plain forward captures as well, slower
+                self.plain_reasons[length] = error_summary(error)
+        return self.forward
+
+    def features(self, batch: HostBatch) -> torch.Tensor:
+        ids = batch.input_ids
+        graph = self.graphs.get(ids.shape[1]) if ids.shape[0] == self.batch_size else None
+        if graph is None:
+            return self.fallback.features(batch)
+        length = ids.shape[1]
+        self.inputs[length].copy_(ids, non_blocking=True)
+        graph.replay()
+        return self.outputs[length].clone()
+
+
+def _synthetic_ids(batch: int, length: int, vocab: int, variant: int) -> torch.Tensor:
+    return ((torch.arange(batch * length) * 7919 + 31 * variant) % max(1, vocab)).view(batch, length)

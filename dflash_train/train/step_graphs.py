@@ -1,0 +1,487 @@
+"""The drafter's training step as CUDA graphs: captured per bucket before step 1, replayed after.
+
+Per replica, on top of `core.static_step.StaticStep`:
+
+    accumulate graph (L, R)   one micro-batch's forward, chunked frozen-head loss and backward, adding
+                              into the persistent gradients; one per length bucket L and rows bucket R
+    update graph              clip, finiteness, fused AdamW at the lr tensor, zero the gradients
+
+A step copies each micro-batch into its length bucket's buffers and replays its graph (micro-batches
+of one step may fall into different buckets); with replicas, the `GradientReducer` sums the
+persistent gradients between the micro-batches and the update, as it does eagerly. Replays run on
+the worker's current stream (its own: parallel/streams.py), the one its eager steps, the copies
+into the graphs' input buffers and the reducer's load and store of its gradients use. The host never waits
+for the GPU inside a step: the step's numbers are copied into pinned host memory and read when
+someone asks (`DeferredStepResult`, normally the coordinator, a step or two later); the host runs
+at most `MAX_AHEAD` steps ahead of the GPU (the wait is counted as waiting for the GPU).
+
+`prepare` (warm-up, in the worker's own thread, before step 1; train/startup.py runs one worker's
+warm-up at a time) does, per length bucket: one eager micro-batch on synthetic data (compiles the
+drafter forward, its backward and the head chunk), the captures, and a check that a replay on other
+data equals the eager micro-batch on that data. Warm-ups, captures and checks all run on one private
+stream (autograd caches each parameter's gradient stream: the capture's must be the warm-up's), the
+update with its skip flag forced, so no weight and no optimizer moment changes. How captures in
+different threads are kept apart: capture.py.
+
+Falling back, never wrong, one warning per worker naming the reason:
+  - fused AdamW with a tensor lr does not capture correctly on this torch/device (a probe on a tiny
+    model against the eager update, lr changes and a skipped step included): the classic eager
+    `step.training_step` runs instead;
+  - a capture fails (an op that syncs, ...) or its replay differs from the eager micro-batch: that
+    bucket's `StaticStep` functions run eagerly (still no host sync inside the step).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..capture import CaptureError, GraphPool, capture, error_summary, first_line
+from ..core.drafter import DFlashDrafter
+from ..core.objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
+from ..core.static_step import (
+    InputShape,
+    StaticInputs,
+    StaticStep,
+    StepOutputs,
+    rows_bucket,
+    rows_buckets,
+    tensor_lr_step,
+)
+from ..core.step import DrafterBatch, FrozenTargetParts, StepResult, clipped_fused_step, drafter_loss, training_step
+
+MAX_AHEAD = 2  # steps the host may enqueue before waiting for the oldest one to finish on the GPU
+MAX_ROWS_GRAPHS = 48  # rows buckets per length bucket at most (coarser rows buckets past that)
+REPLAY_TOLERANCE = 1e-3  # relative difference allowed between a replay and the eager micro-batch
+
+Say = Callable[[str], None]
+
+
+# --- shapes ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The buckets a replica's micro-batches fall into: per length, its buffers and its rows buckets."""
+
+    inputs: dict[int, InputShape]
+    granules: dict[int, int]  # rows bucket granule per length
+    rows: dict[int, list[int]]
+
+    def rows_for(self, length: int, scored_rows: int) -> int:
+        return rows_bucket(scored_rows, self.granules[length])
+
+
+def step_shapes(
+    lengths: list[int], batch_size: int, objective: ObjectiveConfig, feature_width: int, feature_dtype: torch.dtype,
+    vocab_size: int,
+) -> StepShapes:
+    """At most MAX_ROWS_GRAPHS rows buckets per length. With a compiled head they are multiples of its
+    chunk rows (it pads its last chunk to that size anyway, so rounding up adds no head work); with
+    an eager head, even steps of at most 1/MAX_ROWS_GRAPHS of the largest count."""
+    unit = head_chunk_rows(vocab_size, objective.loss_chunk_rows, True) if objective.compiled_head else 1
+    inputs, granules, rows = {}, {}, {}
+    for length in sorted(set(lengths)):
+        max_rows = batch_size * min(objective.num_anchors, length - 1) * (objective.block_size - 1)
+        units = -(-max_rows // unit)
+        granule = unit * max(1, -(-units // MAX_ROWS_GRAPHS))
+        inputs[length] = InputShape(batch_size, length, objective.num_anchors, feature_width, feature_dtype)
+        granules[length] = granule
+        rows[length] = rows_buckets(max_rows, granule)
+    return StepShapes(inputs, granules, rows)
+
+
+# --- the step's numbers, read later -------------------------------------------------------------
+
+class DeferredStepResult:
+    """A `StepResult` whose numbers come from pinned host memory the GPU writes after the step:
+    read on first access, waiting for the GPU then (in the reader's thread, not the worker's)."""
+
+    def __init__(self, host: torch.Tensor, ready: Any, lr: float, block_size: int):
+        self._host, self._ready, self._block_size = host, ready, block_size
+        self._outputs: StepOutputs | None = None
+        self.lr = lr
+
+    def _read(self) -> StepOutputs:
+        if self._outputs is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._outputs = StepOutputs.parse(self._host, self._block_size)
+        return self._outputs
+
+    @property
+    def loss(self) -> float:
+        return self._read().loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read().grad_norm
+
+    @property
+    def skipped(self) -> bool:
+        return self._read().skipped
+
+    @property
+    def metric_sums(self) -> dict[str, torch.Tensor]:
+        return self._read().metric_sums
+
+
+# --- does a captured fused AdamW with a tensor lr work here? ------------------------------------
+
+_PROBES: dict[torch.device, str | None] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def update_capture_unsupported(device: torch.device) -> str | None:
+    """Why a captured update cannot be trusted on `device`, or None (one probe per device)."""
+    with _PROBE_LOCK:
+        if device not in _PROBES:
+            try:
+                _PROBES[device] = _probe_update(device)
+            except Exception as error:  # noqa: BLE001 - any failure of the probe means: do not capture
+                _PROBES[device] = f"the captured fused AdamW probe failed ({type(error).__name__}: {error})"
+        return _PROBES[device]
+
+
+def _probe_update(device: torch.device) -> str | None:
+    """A tiny model updated eagerly (`clipped_fused_step`, float lr) and by a captured
+    `tensor_lr_step` replayed with the lr changed in between (to 0 once: a baked-in lr would
+    still move the weights), a clipped gradient, and a non-finite one (the skip)."""
+    with torch.cuda.device(device):
+        start = (torch.arange(64, dtype=torch.float32).view(8, 8) - 31.5) / 64
+        # Made on the CPU and filled: no CUDA random numbers (another thread may be capturing).
+        eager, graphed = (torch.nn.Linear(8, 8, bias=False) for _ in range(2))
+        with torch.no_grad():
+            eager.weight.copy_(start)
+            graphed.weight.copy_(start)
+        eager, graphed = eager.to(device), graphed.to(device)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in (eager, graphed)]
+        graphed.weight.grad = torch.zeros_like(graphed.weight)
+        grads = [graphed.weight.grad]
+        lrs = [torch.zeros((), device=device)]
+        skip = torch.zeros((), device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            skip.fill_(1.0)
+            tensor_lr_step(opts[1], lrs, grads, 1.0, skip)  # creates the optimizer state, changes nothing
+            skip.zero_()
+            graph, _ = capture(lambda: tensor_lr_step(opts[1], lrs, grads, 1.0, skip), device, stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        base = torch.sin(torch.arange(64, device=device, dtype=torch.float32)).view(8, 8)
+        for step, (lr, scale) in enumerate([(1e-2, 1e-3), (3e-3, 10.0), (0.0, 1.0), (1e-2, float("inf")), (5e-3, 1.0)]):
+            before = graphed.weight.detach().clone()
+            for group in opts[0].param_groups:
+                group["lr"] = lr
+            eager.weight.grad = base * scale
+            clipped_fused_step(opts[0], eager, 1.0)
+            grads[0].copy_(base * scale)
+            lrs[0].fill_(lr)
+            graph.replay()
+            error = float((graphed.weight - eager.weight).abs().max()) / float(eager.weight.abs().max())
+            if not error <= 1e-5:
+                return f"a replayed fused AdamW update differs from the eager one at probe step {step} (relative {error:.1e})"
+            if (lr == 0.0 or scale == float("inf")) and not torch.equal(graphed.weight, before):
+                return f"a replayed fused AdamW update moved the weights at probe step {step} (lr 0 or skipped)"
+    return None
+
+
+# --- synthetic micro-batches for warm-ups and checks -------------------------------------------
+
+def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: int, device: torch.device,
+                    variant: int) -> DrafterBatch:
+    """A micro-batch of `shape` with scored slots, made without any random generator on the GPU
+    (the CUDA generator is process-wide and a capture in another thread would see its use)."""
+    b, length, width = shape.batch_size, shape.length, shape.feature_width
+    phase = 0.37 + 0.11 * variant
+    features = torch.sin(torch.arange(b * length * width, device=device, dtype=torch.float32) * phase)
+    input_ids = (torch.arange(b * length) * 7919 + 13 * variant) % max(1, vocab_size - 1)
+    input_ids = input_ids.view(b, length)
+    loss_mask = torch.zeros(b, length, dtype=torch.bool)
+    loss_mask[:, length // 5:] = True
+    drawn = [draw_anchors(loss_mask[i], shape.num_anchors, seed=variant, sample_id=i, epoch=0) for i in range(b)]
+    anchors = torch.stack([a for a, _ in drawn])
+    valid = torch.stack([v for _, v in drawn])
+    _, label_valid = block_labels(input_ids, loss_mask, anchors, valid, objective.block_size)
+    return DrafterBatch(
+        features.view(b, length, width).to(shape.feature_dtype), input_ids.to(device), loss_mask.to(device),
+        anchors.to(device), valid.to(device), objective.normalizer(label_valid), int(label_valid.sum()),
+    )
+
+
+# --- the graphed step ---------------------------------------------------------------------------
+
+class GraphedStep:
+    """One replica's training step: captured graphs where they were proven, the same static functions
+    eagerly where not, or the classic eager step where captured updates cannot be trusted."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        drafter: DFlashDrafter,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        frozen: FrozenTargetParts,
+        objective: ObjectiveConfig,
+        attention_backend: str,
+        clip_grad: float,
+        autocast_dtype: torch.dtype | None,
+        shapes: StepShapes,
+        capture_graphs: bool = True,
+    ):
+        self.name = name
+        self.drafter, self.optimizer, self.scheduler, self.frozen, self.objective = (
+            drafter, optimizer, scheduler, frozen, objective)
+        self.attention_backend, self.clip_grad, self.autocast_dtype = attention_backend, clip_grad, autocast_dtype
+        self.static = StaticStep(drafter, optimizer, frozen, objective, attention_backend=attention_backend,
+                                 clip_grad=clip_grad, autocast_dtype=autocast_dtype)
+        self.device = self.static.device
+        self.shapes = shapes
+        self.inputs = {length: StaticInputs(shape, self.device) for length, shape in shapes.inputs.items()}
+        self.capture_graphs = capture_graphs and self.device.type == "cuda"
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.update_graph: Any = None
+        self.classic_reason: str | None = None  # captured updates refused: the classic eager step runs
+        self.eager_reasons: dict[str, str] = {}  # bucket -> why it runs eagerly
+        self.stream: Any = None
+        self.pool: GraphPool | None = None
+        self.ahead: collections.deque = collections.deque()
+        self.gpu_wait_s = 0.0  # host time spent waiting for the GPU to catch up (MAX_AHEAD)
+        self.compile_s = 0.0
+        self.capture_s = 0.0
+        self._unprepared_warned: set[tuple] = set()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.frozen.head_weight.shape[0]
+
+    # --- prepare ---------------------------------------------------------------------------------
+
+    def prepare(self, say: Say) -> str:
+        """Compile and capture every bucket (see the module docstring); returns a one-line summary."""
+        if not self.capture_graphs:
+            return "static step, no CUDA graphs (not a CUDA device)"
+        reason = update_capture_unsupported(self.device)
+        if reason is None:
+            try:
+                return self._prepare_graphs(say)
+            except Exception as error:  # noqa: BLE001 - whatever broke the warm-up: the proven eager step
+                reason = f"the warm-up failed ({error_summary(error)})"
+                self.graphs, self.update_graph = {}, None
+                if self.stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.classic_reason = reason
+        warnings.warn(f"CUDA graphs: {self.name} runs the eager training step: {reason}", stacklevel=2)
+        # Its compiles too happen here, in the warm-up: after it nothing compiles (compile_gate.py).
+        compiled = warm_compile(drafter=self.drafter, frozen=self.frozen, objective=self.objective,
+                                attention_backend=self.attention_backend, autocast_dtype=self.autocast_dtype,
+                                shapes=self.shapes, say=say)
+        return f"eager training step ({reason}); {compiled}"
+
+    def _prepare_graphs(self, say: Say) -> str:
+        current = torch.cuda.current_stream(self.device)
+        self.stream, self.pool = torch.cuda.Stream(self.device), GraphPool()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            self._skipping_update()  # the optimizer's state exists before anything is captured
+            for length in sorted(self.inputs):
+                self._prepare_length(length, say)
+            self._prepare_update()
+            self.static.reset()
+        current.wait_stream(self.stream)
+        self._warn_eager_buckets()
+        graphs = len(self.graphs) + (self.update_graph is not None)
+        wanted = sum(len(r) for r in self.shapes.rows.values()) + 1
+        return (f"{graphs}/{wanted} graphs captured; compile {self.compile_s:.1f}s, capture {self.capture_s:.1f}s"
+                + (f"; {len(self.eager_reasons)} bucket(s) eager" if self.eager_reasons else ""))
+
+    def _capture(self, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            graph, _ = capture(fn, self.device, self.stream, self.pool)
+        finally:
+            self.capture_s += time.perf_counter() - started
+        return graph
+
+    def _skipping_update(self) -> None:
+        self.static.force_skip.fill_(1.0)
+        try:
+            self.static.update()
+        finally:
+            self.static.force_skip.zero_()
+
+    def _prepare_length(self, length: int, say: Say) -> None:
+        inputs, rows = self.inputs[length], self.shapes.rows[length]
+        largest = rows[-1]
+        started = time.perf_counter()
+        inputs.fill(synthetic_batch(inputs.shape, self.objective, self.vocab_size, self.device, 0))
+        self.static.accumulate(inputs, largest)  # compiles the forward, its backward and the head chunk
+        self.static.reset()
+        self.stream.synchronize()
+        self.compile_s += time.perf_counter() - started
+        captured_before = self.capture_s
+        try:
+            graph = self._capture(lambda: self.static.accumulate(inputs, largest))
+            self._check_replay(graph, inputs, largest)
+        except Exception as error:  # noqa: BLE001 - no graph for this length: its steps run eagerly
+            self.eager_reasons[f"length {length}"] = error_summary(error)
+            say(f"length {length}: compiled in {time.perf_counter() - started:.1f}s, not captured ({first_line(error)})")
+            return
+        self.graphs[(length, largest)] = graph
+        for count in rows[:-1]:
+            try:
+                self.graphs[(length, count)] = self._capture(lambda count=count: self.static.accumulate(inputs, count))
+            except Exception as error:  # noqa: BLE001
+                self.eager_reasons[f"length {length} rows {count}"] = error_summary(error)
+        say(f"length {length}: compiled in {time.perf_counter() - started - (self.capture_s - captured_before):.1f}s, "
+            f"{sum(1 for k in self.graphs if k[0] == length)}/{len(rows)} rows buckets captured in "
+            f"{self.capture_s - captured_before:.1f}s")
+
+    def _check_replay(self, graph: Any, inputs: StaticInputs, rows: int) -> None:
+        """A replay on data the capture never saw must equal the eager micro-batch on that data."""
+        inputs.fill(synthetic_batch(inputs.shape, self.objective, self.vocab_size, self.device, 1))
+        self.static.reset()
+        self.static.accumulate(inputs, rows)
+        expected = self.static.fingerprint()
+        self.static.reset()
+        graph.replay()
+        got = self.static.fingerprint()
+        self.static.reset()
+        # Entry by entry (gradient norms per parameter, loss, metric counts): one scale for all
+        # would let the counts hide a wrong gradient.
+        error = float(((got - expected).abs() / (expected.abs() + 1e-6)).max())
+        if not (float(expected[-1]) > 0 and error <= REPLAY_TOLERANCE):  # the last entry counts the blocks
+            raise CaptureError(f"a replay differs from the eager micro-batch (relative error {error:.1e})")
+
+    def _prepare_update(self) -> None:
+        self._skipping_update()  # warm-up on this stream
+        try:
+            graph = self._capture(self.static.update)
+            with torch.no_grad():
+                before = torch.stack(torch._foreach_norm(self.static.params))
+                self.static.force_skip.fill_(1.0)
+                graph.replay()
+                if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
+                    raise CaptureError("a replayed skipped update moved the weights")
+        except Exception as error:  # noqa: BLE001 - the update then runs eagerly
+            self.eager_reasons["update"] = error_summary(error)
+            return
+        finally:
+            self.static.force_skip.zero_()
+        self.update_graph = graph
+
+    def _warn_eager_buckets(self) -> None:
+        if self.eager_reasons:
+            listed = "; ".join(f"{bucket}: {why}" for bucket, why in self.eager_reasons.items())
+            warnings.warn(f"CUDA graphs: {self.name} runs some step parts eagerly (slower, same result): {listed}",
+                          stacklevel=3)
+
+    # --- step ------------------------------------------------------------------------------------
+
+    def step(self, micro_batches: list[DrafterBatch], sync_gradients: Callable[[], None] | None) -> StepResult | DeferredStepResult:
+        if self.classic_reason is not None:
+            return training_step(
+                self.drafter, self.optimizer, self.scheduler, micro_batches, self.frozen, self.objective,
+                attention_backend=self.attention_backend, clip_grad=self.clip_grad,
+                autocast_dtype=self.autocast_dtype, sync_gradients=sync_gradients,
+            )
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            for batch in micro_batches:
+                self._accumulate(batch)
+            if sync_gradients is not None:
+                sync_gradients()
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.static.set_lr()
+            if self.update_graph is not None:
+                self.update_graph.replay()
+            else:
+                self.static.update()
+            self.scheduler.step()
+            return self._deferred(lr)
+
+    def _accumulate(self, batch: DrafterBatch) -> None:
+        length = batch.input_ids.shape[1]
+        inputs = self.inputs.get(length)
+        if batch.scored_rows is None:
+            raise ValueError("a graphed step needs the scored-slot count from the host (DrafterBatch.scored_rows)")
+        if inputs is None or not inputs.holds(batch):
+            self._accumulate_unprepared(batch)
+            return
+        rows = self.shapes.rows_for(length, batch.scored_rows)
+        inputs.fill(batch)
+        graph = self.graphs.get((length, rows))
+        if graph is not None:
+            graph.replay()
+        else:
+            self.static.accumulate(inputs, rows)
+
+    def _accumulate_unprepared(self, batch: DrafterBatch) -> None:
+        """A shape no bucket was prepared for (not in a pipeline run): eagerly, with buffers of its own."""
+        shape = InputShape(batch.input_ids.shape[0], batch.input_ids.shape[1], batch.anchors.shape[1],
+                           batch.target_features.shape[-1], batch.target_features.dtype)
+        if shape not in self._unprepared_warned:
+            self._unprepared_warned.add(shape)
+            warnings.warn(f"CUDA graphs: {self.name} got a micro-batch of {shape}, which no bucket was prepared for; "
+                          "it runs eagerly", stacklevel=3)
+        inputs = StaticInputs(shape, self.device)
+        inputs.fill(batch)
+        self.static.accumulate(inputs, max(1, batch.scored_rows))
+
+    def _deferred(self, lr: float) -> DeferredStepResult:
+        outputs, block = self.static.outputs, self.drafter.config.block_size
+        if self.device.type != "cuda":
+            return DeferredStepResult(outputs.clone(), None, lr, block)
+        host = torch.empty(outputs.shape, dtype=outputs.dtype, pin_memory=True)
+        host.copy_(outputs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self.ahead.append(ready)
+        while len(self.ahead) > MAX_AHEAD:
+            started = time.perf_counter()
+            self.ahead.popleft().synchronize()
+            self.gpu_wait_s += time.perf_counter() - started
+        return DeferredStepResult(host, ready, lr, block)
+
+    def take_gpu_wait(self) -> float:
+        """Seconds the host waited for the GPU since the last call (the worker counts them as waiting)."""
+        seconds, self.gpu_wait_s = self.gpu_wait_s, 0.0
+        return seconds
+
+
+# --- eager runs compile up front too ---------------------------------------------------------------
+
+def warm_compile(
+    *, drafter: DFlashDrafter, frozen: FrozenTargetParts, objective: ObjectiveConfig, attention_backend: str,
+    autocast_dtype: torch.dtype | None, shapes: StepShapes, say: Say,
+) -> str:
+    """The classic eager step's compiles, done before step 1: one forward and backward per length
+    bucket on synthetic data, gradients dropped after (no weight, no optimizer state changes)."""
+    device = next(drafter.parameters()).device
+    vocab = frozen.head_weight.shape[0]
+    started = time.perf_counter()
+    for length, shape in sorted(shapes.inputs.items()):
+        bucket_started = time.perf_counter()
+        try:
+            batch = synthetic_batch(shape, objective, vocab, device, 0)
+            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
+            with autocast:
+                loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
+            loss.backward()
+        except Exception as error:  # noqa: BLE001 - its steps run uncompiled instead (compile_gate.py)
+            warnings.warn(f"warm-up: length {length} did not compile up front ({error_summary(error)}); "
+                          "its steps run uncompiled (--fail-on-recompile: the first one stops the run)", stacklevel=2)
+            continue
+        finally:
+            drafter.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        say(f"length {length}: compiled in {time.perf_counter() - bucket_started:.1f}s")
+    return f"eager step, {len(shapes.inputs)} length bucket(s) compiled in {time.perf_counter() - started:.1f}s"

@@ -1,0 +1,170 @@
+"""`train()`: a training run as a sequence of named build steps and a coordinator.
+
+Layout comes from device lists: `target_devices` run TargetWorkers, `drafter_devices` run
+DrafterWorkers (several threads may share a device). A one-device run is the degenerate
+case of the same pipeline (one target thread and one drafter thread on that device), so
+there is exactly one training loop.
+
+Modes:
+  replicas  one drafter, data-parallel over the drafter devices; gradients summed in-process
+            after every backward, so every replica holds identical weights after every step.
+  variants  several independent drafters (each with its own block size, depth, loss, ...)
+            trained from one target stream, each in its own run folder.
+
+Under torchrun (one process per node) the same pipeline runs in every node's process and the
+nodes are joined by a `NodeGroup` (parallel/nodes.py): a step's batches are split over
+the nodes, gradients are all-reduced across them, every stop is agreed, and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+from ..config import PER_NODE_SETTINGS, ConfigError, TrainConfig
+from ..decode.families import describe_target
+from ..files import hold_output
+from ..parallel.nodes import NodeGroup, check_launch, detect_launch, gradient_backend
+from ..target.model import Target
+from .batches import stream_identity
+from .build import (
+    build_evaluation,
+    build_pipeline,
+    check_batch_size,
+    compile_gate,
+    describe_drafters,
+    find_resume_point,
+    layer_union,
+    load_feature_supply,
+    load_samples,
+    plan_drafters,
+    prepare_run_folder,
+    resolve_layout,
+    run_target_identity,
+    set_aside_later_checkpoints,
+    step_range,
+    step_share,
+)
+from .compile_cache import load_compile_cache
+from .coordinator import Coordinator
+from .reporting import Sink, open_sinks
+from .startup import choose_cuda_graphs
+from .tensorboard import tensorboard_enabled
+from .workers import StepHook
+
+
+def train(
+    config: TrainConfig,
+    *,
+    samples: Sequence[Any] | None = None,
+    target: Target | Sequence[Target] | None = None,
+    log: TextIO | None = None,
+    step_hook: StepHook | None = None,
+    stop_at: int | None = None,
+    save_checkpoints: bool = True,
+    sinks: Sequence[Sink] = (),
+) -> dict:
+    """Run training; returns the summary dict (also written to OUT/summary.json).
+
+    `samples`/`target` (one Target, or one per target device) may be given directly (tests,
+    quickstart); otherwise they are read from config.data / config.target. `step_hook(worker,
+    step)` runs in each drafter thread after each step (tests use it to inspect replicas or
+    inject faults). `stop_at` ends the run after that step as an interruption would (the LR
+    schedule still spans config.steps). `save_checkpoints=False` (benchmarks) writes no
+    checkpoint at all. `sinks` receive every step record besides the run's own files.
+    """
+    log = log or sys.stdout
+    config.validate()
+    if not config.out:
+        raise ConfigError("no run folder: pass --out RUN_DIR")
+    out = Path(config.out)
+    launch = detect_launch()
+    check_launch(config.mode, launch)
+    layout = resolve_layout(config, launch)
+    graphs = choose_cuda_graphs(config, [*layout.target_devices, *layout.drafter_devices])
+    tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
+    with NodeGroup(launch, backend=gradient_backend(config.dist_backend, layout.drafter_devices),
+                   timeout=config.dist_timeout) as nodes, contextlib.ExitStack() as owned:
+        if nodes.distributed:
+            print(f"nodes: {nodes.describe()}", file=log)
+            nodes.agree(settings_every_node_shares(config), "the settings")  # before anything loads or is written
+        plans = plan_drafters(config, layout)
+        if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
+            owned.enter_context(hold_output(out, "--out"))
+            prepare_run_folder(config, plans)
+        supply = load_feature_supply(config, layout, target, log)
+        if samples is None:
+            samples = load_samples(config, supply, log)
+        check_batch_size(config, samples)
+        print(describe_target(supply.first, config.max_seq_len), file=log)
+        describe_drafters(plans, config, supply.first, log)
+        sources = supply.sources(layout, layer_union(plans), log)
+        stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,
+                                 batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.max_seq_len)
+        identity = run_target_identity(config, supply)
+        resume = find_resume_point(config, plans, log, stream, identity)
+        nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
+                     "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
+                    "what to train")
+        if nodes.writes:
+            set_aside_later_checkpoints(plans, resume, log)
+        steps = step_range(config, resume, stop_at, log)
+        gate = compile_gate(config, layout, plans)
+        if gate is not None:  # entered before any worker starts, left after all have ended
+            owned.enter_context(gate)
+            print(f"compile gate: {gate.describe()}", file=log)
+        compile_cache = load_compile_cache(out, log) if gate is not None else None
+        evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
+        pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, gate=gate,
+                                  evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
+                                  graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream,
+                                  target=identity)
+        print(layout_line(config, plans, pipeline, steps.start, nodes) + f"\ncuda graphs: {graphs.reason}", file=log)
+
+        all_sinks: list[Sink] = []
+        if nodes.writes:
+            run_dirs = {plan.name: plan.run_dir for plan in plans}
+            all_sinks = [*open_sinks(out, run_dirs, resumed_at=steps.start if config.resume else None,
+                                     tensorboard=config.tensorboard), *sinks]
+            if len(all_sinks) > 1 + len(sinks):
+                print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}",
+                      file=log)
+        nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
+        summary = Coordinator(config, plans, pipeline, steps, all_sinks, log, nodes=nodes).run()
+        # The rows the drafters learned from (after the supervised-token filter), for whoever reports the run.
+        summary["data"] = {"samples": len(pipeline.planner.samples), "batches_per_epoch": pipeline.planner.batches_per_epoch}
+        return summary
+
+
+def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
+    """What must be equal on every node, by flag: every setting but the per-node ones (paths,
+    devices), and the target's identity (its files, wherever each node mounts them)."""
+    shared = {"--" + name.replace("_", "-"): value for name, value in dataclasses.asdict(config).items()
+              if name not in PER_NODE_SETTINGS}
+    identity = run_target_identity(config)
+    if identity is not None:
+        shared["the target (--target's config.json and sampled weights)"] = " ".join(
+            f"{key} {value[:16]}" for key, value in sorted(identity.items()))
+    return shared
+
+
+def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
+    drafters = "; ".join(
+        f"{p.name}: {p.drafter_config.arch}, {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
+        f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
+        f"on {', '.join(map(str, p.devices))}"
+        for p in plans
+    )
+    planner = pipeline.planner
+    across = ""
+    if nodes is not None and nodes.distributed:
+        across = (f"; {nodes.world_size} nodes x {len(planner.share)} micro-batches = {planner.batches_per_step} per "
+                  f"step, this node trains {planner.share.start}..{planner.share.stop - 1}")
+    return (
+        f"pipeline: {config.mode}; target on {', '.join(str(t.device) for t in pipeline.targets)}; {drafters}\n"
+        f"data: {len(planner.samples)} samples, {planner.batches_per_epoch} batches/epoch of {config.batch_size}, "
+        f"buckets {planner.buckets}; steps {start}->{config.steps}{across}"
+    )
