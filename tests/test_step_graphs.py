@@ -38,7 +38,7 @@ from dflash_train.train.build import init_drafter
 from dflash_train.train.startup import choose_cuda_graphs
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
 from dflash_train.train.trainer import train
-from dflash_train.train.workers import GradientReducer
+from dflash_train.train.gradient_reducer import GradientReducer
 
 LAYERS = [1, 3]
 BUCKETS = [64, 112]

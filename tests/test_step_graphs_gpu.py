@@ -23,7 +23,7 @@ from dflash_train.train.build import LiveTarget, init_drafter
 from dflash_train.train.feature_graphs import GraphedFeatures
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
 from dflash_train.train.trainer import train
-from dflash_train.train.workers import GradientReducer
+from dflash_train.train.gradient_reducer import GradientReducer
 
 pytestmark = pytest.mark.gpu
 

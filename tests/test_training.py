@@ -229,7 +229,7 @@ def test_thinking_switch_reaches_the_training_rows_and_the_eval_prompts():
     from transformers import AutoTokenizer
 
     from dflash_train.train.build import FeatureSupply, build_evaluation, load_samples
-    from dflash_train.train.workers import StepRange
+    from dflash_train.train.resume import StepRange
 
     path = npm_tokenizer_dir("qwen3")
     if path is None:

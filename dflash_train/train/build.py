@@ -47,20 +47,13 @@ from .checkpoint import (
 from .compile_cache import CompileCacheReport
 from .compile_gate import CompileGate, recompile_limit_for
 from .startup import GraphChoice, Warmup, attach_step, feature_dtype, graphed_sources
-from .workers import (
-    BatchRouter,
-    Checkpointer,
-    DrafterSetup,
-    DrafterWorker,
-    EvaluationSchedule,
-    FeatureSource,
-    GradientReducer,
-    Replica,
-    StepHook,
-    StepRange,
-    TargetSetup,
-    TargetWorker,
-)
+from .drafter_worker import DrafterSetup, DrafterWorker, StepHook
+from .gradient_reducer import GradientReducer
+from .rank_zero import Checkpointer, EvaluationSchedule
+from .replicas import Replica
+from .resume import StepRange
+from .routing import BatchRouter, FeatureSource
+from .target_worker import TargetSetup, TargetWorker
 
 # --- layout ------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from ..errors import RunFailed
 from ..export.hf import export_model
 from ..files import write_json_atomic
 from ..parallel.nodes import NodeGroup
-from ..parallel.threads import StopSignal
+from ..parallel.threads import POLL_SECONDS, StopSignal, Worker
 from ..progress import Progress
 from ..target.model import dtype_from_name
 from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
@@ -50,8 +50,9 @@ from .reporting import (
     summary_text,
     worker_stats,
 )
+from .drafter_worker import StepReport
+from .resume import StepRange
 from .startup import StartupClock
-from .workers import StepRange, StepReport, wait_for_workers
 
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
 
@@ -348,3 +349,17 @@ class Coordinator:
 
 def non_finite_parameters(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def wait_for_workers(workers: list[Worker], stop: StopSignal, timeout: float) -> list[str]:
+    """Join workers; returns the names of those still alive after `timeout` seconds of stop."""
+    deadline = None
+    while True:
+        alive = [w for w in workers if w.is_alive()]
+        if not alive:
+            return []
+        if stop.stopped and deadline is None:
+            deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() > deadline:
+            return [w.name for w in alive]
+        alive[0].join(POLL_SECONDS)

@@ -53,7 +53,7 @@ from .coordinator import Coordinator
 from .reporting import Sink, open_sinks
 from .startup import choose_cuda_graphs
 from .tensorboard import tensorboard_enabled
-from .workers import StepHook
+from .drafter_worker import StepHook
 
 
 def train(
