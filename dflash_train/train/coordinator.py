@@ -25,19 +25,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
-from ..config import TrainConfig
 from ..errors import RunFailed
 from ..export.hf import export_model
 from ..files import write_json_atomic
-from ..parallel.nodes import NodeGroup
 from ..parallel.threads import POLL_SECONDS, StopSignal, Worker
 from ..progress import Progress
 from ..target.model import dtype_from_name
-from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
+from .build import Pipeline, Run, cpu_threads_per_worker
+from .drafter_worker import StepReport
+from .layout import DrafterPlan
 from .reporting import (
     RunningStats,
     Sink,
@@ -50,8 +49,6 @@ from .reporting import (
     summary_text,
     worker_stats,
 )
-from .drafter_worker import StepReport
-from .resume import StepRange
 from .startup import StartupClock
 
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
@@ -140,16 +137,15 @@ class HealthWatch:
 
 
 class Coordinator:
-    def __init__(self, config: TrainConfig, plans: list[DrafterPlan], pipeline: Pipeline, steps: StepRange,
-                 sinks: list[Sink], log: TextIO, nodes: NodeGroup | None = None):
-        self.config = config
-        self.plans = plans
+    def __init__(self, run: Run, pipeline: Pipeline, sinks: list[Sink]):
+        self.config = config = run.config
+        self.plans = plans = run.plans
         self.pipeline = pipeline
-        self.steps = steps
+        self.steps = steps = run.steps
         self.sinks = sinks
-        self.log = log
+        self.log = log = run.log
         self.stop = pipeline.stop
-        self.nodes = nodes or NodeGroup()
+        self.nodes = run.nodes
         self.stats = {plan.name: RunningStats() for plan in plans}
         node_totals = 1 if self.nodes.distributed else 0  # one NodeTotals per step besides the replicas' reports
         self.assembler = StepAssembler({plan.name: len(plan.devices) + node_totals for plan in plans})

@@ -59,3 +59,17 @@ class EvaluationSchedule:
             return None
         with self._lock:
             return self.evaluator.measure(drafter)
+
+
+@dataclass
+class RankZeroWork:
+    """Whether rank 0 has work of its own after a step (a periodic checkpoint, an in-training
+    eval): it says so in that step's vote, and the other nodes wait for it without a time limit."""
+
+    checkpointer: Checkpointer | None
+    evaluation: EvaluationSchedule | None
+    end_step: int
+
+    def busy_after(self, step: int) -> bool:
+        return bool((self.checkpointer is not None and self.checkpointer.due(step + 1, self.end_step))
+                    or (self.evaluation is not None and self.evaluation.due(step)))
