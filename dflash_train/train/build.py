@@ -187,7 +187,7 @@ class Run:
 
 @dataclass
 class Pipeline:
-    """The built run, ready to start: its workers and what the coordinator watches."""
+    """The run's threads, built and not started: its workers and what the coordinator watches."""
 
     stop: StopSignal
     reports: queue.Queue
