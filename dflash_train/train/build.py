@@ -52,8 +52,6 @@ from .target_worker import TargetSetup, TargetWorker
 
 # Everything a run writes at the top of its folder (and in each variant's folder).
 RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "export")
-
-
 RUN_FOLDER_FILES = ("pipeline.jsonl", "summary.json")
 
 
