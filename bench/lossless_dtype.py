@@ -27,7 +27,7 @@ from dflash_train.target.model import load_target  # noqa: E402
 
 from bench.quality_smollm2 import ShardRunner, merge_group, shard_jobs  # noqa: E402
 from dflash_train.core.drafter import DrafterConfig  # noqa: E402
-from dflash_train.train.build import init_drafter  # noqa: E402
+from dflash_train.train.replicas import init_drafter  # noqa: E402
 
 
 def main() -> int:

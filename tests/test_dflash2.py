@@ -262,7 +262,7 @@ def test_selector_miss_rules():
 def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert"):
     from dflash_train.core.objective import ObjectiveConfig
     from dflash_train.core.step import FrozenTargetParts, make_optimizer, training_step, warmup_cosine
-    from dflash_train.train.build import init_drafter
+    from dflash_train.train.replicas import init_drafter
     from dflash_train.train.synthetic import TINY, drafter_config, make_batch
 
     config = drafter_config(TINY, 4)
@@ -442,7 +442,7 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
     from dflash_train.core.objective import ObjectiveConfig
     from dflash_train.core.static_step import InputShape, StaticInputs, rows_bucket, static_drafter_loss
     from dflash_train.core.step import drafter_loss, training_step
-    from dflash_train.train.build import init_drafter
+    from dflash_train.train.replicas import init_drafter
 
     target = tiny_target("llama", layers=6, head_scale=20)
     objective = ObjectiveConfig(block_size=4, num_anchors=24, loss_chunk_rows=16, selector_miss=miss)

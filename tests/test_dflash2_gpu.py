@@ -29,7 +29,7 @@ from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.core.step import training_step
 from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.train.build import init_drafter
+from dflash_train.train.replicas import init_drafter
 from dflash_train.train.trainer import train
 
 pytestmark = pytest.mark.gpu

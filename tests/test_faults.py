@@ -343,7 +343,8 @@ def test_cli_exit_codes_for_a_diverged_run_and_a_reused_folder(tiny_dir, tmp_pat
 def test_feature_cache_target_goes_where_the_evaluator_decodes():
     """With --features the target only lends its embedding and head (CPU is enough), unless
     --eval-every decodes with it: on GPUs that must not be the CPU inside a drafter thread."""
-    from dflash_train.train.build import Layout, feature_target_device
+    from dflash_train.train.layout import Layout
+    from dflash_train.train.supply import feature_target_device
 
     cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     with_eval, without = tiny_train_config("r", eval_every=50), tiny_train_config("r")

@@ -18,7 +18,7 @@ from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.data.feature_cache import FeatureCache, FeatureCacheError, write_feature_cache
 from dflash_train.data.samples import load_training_samples
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.build import LiveTarget
+from dflash_train.train.supply import LiveTarget
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.trainer import train
 

@@ -15,7 +15,7 @@ from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.decode.loop import generate, make_decoder
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.build import LiveTarget
+from dflash_train.train.supply import LiveTarget
 from dflash_train.train.feature_graphs import GraphedFeatures
 
 pytestmark = pytest.mark.gpu

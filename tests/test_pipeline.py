@@ -197,7 +197,7 @@ def test_a_drafter_reading_fewer_layers_takes_its_columns_in_its_order_with_one_
     """Feature batches hold the union of every variant's target layers; a variant reading a subset
     selects its own, in its own order. Its index tensor is made once per layer set: made per batch
     on CUDA it made the drafter thread wait for the target (see LayerColumns)."""
-    from dflash_train.train.workers import LayerColumns, select_layers
+    from dflash_train.train.drafter_worker import LayerColumns, select_layers
 
     held, hidden = [1, 3, 5, 7], 4
     features = torch.stack([torch.full((2, 3, hidden), float(k)) for k in held], dim=2).flatten(2)  # [2, 3, 4 · 4]

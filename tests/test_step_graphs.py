@@ -34,11 +34,11 @@ from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss
 from dflash_train.parallel.threads import StopSignal
 from dflash_train.parallel.utilisation import WorkerLoad, bottleneck
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.build import init_drafter
+from dflash_train.train.gradient_reducer import GradientReducer
+from dflash_train.train.replicas import init_drafter
 from dflash_train.train.startup import choose_cuda_graphs
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
 from dflash_train.train.trainer import train
-from dflash_train.train.workers import GradientReducer
 
 LAYERS = [1, 3]
 BUCKETS = [64, 112]
@@ -286,7 +286,7 @@ def test_feature_forward_refuses_models_it_would_get_wrong():
 
 
 def test_graphed_features_on_cpu_fall_back_to_the_live_target(target):
-    from dflash_train.train.build import LiveTarget
+    from dflash_train.train.supply import LiveTarget
     from dflash_train.train.feature_graphs import GraphedFeatures
 
     live = LiveTarget(target, LAYERS)
@@ -330,7 +330,8 @@ def test_compile_target_decides_which_graphed_sources_compile_the_feature_forwar
     """--compile-target auto compiles the target's feature forward wherever --compile compiles the
     drafter (auto: on CUDA); off, or --compile off, captures the plain forward; anything else is a
     one-line configuration error."""
-    from dflash_train.train.build import LiveTarget, compiles_target
+    from dflash_train.train.precision import compiles_target
+    from dflash_train.train.supply import LiveTarget
     from dflash_train.train.startup import GraphChoice, graphed_sources
 
     cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
@@ -638,7 +639,7 @@ def test_graphed_features_capture_the_compiled_forward_or_say_why_not(target):
     """`GraphedFeatures(compiled=True)` runs the torch.compile'd FeatureForward before its capture
     (dynamo's eager backend here: the same trace inductor gets on the GPU), and it equals
     Target.features; a compile that fails leaves that length on the plain forward, with the reason."""
-    from dflash_train.train.build import LiveTarget
+    from dflash_train.train.supply import LiveTarget
     from dflash_train.train.feature_graphs import GraphedFeatures
 
     ids = torch.randint(0, 96, (4, BUCKETS[0]), generator=torch.Generator().manual_seed(2))

@@ -19,11 +19,12 @@ from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.core.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
 from dflash_train.parallel.threads import StopSignal
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.build import LiveTarget, init_drafter
 from dflash_train.train.feature_graphs import GraphedFeatures
+from dflash_train.train.gradient_reducer import GradientReducer
+from dflash_train.train.replicas import init_drafter
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
+from dflash_train.train.supply import LiveTarget
 from dflash_train.train.trainer import train
-from dflash_train.train.workers import GradientReducer
 
 pytestmark = pytest.mark.gpu
 

@@ -228,8 +228,9 @@ def test_thinking_switch_reaches_the_training_rows_and_the_eval_prompts():
     from tiny import tiny_hf_model
     from transformers import AutoTokenizer
 
-    from dflash_train.train.build import FeatureSupply, build_evaluation, load_samples
-    from dflash_train.train.workers import StepRange
+    from dflash_train.train.build import build_evaluation
+    from dflash_train.train.supply import FeatureSupply, load_samples
+    from dflash_train.train.resume import StepRange
 
     path = npm_tokenizer_dir("qwen3")
     if path is None:

@@ -9,7 +9,7 @@ from threads import run_in_threads
 
 from dflash_train.parallel.streams import WorkerStream, mark, receive, wait_for
 from dflash_train.parallel.threads import StopSignal
-from dflash_train.train.workers import GradientReducer
+from dflash_train.train.gradient_reducer import GradientReducer
 
 CPU = torch.device("cpu")
 

@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..config import TrainConfig
 from ..core.objective import ObjectiveConfig, block_labels, draw_anchors
 from ..errors import ConfigError
 
@@ -38,6 +39,11 @@ def auto_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
         size = size * 3 // 2 if (size & (size - 1)) == 0 else size * 4 // 3
     buckets.append(max_seq_len)
     return buckets
+
+
+def shape_buckets(config: TrainConfig) -> list[int]:
+    """The sequence lengths a run pads its batches to: --seq-buckets, or the automatic ones."""
+    return sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
 
 
 @dataclass

@@ -25,19 +25,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
-from ..config import TrainConfig
 from ..errors import RunFailed
 from ..export.hf import export_model
 from ..files import write_json_atomic
-from ..parallel.nodes import NodeGroup
-from ..parallel.threads import StopSignal
+from ..parallel.threads import POLL_SECONDS, StopSignal, Worker
 from ..progress import Progress
 from ..target.model import dtype_from_name
-from .build import DrafterPlan, Pipeline, cpu_threads_per_worker
+from .build import Pipeline, Run, cpu_threads_per_worker
+from .drafter_worker import StepReport
+from .layout import DrafterPlan
 from .reporting import (
     RunningStats,
     Sink,
@@ -51,7 +50,6 @@ from .reporting import (
     worker_stats,
 )
 from .startup import StartupClock
-from .workers import StepRange, StepReport, wait_for_workers
 
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
 
@@ -139,16 +137,15 @@ class HealthWatch:
 
 
 class Coordinator:
-    def __init__(self, config: TrainConfig, plans: list[DrafterPlan], pipeline: Pipeline, steps: StepRange,
-                 sinks: list[Sink], log: TextIO, nodes: NodeGroup | None = None):
-        self.config = config
-        self.plans = plans
+    def __init__(self, run: Run, pipeline: Pipeline, sinks: list[Sink]):
+        self.config = config = run.config
+        self.plans = plans = run.plans
         self.pipeline = pipeline
-        self.steps = steps
+        self.steps = steps = run.steps
         self.sinks = sinks
-        self.log = log
+        self.log = log = run.log
         self.stop = pipeline.stop
-        self.nodes = nodes or NodeGroup()
+        self.nodes = run.nodes
         self.stats = {plan.name: RunningStats() for plan in plans}
         node_totals = 1 if self.nodes.distributed else 0  # one NodeTotals per step besides the replicas' reports
         self.assembler = StepAssembler({plan.name: len(plan.devices) + node_totals for plan in plans})
@@ -348,3 +345,17 @@ class Coordinator:
 
 def non_finite_parameters(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def wait_for_workers(workers: list[Worker], stop: StopSignal, timeout: float) -> list[str]:
+    """Join workers; returns the names of those still alive after `timeout` seconds of stop."""
+    deadline = None
+    while True:
+        alive = [w for w in workers if w.is_alive()]
+        if not alive:
+            return []
+        if stop.stopped and deadline is None:
+            deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() > deadline:
+            return [w.name for w in alive]
+        alive[0].join(POLL_SECONDS)

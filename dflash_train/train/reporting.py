@@ -21,7 +21,7 @@ from ..parallel.nodes import NodeTotals
 from ..parallel.utilisation import Bottleneck, bottleneck, worker_load
 from ..progress import format_seconds
 from .tensorboard import TensorBoardSink, tensorboard_enabled
-from .workers import DrafterWorker, StepReport
+from .drafter_worker import DrafterWorker, StepReport
 
 
 class Sink(Protocol):

@@ -66,7 +66,7 @@ def choose_cuda_graphs(config: TrainConfig, devices: list[torch.device]) -> Grap
 
 def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths: list[int],
                 feature_dtype: torch.dtype, compiled: bool) -> None:
-    """The replica's step (a workers.Replica): graphed (choice enabled), or eager with its compiles up front."""
+    """The replica's step (a replicas.Replica): graphed (choice enabled), or eager with its compiles up front."""
     shapes = step_shapes(lengths, config.batch_size, replica.objective, len(replica.layer_ids) * replica.drafter.config.hidden_size,
                          feature_dtype, replica.frozen.head_weight.shape[0])
     thread = f"{replica.name}[{replica.rank}]"

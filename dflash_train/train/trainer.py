@@ -30,30 +30,17 @@ from ..files import hold_output
 from ..parallel.nodes import NodeGroup, check_launch, detect_launch, gradient_backend
 from ..target.model import Target
 from .batches import stream_identity
-from .build import (
-    build_evaluation,
-    build_pipeline,
-    check_batch_size,
-    compile_gate,
-    describe_drafters,
-    find_resume_point,
-    layer_union,
-    load_feature_supply,
-    load_samples,
-    plan_drafters,
-    prepare_run_folder,
-    resolve_layout,
-    run_target_identity,
-    set_aside_later_checkpoints,
-    step_range,
-    step_share,
-)
+from .build import Pipeline, Run, build_evaluation, build_pipeline, compile_gate, describe_drafters, prepare_run_folder
 from .compile_cache import load_compile_cache
+from .compile_gate import CompileGate
 from .coordinator import Coordinator
+from .drafter_worker import StepHook
+from .layout import DrafterPlan, Layout, layer_union, plan_drafters, resolve_layout, step_share
 from .reporting import Sink, open_sinks
+from .resume import ResumePoint, find_resume_point, run_target_identity, set_aside_later_checkpoints, step_range
 from .startup import choose_cuda_graphs
+from .supply import check_batch_size, load_feature_supply, load_samples
 from .tensorboard import tensorboard_enabled
-from .workers import StepHook
 
 
 def train(
@@ -105,38 +92,61 @@ def train(
         stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,
                                  batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.max_seq_len)
         identity = run_target_identity(config, supply)
-        resume = find_resume_point(config, plans, log, stream, identity)
-        nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
-                     "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
-                    "what to train")
-        if nodes.writes:
-            set_aside_later_checkpoints(plans, resume, log)
+        resume = agreed_resume_point(config, plans, nodes, stream, identity, log)
         steps = step_range(config, resume, stop_at, log)
-        gate = compile_gate(config, layout, plans)
-        if gate is not None:  # entered before any worker starts, left after all have ended
-            owned.enter_context(gate)
-            print(f"compile gate: {gate.describe()}", file=log)
+        gate = entered_compile_gate(config, layout, plans, owned, log)
         compile_cache = load_compile_cache(out, log) if gate is not None else None
         evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
-        pipeline = build_pipeline(config, layout, plans, supply, sources, samples, resume, steps, gate=gate,
-                                  evaluation=evaluation, step_hook=step_hook, save_checkpoints=save_checkpoints,
-                                  graphs=graphs, log=log, compile_cache=compile_cache, nodes=nodes, stream=stream,
-                                  target=identity)
-        print(layout_line(config, plans, pipeline, steps.start, nodes) + f"\ncuda graphs: {graphs.reason}", file=log)
-
-        all_sinks: list[Sink] = []
-        if nodes.writes:
-            run_dirs = {plan.name: plan.run_dir for plan in plans}
-            all_sinks = [*open_sinks(out, run_dirs, resumed_at=steps.start if config.resume else None,
-                                     tensorboard=config.tensorboard), *sinks]
-            if len(all_sinks) > 1 + len(sinks):
-                print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {out}",
-                      file=log)
+        run = Run(config=config, nodes=nodes, layout=layout, graphs=graphs, plans=plans, folder=out, supply=supply,
+                  sources=sources, samples=samples, stream=stream, target=identity, resume=resume, steps=steps,
+                  gate=gate, compile_cache=compile_cache, evaluation=evaluation, log=log)
+        pipeline = build_pipeline(run, step_hook=step_hook, save_checkpoints=save_checkpoints)
+        print(layout_line(run, pipeline) + f"\ncuda graphs: {graphs.reason}", file=log)
+        run_sinks = open_run_sinks(run, sinks)
         nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
-        summary = Coordinator(config, plans, pipeline, steps, all_sinks, log, nodes=nodes).run()
+        summary = Coordinator(run, pipeline, run_sinks).run()
         # The rows the drafters learned from (after the supervised-token filter), for whoever reports the run.
         summary["data"] = {"samples": len(pipeline.planner.samples), "batches_per_epoch": pipeline.planner.batches_per_epoch}
         return summary
+
+
+def agreed_resume_point(config: TrainConfig, plans: list[DrafterPlan], nodes: NodeGroup, stream: dict,
+                        target: dict[str, str] | None, log: TextIO) -> ResumePoint:
+    """The resume point every node agrees on; only then are the checkpoints past it set aside
+    (by the run folder's owner), so a refused resume changes nothing."""
+    resume = find_resume_point(config, plans, log, stream, target)
+    nodes.agree({"the data stream": stream, "the resumed step": resume.start_step,
+                 "the checkpoint": {name: Path(path).name for name, path in resume.checkpoints.items()}},
+                "what to train")
+    if nodes.writes:
+        set_aside_later_checkpoints(plans, resume, log)
+    return resume
+
+
+def entered_compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], owned: contextlib.ExitStack,
+                         log: TextIO) -> CompileGate | None:
+    """The run's compile gate, entered before any worker starts and left (by `owned`) after all
+    have ended; None when nothing compiles."""
+    gate = compile_gate(config, layout, plans)
+    if gate is not None:
+        owned.enter_context(gate)
+        print(f"compile gate: {gate.describe()}", file=log)
+    return gate
+
+
+def open_run_sinks(run: Run, extra: Sequence[Sink]) -> list[Sink]:
+    """Where step records go: metrics.jsonl and pipeline.jsonl (and TensorBoard event files) on
+    the node that writes, then the caller's sinks; none on the other nodes."""
+    if not run.nodes.writes:
+        return []
+    config = run.config
+    run_dirs = {plan.name: plan.run_dir for plan in run.plans}
+    own = open_sinks(run.folder, run_dirs, resumed_at=run.steps.start if config.resume else None,
+                     tensorboard=config.tensorboard)
+    if len(own) > 1:
+        print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {run.folder}",
+              file=run.log)
+    return [*own, *extra]
 
 
 def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
@@ -151,7 +161,8 @@ def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
     return shared
 
 
-def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGroup | None = None) -> str:
+def layout_line(run: Run, pipeline: Pipeline) -> str:
+    config, plans, nodes = run.config, run.plans, run.nodes
     drafters = "; ".join(
         f"{p.name}: {p.drafter_config.arch}, {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
         f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
@@ -160,11 +171,11 @@ def layout_line(config: TrainConfig, plans, pipeline, start: int, nodes: NodeGro
     )
     planner = pipeline.planner
     across = ""
-    if nodes is not None and nodes.distributed:
+    if nodes.distributed:
         across = (f"; {nodes.world_size} nodes x {len(planner.share)} micro-batches = {planner.batches_per_step} per "
                   f"step, this node trains {planner.share.start}..{planner.share.stop - 1}")
     return (
         f"pipeline: {config.mode}; target on {', '.join(str(t.device) for t in pipeline.targets)}; {drafters}\n"
         f"data: {len(planner.samples)} samples, {planner.batches_per_epoch} batches/epoch of {config.batch_size}, "
-        f"buckets {planner.buckets}; steps {start}->{config.steps}{across}"
+        f"buckets {planner.buckets}; steps {run.steps.start}->{config.steps}{across}"
     )

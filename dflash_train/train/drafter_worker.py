@@ -1,0 +1,207 @@
+"""The drafter worker thread: trains one replica of one drafter, a step at a time.
+
+It takes one setup object (`DrafterSetup`) and talks to small named collaborators: its `Inbox`
+(batches, routing.py), the `GradientReducer` (replicas, gradient_reducer.py), its `Checkpointer`
+(rank 0 only: who checkpoints) and the shared `EvaluationSchedule` (rank 0 only; both in
+rank_zero.py). What a step computes is `step.training_step` (via `Replica.step`, replicas.py);
+who logs it is the coordinator, from the `StepReport`s.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..core.step import DrafterBatch, StepResult
+from ..parallel.streams import receive, wait_for
+from ..parallel.threads import PipelineStopped, StopSignal, Worker
+from .gradient_reducer import GradientReducer
+from .rank_zero import Checkpointer, EvaluationSchedule
+from .replicas import Replica
+from .resume import StepRange
+from .routing import FeatureBatch, Inbox
+
+if TYPE_CHECKING:
+    from .startup import Warmup
+
+
+@dataclass
+class StepReport:
+    drafter: str
+    rank: int
+    step: int
+    result: StepResult
+    samples: int
+    tokens: int
+    seconds: float
+    waited: float
+    evaluation: dict | None = None  # real tau measured after this step (rank 0, every K steps)
+
+
+StepHook = Callable[["DrafterWorker", int], None]  # (worker, step) after each step: tests and benches
+
+
+@dataclass
+class DrafterSetup:
+    """Everything one drafter worker thread owns and talks to."""
+
+    thread_name: str
+    replica: Replica
+    inbox: Inbox
+    steps: StepRange
+    stop: StopSignal
+    reports: queue.Queue  # StepReports for the coordinator
+    reducer: GradientReducer | None = None  # replicas: gradients summed after every backward
+    checkpointer: Checkpointer | None = None  # rank 0 of a drafter, unless checkpoints are off
+    evaluation: EvaluationSchedule | None = None  # rank 0, with --eval-every
+    hook: StepHook | None = None
+    warmup: "Warmup | None" = None  # the start-up gate: warm-ups one at a time, then all start
+
+
+@dataclass
+class ReceivedStep:
+    """One step's micro-batches as a drafter thread took them from its inbox."""
+
+    batches: list[DrafterBatch]
+    ready: list[Any]  # events this thread's stream waits for before the step reads the features
+    waited: float  # seconds the thread waited for them
+    samples: int
+    tokens: int
+
+    def wait_until_ready(self, device: torch.device) -> None:
+        for event in self.ready:
+            wait_for(event, device)
+
+
+class LayerColumns:
+    """Where a drafter's target layers sit among the layers a feature batch holds (the union of
+    every drafter's): one index tensor per set of layers held, on the drafter's device, made once.
+    Made anew for each batch it was a blocking host-to-device copy, which makes the host wait for all this thread's
+    stream has enqueued, the wait for the features' producer included: on the H200 the one variant
+    reading fewer layers showed its thread 0.99 host-busy (0.09 for the others), and its prefetch
+    of the next step waited for the target instead of overlapping this step."""
+
+    def __init__(self, wanted: list[int], device: torch.device):
+        self.wanted, self.device = list(wanted), device
+        self._made: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def index(self, held: list[int]) -> torch.Tensor:
+        key = tuple(held)
+        if key not in self._made:
+            missing = [k for k in self.wanted if k not in held]
+            if missing:
+                raise ValueError(f"a feature batch holds target layers {list(held)}, not {missing} this drafter reads")
+            self._made[key] = torch.tensor([key.index(k) for k in self.wanted], device=self.device)
+        return self._made[key]
+
+
+def select_layers(features: torch.Tensor, layers_held: int, columns: torch.Tensor) -> torch.Tensor:
+    """[b, S, layers_held · H] -> [b, S, len(columns) · H], the layers at `columns` in that order."""
+    b, s, _ = features.shape
+    return features.view(b, s, layers_held, -1).index_select(2, columns).flatten(2)
+
+
+class DrafterWorker(Worker):
+    role = "drafter"
+
+    def __init__(self, setup: DrafterSetup):
+        super().__init__(setup.thread_name, setup.stop, setup.replica.device)
+        self.setup = setup
+        self.replica = setup.replica
+        self.completed_step = setup.steps.start
+        self._streams: dict = {}
+        self._columns = LayerColumns(setup.replica.layer_ids, setup.replica.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.replica.device
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.setup.checkpointer.last if self.setup.checkpointer is not None else None
+
+    def _to_drafter_batch(self, item: FeatureBatch) -> tuple[DrafterBatch, Any]:
+        device, key = self.replica.device, self.replica.name
+        features, ready = receive(item.features, item.ready, device, self._streams)  # and the event to wait for
+        if item.layer_ids != self.replica.layer_ids:
+            columns = self._columns.index(item.layer_ids)  # before the wait: making one may sync
+            wait_for(ready, device)  # the column selection reads them now
+            ready = None
+            features = select_layers(features, len(item.layer_ids), columns)
+        anchors, anchor_valid = item.host.anchors[key]
+        batch = DrafterBatch(
+            target_features=features,
+            input_ids=item.host.input_ids.to(device, non_blocking=True),
+            loss_mask=item.host.loss_mask.to(device, non_blocking=True),
+            anchors=anchors.to(device, non_blocking=True),
+            anchor_valid=anchor_valid.to(device, non_blocking=True),
+            loss_normalizer=item.host.normalizers[key],
+            scored_rows=item.host.scored_rows.get(key),
+        )
+        return batch, ready
+
+    def _receive(self, step: int) -> ReceivedStep:
+        items, waited = self.setup.inbox.receive(step)
+        moved = [self._to_drafter_batch(item) for item in items]
+        return ReceivedStep(
+            batches=[batch for batch, _ in moved], ready=[ready for _, ready in moved if ready is not None],
+            waited=waited, samples=sum(len(item.host.sample_ids) for item in items),
+            tokens=sum(int(item.host.lengths.sum()) for item in items),
+        )
+
+    def work(self) -> None:
+        setup, replica = self.setup, self.replica
+        if replica.device.type == "cuda":
+            torch.cuda.set_device(replica.device)
+        replica.drafter.train()
+        if setup.warmup is not None:
+            setup.warmup.run(self, replica.prepare)
+        sync = functools.partial(setup.reducer.sync, replica.rank) if setup.reducer is not None else None
+        end = setup.steps.end
+        try:
+            incoming = self._receive(setup.steps.start) if len(setup.steps) else None
+            for step in setup.steps:
+                current = incoming
+                micro_batches, waited, samples, tokens = current.batches, current.waited, current.samples, current.tokens
+                # Take the next step's batches now: their GPU-to-GPU copies then overlap
+                # this step's compute instead of following it (this stream waits for them
+                # only when that step starts).
+                incoming = self._receive(step + 1) if step + 1 < end else None
+                started = time.perf_counter()
+                current.wait_until_ready(replica.device)  # before the span: waiting for the target is not drafter time
+                span = self.meter.begin(replica.device)
+                result = replica.step(micro_batches, sync)
+                self.meter.end(span, replica.device)
+                self.meter.add_gpu_wait(replica.take_gpu_wait())
+                seconds = time.perf_counter() - started
+                self.times.computing += seconds
+                self.times.waiting += waited
+                self.times.items += 1
+                self.completed_step = step + 1
+                if setup.reducer is not None:
+                    setup.reducer.record(step, result, samples, tokens)
+                evaluation = setup.evaluation.after_step(step, replica.drafter) if setup.evaluation is not None else None
+                setup.reports.put(StepReport(replica.name, replica.rank, step, result, samples, tokens, seconds, waited,
+                                             evaluation))
+                if setup.hook is not None:
+                    setup.hook(self, step)
+                if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
+                    setup.checkpointer.save(self.completed_step, replica)
+        except PipelineStopped:
+            pass
+        except BaseException as error:
+            if setup.reducer is not None:
+                setup.reducer.leave(replica.rank, self.completed_step, f"{self.name} failed: {type(error).__name__}: {error}")
+            raise
+        if setup.reducer is not None:
+            setup.reducer.leave(replica.rank, self.completed_step)
+        # Whether finished, interrupted or stopped by another worker's failure, this
+        # drafter's weights are those of its last completed step: save them.
+        if setup.checkpointer is not None:
+            setup.checkpointer.save(self.completed_step, replica)

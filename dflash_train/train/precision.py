@@ -1,0 +1,77 @@
+"""The numeric policy of a run, per device: what compiles (the drafter, the target's feature
+forward), which attention backend runs, the dtype the drafter computes in, whether the frozen
+head runs as the fused kernel, and whether --fp8 can run."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+import torch
+
+from ..config import ConfigError, TrainConfig
+from ..core.attention import resolve_backend
+from ..core.fp8 import check_fp8_dims, fp8_unsupported
+from ..core.objective import fused_head_unsupported
+from ..target.model import Target
+from .layout import DrafterPlan, Layout
+
+
+def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+def compiles_target(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the target's feature forward on `device` is compiled before its capture (only
+    under CUDA graphs: train/feature_graphs.py)."""
+    return config.compile_target == "auto" and compiles_drafter(config, device)
+
+
+def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device, str]:
+    return {d: resolve_backend(config.attention, d) for d in layout.drafter_devices}
+
+
+def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if use_bf16 else None
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype the drafter computes in on `device`: bf16 under autocast, else float32."""
+    return autocast_dtype(config, device) or torch.float32
+
+
+def uses_fused_head(plan: DrafterPlan, softcap: float | None, log: TextIO) -> bool:
+    """Whether the frozen head's softmax runs as core/head_kernel.py's fused kernel: on every CUDA device
+    of the drafter where it matched the reference (objective.fused_head_unsupported), else the
+    compiled chunk, with the reason in the log."""
+    for device in plan.devices:
+        reason = fused_head_unsupported(device, softcap)
+        if reason is not None:
+            if device.type == "cuda":
+                print(f"{plan.name}: frozen head: the compiled softmax, not the fused kernel ({reason})", file=log)
+            return False
+    print(f"{plan.name}: frozen head: the fused softmax kernel", file=log)
+    return True
+
+
+def check_fp8_support(plan: DrafterPlan, target: Target) -> None:
+    """--fp8 needs FP8 products on every device of the drafter and 16-aligned model dims."""
+    spec = target.spec
+    dims = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+    if plan.config.fp8 == "all":
+        dims.update(intermediate_size=spec.intermediate_size, **{
+            "num_attention_heads × head_dim": spec.num_attention_heads * spec.head_dim,
+            "num_key_value_heads × head_dim": spec.num_key_value_heads * spec.head_dim,
+        })
+        if plan.config.arch == "dflash2":  # its kernel projections and selector projection are linears too
+            dims.update({"2 × conv_kernel_size × hidden_size / conv_group_size":
+                         2 * plan.config.conv_kernel_size * (spec.hidden_size // plan.config.conv_group_size),
+                         "selector_rank": plan.config.selector_rank})
+    try:
+        check_fp8_dims(dims)
+    except ValueError as error:
+        raise ConfigError(f"{plan.name}: {error}") from None
+    for device in plan.devices:
+        reason = fp8_unsupported(device)
+        if reason:
+            raise ConfigError(f"{plan.name}: --fp8 {plan.config.fp8}: {reason}; use --fp8 off")

@@ -1,0 +1,147 @@
+"""Where a run's features and rows come from: the target(s) run live, or a feature cache read
+on the target devices (`FeatureSupply`), and the training samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, TextIO
+
+import torch
+
+from ..config import THINKING, ConfigError, TrainConfig
+from ..target.model import Target, load_target
+from .batches import HostBatch
+from .layout import Layout
+from .routing import FeatureSource
+
+
+class LiveTarget:
+    """FeatureSource running the target model on its device."""
+
+    def __init__(self, target: Target, layer_ids: list[int]):
+        self.target = target
+        self.layer_ids = layer_ids
+        self.device = target.device
+
+    def features(self, batch: HostBatch) -> torch.Tensor:
+        return self.target.features(batch.input_ids.to(self.device, non_blocking=True), self.layer_ids)
+
+
+@dataclass
+class FeatureSupply:
+    """The targets (one per target worker) and the feature cache, if features come from one."""
+
+    targets: list[Target]
+    cache: Any = None  # data.feature_cache.FeatureCache
+
+    @property
+    def first(self) -> Target:
+        return self.targets[0]
+
+    def sources(self, layout: Layout, layer_ids: list[int], log: TextIO) -> list[FeatureSource]:
+        """One feature source per target worker: the live target, or the cache read on its device."""
+        if self.cache is None:
+            return [LiveTarget(target, layer_ids) for target in self.targets]
+        devices = layout.target_devices
+        sources = [self.cache.source(devices[t % len(devices)], layer_ids) for t in range(len(self.targets))]
+        print(f"features: cache {self.cache.directory} ({len(self.cache)} samples, layers {self.cache.layer_ids}, "
+              f"{self.cache.dtype}) read on {', '.join(str(s.device) for s in sources)}", file=log)
+        return sources
+
+
+def load_feature_supply(
+    config: TrainConfig, layout: Layout, given: Target | Sequence[Target] | None, log: TextIO,
+) -> FeatureSupply:
+    targets: list[Target] = [] if given is None else [given] if isinstance(given, Target) else list(given)
+    cache = None
+    if config.features:
+        from ..data.feature_cache import FeatureCache
+
+        if config.data:
+            raise ConfigError(f"pass --data or --features, not both: the feature cache {config.features} holds its own samples")
+        cache = FeatureCache(config.features)
+        cached_thinking(config, cache)
+        if not targets:
+            # No target forward runs for training; its embedding, head and tokenizer are still
+            # needed (one copy serves every target worker), and the in-training evaluator runs it whole.
+            path = config.target or cache.target
+            device = feature_target_device(config, layout)
+            use = "the in-training evaluator, embedding, head, tokenizer" if config.eval_every else "embedding, head, tokenizer"
+            print(f"loading target {path} on {device} ({use}; features from {config.features})", file=log)
+            drafters_on_cuda = any(d.type == "cuda" for d in layout.drafter_devices)
+            targets.append(load_target(path, device, torch.bfloat16 if drafters_on_cuda else None))
+        cache.check_target(targets[0])
+        targets += targets[:1] * (len(layout.target_devices) - len(targets))
+    for device in layout.target_devices[len(targets):]:
+        print(f"loading target {config.target} on {device}", file=log)
+        targets.append(load_target(config.target, device))
+    return FeatureSupply(targets, cache)
+
+
+def feature_target_device(config: TrainConfig, layout: Layout) -> torch.device:
+    """Where the target goes when features come from a cache: the CPU (only its embedding and
+    head are read, and copied to the drafters) unless --eval-every decodes with it, which on
+    GPUs must not run on the CPU inside a drafter thread: then the first target device, or the
+    first drafter device when the target devices are CPUs."""
+    if not config.eval_every:
+        return torch.device("cpu")
+    for device in [*layout.target_devices, *layout.drafter_devices]:
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def cached_thinking(config: TrainConfig, cache: Any) -> bool | None:
+    """The thinking mode of a feature cache's rows, which the evaluator's prompts must share:
+    --thinking auto takes it; another explicit value is refused."""
+    cached = cache.header.get("enable_thinking")
+    if config.thinking != "auto" and THINKING[config.thinking] != cached:
+        made = {value: name for name, value in THINKING.items()}[cached]
+        raise ConfigError(f"--thinking {config.thinking}: the feature cache {config.features} was rendered with "
+                          f"thinking {made}; the evaluator must render prompts as the training rows were "
+                          f"(pass --thinking {made} or auto)")
+    return cached
+
+
+def evaluation_thinking(config: TrainConfig, supply: FeatureSupply) -> bool | None:
+    if supply.cache is not None:
+        return cached_thinking(config, supply.cache)
+    return THINKING[config.thinking]
+
+
+def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> list:
+    """The training rows: from the feature cache, or rendered from --data with the target's tokenizer."""
+    if supply.cache is not None:
+        samples, stats = supply.cache.training_samples(config.max_seq_len, config.min_supervised_tokens)
+        print(stats.summary(), file=log)
+        from ..data.readers import FROM_TOKEN_IDS
+
+        if config.token_ids == "ignore" and stats.answers.get(FROM_TOKEN_IDS):
+            raise ConfigError(f"--token-ids ignore: the feature cache {config.features} rendered "
+                              f"{stats.answers[FROM_TOKEN_IDS]} answers from their generated token ids; make one with "
+                              "`dflash-train cache-features --token-ids ignore` to train on the re-tokenized text")
+        if not samples:
+            raise ConfigError(f"no usable training rows in the feature cache {config.features} (see the reasons above)")
+        return samples
+    from ..data.samples import load_training_samples
+
+    tokenizer = supply.first.tokenizer
+    if not config.data:
+        raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
+    if tokenizer is None:
+        raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
+    samples, stats = load_training_samples(
+        config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
+        enable_thinking=THINKING[config.thinking], token_ids=config.token_ids,
+    )
+    print(stats.summary(), file=log)
+    if not samples:
+        raise ConfigError(f"no usable training rows in {', '.join(config.data)} (see the reasons above)")
+    return samples
+
+
+def check_batch_size(config: TrainConfig, samples: Sequence[Any]) -> None:
+    if len(samples) < config.batch_size:
+        source = f"the feature cache {config.features}" if config.features else ", ".join(config.data) or "the given samples"
+        raise ConfigError(f"--batch-size {config.batch_size} is more than the {len(samples)} usable rows of {source}: "
+                          f"pass --batch-size {len(samples)} or less, or more data")
