@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import errno
 import importlib
 import sys
 from typing import NamedTuple
 
 from . import __version__
 from .config import add_arguments, from_args
-from .errors import RunFailed, UserError
+from .errors import RunFailed, UserError, os_error_reason
 
 
 class Command(NamedTuple):
@@ -124,26 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-# OS errors about the user's paths and disks: the user can fix them, so they are one line, exit 2.
-_USER_ERRNOS = {errno.EACCES: "permission denied (this user may not read or write it)",
-                errno.EPERM: "operation not permitted", errno.EISDIR: "is a folder, a file was expected",
-                errno.ENOTDIR: "a path component is not a folder", errno.EEXIST: "already exists",
-                errno.EBUSY: "busy (a mount point, or the current folder)", errno.EROFS: "read-only file system",
-                errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file too large for this file system or limit", errno.ENAMETOOLONG: "name too long",
-                errno.ELOOP: "too many symbolic links"}
-
-
 def user_os_error(error: OSError) -> str | None:
     """One line naming the path and what is wrong with it, for the OS errors a user's paths and
     disks give; None for any other (a bug: its traceback is wanted)."""
-    reason = _USER_ERRNOS.get(error.errno)
+    reason = os_error_reason(error)
     if reason is None:
         return None
-    code = errno.errorcode.get(error.errno, "")
     where = error.filename if error.filename is not None else "writing the output"
     also = f" -> {error.filename2}" if error.filename2 is not None else ""
-    return f"{where}{also}: {reason} ({code})"
+    return f"{where}{also}: {reason}"
 
 
 if __name__ == "__main__":

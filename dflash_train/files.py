@@ -169,6 +169,7 @@ def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
     path = Path(path)
     temp = _fsynced_sibling(path, data, None)
     try:
+        _pause_for_tests("before_final_link")
         for attempt in range(1000):
             target = path if attempt == 0 else path.with_name(f"{path.stem}.{attempt}{path.suffix}")
             try:

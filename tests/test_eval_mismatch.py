@@ -1,12 +1,16 @@
 """Mismatches refused (issue #14, items 6 and 7): a drafter of another vocabulary, a target whose
 LM head is missing from its files, a target folder given as `--drafter`, and eval shards of
-different drafters or targets given to `eval-merge`. Real tiny models saved as real folders, run
-through the real CLI.
+different drafters or targets given to `eval-merge`, and one live `eval-merge` per --json. Real
+tiny models saved as real folders, run through the real CLI (in real processes where two meet).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +196,37 @@ def test_eval_merge_refuses_a_gap_between_shards(shards, models, tmp_path, capsy
 def test_eval_merge_given_a_folder_is_one_line(tmp_path, capsys):
     assert cli.main(["eval-merge", str(tmp_path)]) == 2
     assert f"{tmp_path}: a folder" in _one_error_line(capsys)
+
+
+def test_two_eval_merge_processes_never_share_a_json(shards, tmp_path, capsys):
+    """A second `eval-merge --json F` while another live one writes F is refused, naming its pid,
+    before it reads a shard, and writes nothing. The first, killed (-9) just before its file took
+    its name, leaves only a hidden copy; the next merge frees the lock, removes that copy and writes F."""
+    out = tmp_path / "merged.json"
+    args = ["eval-merge", f"{shards['first']},{shards['second']}", "--json", str(out)]
+    environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env=dict(environment, DFLASH_TEST_PAUSE_AT="before_final_link:300"))
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "paused at before_final_link" not in line:
+            line = first.stderr.readline()
+            assert (line or first.poll() is None) and time.monotonic() < deadline, first.communicate()
+        second = subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
+                                env=environment, timeout=120, check=False)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip().startswith(f"dflash-train eval-merge: --json {out} is in use by another live "
+                                                f"process (pid {first.pid}: "), second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+        first.kill()
+    finally:
+        first.kill()
+        first.communicate()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    hidden_copy = [name for name in left if name.startswith(".merged.json.") and name.endswith(".tmp")]
+    assert len(hidden_copy) == 1 and set(left) <= {".merged.json.lock", *hidden_copy}, left  # no merged*.json
+    assert cli.main(args) == 0
+    assert f"removed {tmp_path / hidden_copy[0]}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json"]
+    assert json.loads(out.read_text())["shards"] == [str(shards["first"]), str(shards["second"])]

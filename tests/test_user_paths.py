@@ -1,13 +1,15 @@
 """What the user can fix is one line naming the file or flag, exit 2, never a traceback: unreadable
 inputs (as root without CAP_DAC_OVERRIDE, through capsh), a damaged regenerate sidecar or output
 file, a damaged feature cache read by `train --features`, a full disk (a real tiny tmpfs in a user
-namespace), and paths of the wrong kind. Real files, real processes, a tiny real model."""
+namespace) or a write past the process's file-size limit, and paths of the wrong kind. Real files, real processes, a tiny real model."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +191,49 @@ def test_export_on_a_full_disk_is_one_line_naming_the_flag(tiny, tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     line = _last_line(done.stderr)
     assert f"--out {mount / 'export'}" in line and ("No space left" in line or "no space left" in line), line
+
+
+def _file_size_limit(size: int):
+    """A subprocess's preexec_fn: no file it writes may grow past `size` bytes. The kernel fails such a
+    write with EFBIG (SIGXFSZ, which would kill the process instead, is ignored), like a full disk."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return limit
+
+
+@pytest.fixture(scope="module")
+def prompt_set_cached():
+    """The default prompt set built (or read) once into the cache folder: the commands below then
+    only read it (building it under a file-size limit would fail on the cache, not on --out)."""
+    assert main(["prompts", "--limit", "1"]) == 0
+
+
+@pytest.mark.parametrize("disk", ["a full tmpfs", "a file-size limit"])
+def test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag(disk, tmp_path, prompt_set_cached):
+    """X18: `prompts --out` whose write fails midway (400 prompts, about 300 kB, into 64 KiB):
+    one line naming --out, the file and the OS error, exit 2; the folder holds the user's file as
+    it was and nothing else (no partial file, no hidden temporary copy, no lock file)."""
+    listing = "--- the folder after the run:"
+    if disk == "a full tmpfs":
+        folder, mount_it = _tmpfs_prefix(tmp_path, 64)
+        out, expected = folder / "prompts.jsonl", "no space left on the device (ENOSPC)"
+        prompts = " ".join(map(str, [*CLI, "prompts", "--out", out, "--limit", "400"]))
+        # The tmpfs lives as long as the namespace: look at what is left from inside it.
+        done = _in_namespace(f"{mount_it} echo mine > {folder}/notes.txt && {prompts}; code=$?; echo '{listing}'; "
+                             f"ls -A {folder}; cat {folder}/notes.txt; exit $code", tmp_path)
+    else:
+        folder = tmp_path / "disk"
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine\n")
+        out, expected = folder / "prompts.jsonl", "file too large for this file system or limit (EFBIG)"
+        done = subprocess.run([*CLI, "prompts", "--out", str(out), "--limit", "400"], capture_output=True, text=True,
+                              env=ENV, cwd=tmp_path, timeout=300, preexec_fn=_file_size_limit(64 * 1024), check=False)
+        done.stdout += f"{listing}\n" + "".join(f"{p.name}\n" for p in sorted(folder.iterdir()))
+        done.stdout += (folder / "notes.txt").read_text()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert _last_line(done.stderr) == f"dflash-train prompts: --out {out}: cannot write it: {expected}; nothing was written there"
+    assert done.stdout.split(listing)[1].split() == ["notes.txt", "mine"]
 
 
 # --- paths of the wrong kind (D11: CF01, P09, Q02, X13, EM09) --------------------------------------------

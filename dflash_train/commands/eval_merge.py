@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
 
 from ..config import ConfigError, option
-from ..files import check_new_output, write_new_file_atomic
+from ..files import check_new_output, hold_output, recover_interrupted_write, write_new_file_atomic
 from ..eval.stats import format_benchmark, format_summary, merge_eval_results
 
 
@@ -28,6 +29,15 @@ class EvalMergeConfig:
 
 
 def run_eval_merge(config: EvalMergeConfig) -> int:
+    # Two merges writing one --json: the second's file would land beside the first's, as NAME.1.json.
+    with hold_output(config.json, "--json") if config.json else contextlib.nullcontext():
+        if config.json:
+            for line in recover_interrupted_write(Path(config.json).resolve()):
+                print(line)
+        return _run_eval_merge(config)
+
+
+def _run_eval_merge(config: EvalMergeConfig) -> int:
     payload = merge_eval_results(config.inputs)
     summaries = {name: bench["summary"] for name, bench in payload["benchmarks"].items()}
     for name, summary in summaries.items():

@@ -50,6 +50,6 @@ def _run_prompts(config: PromptsConfig) -> int:
     print(prompt_set.summary(taken, config.split))
     print(prompt_set.stats.summary())
     if config.out:
-        written = write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id])
+        written = write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id], "--out")
         print(f"wrote {len(taken)} {config.split} prompts to {written}")
     return 0

@@ -75,7 +75,7 @@ def _run_self_prompts(config: SelfPromptsConfig) -> int:
                                     top_p=settings.top_p, seed=settings.seed)
     engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
     report = sample_requests(engine, target.tokenizer, settings, benchmarks)
-    written = write_new_prompt_file(config.out, report.kept, lambda _: SOURCE) if report.kept else None
+    written = write_new_prompt_file(config.out, report.kept, lambda _: SOURCE, "--out") if report.kept else None
     print(report.summary(str(written or "")))
     if report.short:
         kept = f"the {len(report.kept)} kept are in {written}" if written else "nothing was written"
