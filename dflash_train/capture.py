@@ -46,13 +46,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 CAPTURE_LOCK = threading.Lock()
-
-
 Outputs = TypeVar("Outputs")
-
-
-class CaptureError(RuntimeError):
-    """A graph cannot be used: a model or shape refused before capture, or a failed replay check."""
 
 
 class GraphPool:
@@ -141,7 +135,7 @@ def checked_capture(fn: Callable[[], Any], device: torch.device, stream: "torch.
     return Captured(graph, outputs, None)
 
 
-def output_tensors(outputs: object) -> list[torch.Tensor]:
+def _output_tensors(outputs: object) -> list[torch.Tensor]:
     items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     return [t for t in items if isinstance(t, torch.Tensor)]
 
@@ -158,7 +152,7 @@ def _unlike(tensor: torch.Tensor) -> torch.Tensor:
 def _replay_mismatch(outputs: object, expected: object) -> str | None:
     """Where the replayed outputs differ from the eager result (None when they agree: floats to
     rounding, integers exactly)."""
-    for index, (got, want) in enumerate(zip(output_tensors(outputs), output_tensors(expected))):
+    for index, (got, want) in enumerate(zip(_output_tensors(outputs), _output_tensors(expected))):
         want = want.to(got.device)
         same = torch.allclose(got, want, rtol=1e-3, atol=1e-5, equal_nan=True) if got.is_floating_point() else torch.equal(got, want)
         if not same:
@@ -216,7 +210,7 @@ class CapturedStep(Generic[Outputs]):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             result = self.fn()
-            expected = [t.clone() for t in output_tensors(result)]  # a copy: an output may be a buffer the step reuses
+            expected = [t.clone() for t in _output_tensors(result)]  # a copy: an output may be a buffer the step reuses
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
         def reproduces_the_warm_up(graph: torch.cuda.CUDAGraph, outputs: Outputs) -> str | None:
@@ -225,7 +219,7 @@ class CapturedStep(Generic[Outputs]):
             # the capture (an empty or partial graph) leave the poison in place.
             for tensor, value in zip(self.restore, saved):
                 tensor.copy_(value)
-            for tensor in output_tensors(outputs):
+            for tensor in _output_tensors(outputs):
                 tensor.copy_(_unlike(tensor))
             graph.replay()
             mismatch = _replay_mismatch(outputs, expected)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture import CaptureError, GraphPool, checked_capture, error_summary
+from ..capture import GraphPool, checked_capture, error_summary
 from ..target.model import Target
 from ..target.probe import feature_forward_unsupported
 from ..target.walk import FeatureForward
@@ -66,9 +66,11 @@ class GraphedFeatures:
         with torch.cuda.stream(stream):
             for length in self.lengths:
                 try:
-                    self._prepare_length(length, stream, pool)
+                    reason = self._prepare_length(length, stream, pool)
                 except Exception as error:  # noqa: BLE001 - this length keeps Target.features
-                    self.eager_reasons[length] = error_summary(error)
+                    reason = error_summary(error)
+                if reason is not None:
+                    self.eager_reasons[length] = reason
                     self.graphs.pop(length, None)
         current.wait_stream(stream)
         if self.eager_reasons:
@@ -82,22 +84,21 @@ class GraphedFeatures:
             f"({compiled} compiled) in {time.perf_counter() - started:.1f}s")
         return f"{len(self.graphs)}/{len(self.lengths)} feature graphs, {compiled} compiled"
 
-    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> None:
+    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> str | None:
         """This length's graph: of the compiled forward where it compiles, captures and passes the
-        replay check; else of the plain forward (the reason in `plain_reasons`); else raises."""
+        replay check; else of the plain forward (the reason in `plain_reasons`); else none, and
+        the reason is returned."""
         reason = feature_forward_unsupported(self.target, length)
         if reason is not None:
-            raise CaptureError(reason)
+            return reason
         ids = torch.zeros(self.batch_size, length, dtype=torch.long, device=self.device)
         forward = self._warm_forward(ids, length)
         if forward is not self.forward:
             reason = self._capture_checked(forward, ids, stream, pool)
             if reason is None:
-                return
+                return None
             self.plain_reasons[length] = reason  # the plain forward's graph instead (GraphPool: a fresh pool)
-        reason = self._capture_checked(self.forward, ids, stream, pool)
-        if reason is not None:
-            raise CaptureError(reason)
+        return self._capture_checked(self.forward, ids, stream, pool)
 
     def _capture_checked(self, forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, stream: Any,
                          pool: GraphPool) -> str | None:
