@@ -45,9 +45,10 @@ from bench.pipeline import variable_length_samples  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data.readers import Prompt  # noqa: E402
 from dflash_train.decode.families import describe_target  # noqa: E402
-from dflash_train.decode.static import cache_capacity, static_unsupported  # noqa: E402
+from dflash_train.decode.static import cache_capacity  # noqa: E402
 from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine  # noqa: E402
 from dflash_train.generate.regenerate import GenerationSettings, Job  # noqa: E402
+from dflash_train.target.probe import static_unsupported  # noqa: E402
 from dflash_train.train.trainer import train  # noqa: E402
 
 LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,

@@ -18,9 +18,9 @@ from threads import run_in_threads
 from tiny import tiny_target
 
 from dflash_train.data.readers import Prompt
-from dflash_train.decode.static import StaticTarget
 from dflash_train.generate.engine import ATTENTION_STEP, BatchState, EagerBatchEngine, Generated, StaticBatchEngine
 from dflash_train.generate.regenerate import GenerationSettings, Job
+from dflash_train.target.static_cache import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,8 +16,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from dflash_train.target.features import FeatureForward, feature_forward_unsupported, float32_replica
 from dflash_train.target.model import Target, load_target
+from dflash_train.target.probe import feature_forward_unsupported, float32_replica
+from dflash_train.target.walk import FeatureForward
 from test_batched import by_id, hf_generate, make_jobs
 from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
 

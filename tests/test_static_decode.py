@@ -23,17 +23,9 @@ from dflash_train.capture import GraphPool, capture
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
 from dflash_train.decode.loop import generate, make_decoder
-from dflash_train.decode.static import (
-    PREFILL_STEP,
-    StaticDrafter,
-    StaticTarget,
-    attention_bias,
-    fused_norm,
-    matmul_attention,
-    prefill_width,
-    static_state,
-    static_unsupported,
-)
+from dflash_train.decode.static import PREFILL_STEP, StaticDrafter, prefill_width, static_state
+from dflash_train.target.probe import static_unsupported
+from dflash_train.target.static_cache import StaticTarget, attention_bias, fused_norm, matmul_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

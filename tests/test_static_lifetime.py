@@ -15,8 +15,9 @@ import weakref
 import pytest
 import torch
 
+from dflash_train.capture import CapturedStep
 from dflash_train.decode.loop import generate
-from dflash_train.decode.static import CapturedStep, static_state
+from dflash_train.decode.static import static_state
 from test_evaluate import random_drafter
 from tiny import tiny_target
 

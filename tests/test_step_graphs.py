@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_train.target.features import FeatureForward, feature_forward_unsupported
 from dflash_train.target.model import Target
+from dflash_train.target.probe import feature_forward_unsupported
+from dflash_train.target.walk import FeatureForward
 from threads import run_in_threads
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
@@ -463,9 +464,9 @@ class _Stream:
 
 def _warm_up_on_cpu(graphed, monkeypatch, capture):
     """GraphedStep's warm-up sequence (prepare without its CUDA streams) with `capture` standing in."""
-    from dflash_train.train import step_graphs
+    from dflash_train import capture as graph_capture
 
-    monkeypatch.setattr(step_graphs, "capture", capture)
+    monkeypatch.setattr(graph_capture, "capture", capture)
     graphed.stream = _Stream()
     graphed._skipping_update()
     for length in sorted(graphed.inputs):

@@ -27,7 +27,7 @@ FLOORS = {
     "export": 4,  # a drafter written for engines: Hugging Face folder, GGUF, the loader rules
     "core": 3,  # the drafter, the mask, the objective, one training step
     "data": 3,  # rows, rendering, samples, the feature cache; data/prompts: prompt sets
-    "target": 2,  # the frozen target: loading (Hugging Face or GGUF) and its feature forward
+    "target": 2,  # the frozen target: loading (Hugging Face or GGUF), its layer walk and the walk's probe
     # the bottom: settings, errors, files, progress, recipes, the checked CUDA-graph capture
     "config": 1, "errors": 1, "files": 1, "progress": 1, "assets": 1, "recipe": 1, "capture": 1, "": 1,  # "" = __init__
 }

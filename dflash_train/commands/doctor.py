@@ -193,9 +193,9 @@ def check_target(target: str) -> list[Finding]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..decode.static import cache_capacity, static_unsupported
-    from ..target.features import float32_replica
+    from ..decode.static import cache_capacity
     from ..target.model import Target, TargetSpec
+    from ..target.probe import float32_replica, static_unsupported
 
     path = Path(target)
     try:
@@ -210,13 +210,13 @@ def check_target(target: str) -> list[Finding]:
         return [Finding("FAIL", "target", f"{target}: {str(error).splitlines()[0]}")]
     found = [Finding("ok", "target", f"{type(config).__name__}: {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
                      f"vocab {spec.vocab_size}")]
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # class and config only, no memory
-    replica = Target(float32_replica(skeleton, device))
+    # The probe judges the class and config on a replica of its own, on the CPU (target/probe.py).
+    replica = Target(float32_replica(skeleton, torch.device("cpu")))
     refusal = static_unsupported(replica, cache_capacity(PROBE_TOKENS))
     found.append(Finding("ok" if refusal is None else "info", "static decoder",
-                         f"passes its probe on {device} (eval --decoder auto uses it)" if refusal is None
+                         "passes its probe (eval --decoder auto uses it)" if refusal is None
                          else f"refused: {refusal}; eval falls back to Hugging Face decoding"))
     return found
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target.model import TargetError, TargetSpec, check_target_layer_ids, default_target_layer_ids
+from ..target.model import TargetError, TargetSpec, apply_rope, check_target_layer_ids, default_target_layer_ids
 from .attention import attend
 from .dflash2 import ARCHITECTURES, CandidateSelector, GroupedDynamicCausalConv, check_dflash2_dims
 
@@ -151,17 +151,6 @@ class RMSNorm(nn.Module):
         # Eager (the decoders): the same float32 reduction and one rounding in a single kernel on
         # CUDA, where the written-out form is six; a small drafter's step is mostly such kernels.
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, L, d]; cos/sin: [b, L, d]."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 class DraftAttention(nn.Module):

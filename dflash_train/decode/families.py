@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..target.features import feature_forward_unsupported
 from ..target.model import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
+from ..target.probe import feature_forward_unsupported, static_unsupported
 from .hf import rollback_unsupported
 from .recurrent import has_recurrent_layers
-from .static import cache_capacity, static_unsupported
+from .static import cache_capacity
 
 
 def family_kind(target: Target) -> str:

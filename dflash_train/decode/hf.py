@@ -16,8 +16,8 @@ from torch import nn
 
 from ..config import UserError
 from ..core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from ..target.features import ProbeVerdicts, float32_replica
 from ..target.model import Target, cache_argument, hidden_state_index
+from ..target.probe import ProbeVerdicts, float32_replica
 from .recurrent import StateSnapshot, has_recurrent_layers
 from .static import greedy_by_parts
 

@@ -38,8 +38,9 @@ import torch
 from ..config import DECODERS, ConfigError, UserError
 from ..core.drafter import DFlashDrafter, unwrap_drafter
 from ..target.model import Target
+from ..target.probe import static_unsupported
 from .hf import HFDecoder, rollback_note
-from .static import StaticDecoder, cache_capacity, static_state, static_unsupported
+from .static import StaticDecoder, cache_capacity, static_state
 
 
 @dataclass

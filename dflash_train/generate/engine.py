@@ -2,8 +2,8 @@
 Hugging Face eager fallback for targets the static forward cannot run.
 
 Static generator (`StaticBatchEngine`). `slots` rows decode at once over preallocated KV caches
-(`decode.static.StaticTarget` with one cache row per slot; the batch-1 static decoder uses the
-same class). Prompts are taken shortest first. When rows finish, waiting prompts take their
+(`target.static_cache.StaticTarget` with one cache row per slot; the batch-1 static decoder uses
+the same class). Prompts are taken shortest first. When rows finish, waiting prompts take their
 slots: once 1/`admit_fraction` of the slots are free (a few large prefills cost the host far less
 than one per finished row), the admitted prompts are prefilled together, right-padded, straight
 into their cache rows (at most `prefill_tokens` tokens per forward); with CUDA graphs the prefill
@@ -16,10 +16,10 @@ is the number of cache positions attended, a multiple of ATTENTION_STEP that cov
 row, so short rows do not pay for a long capacity; rows is the slot count, until no prompt waits
 and at most a quarter of the slots are busy: then the last rows are moved into the lowest slots
 and the steps run over fewer rows (a power of two, at least MIN_ROWS). Each shape's step is
-captured in a CUDA graph (never on CPU): the all-slots steps of every span before the first
+captured in a CUDA graph (`capture.CapturedStep`; never on CPU): the all-slots steps of every span before the first
 prompt starts, the tail's when first needed; the graphs of one cache share a memory pool. The
-attention over the cache is SDPA or two batched matrix products (`decode.static.ATTENTION`, the
-same result to rounding); with `attention="auto"` both all-slots, full-span steps are captured
+attention over the cache is SDPA or two batched matrix products (`target.static_cache.ATTENTION`,
+the same result to rounding); with `attention="auto"` both all-slots, full-span steps are captured
 and timed once, and the faster one is used for every step of that cache. Nothing inside a step
 waits for the host: a row that stops keeps its slot, frozen, until the host reads the finished
 flags, which it does every `read_every` steps with a small non-blocking copy and acts on one
@@ -32,7 +32,7 @@ engine starts; when even that cannot hold the longest prompts, they run after th
 phase of their own with fewer slots. A CUDA out-of-memory error halves the slots (said in one
 line) and the rows in flight start again.
 
-Which targets. `local_engine` asks the static decoder's probe (`decode.static.static_unsupported`,
+Which targets. `local_engine` asks the layer walk's probe (`target.probe.static_unsupported`,
 which also checks the batched path); a target it refuses is answered by `EagerBatchEngine`
 (`generate_batch`: Hugging Face forwards with a DynamicCache, rows leaving the batch as they
 finish), which says so in its description line.
@@ -51,12 +51,14 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO
 
 import torch
 
-from ..capture import GraphPool
+from ..capture import CapturedStep, GraphPool
 from ..data.render import stop_token_ids
 from ..decode.recurrent import select_rows
 from ..decode.sampling import choose_tokens
-from ..decode.static import ATTENTION, CAPACITY_STEP, CapturedStep, StaticTarget, cache_capacity, static_unsupported
+from ..decode.static import CAPACITY_STEP, cache_capacity
 from ..target.model import Target, cache_argument
+from ..target.probe import static_unsupported
+from ..target.static_cache import ATTENTION, StaticTarget
 from .regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 
 ATTENTION_STEP = 256  # attention spans (one captured step each) are multiples of this many positions

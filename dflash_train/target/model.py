@@ -63,6 +63,19 @@ def drafter_rope(config: Any) -> dict[str, Any]:
     return rope
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding by halves (Llama's and Qwen's, the drafter's): x [b, heads, L, d],
+    cos/sin [b, L, d]. Here because the target's static forward (target/static_cache.py) and
+    the drafter both rotate with it."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
 def _intermediate_size(config: Any) -> int:
     """The drafter's MLP width: the target's dense MLP width where it has one (MoE models keep
     it for their dense layers); else, for MoE models without one, the width the experts of one

@@ -1,6 +1,6 @@
 """The target's feature forward as one CUDA graph per length bucket (a FeatureSource).
 
-`target.features.FeatureForward` runs the target's modules up to the deepest captured layer with
+`target.walk.FeatureForward` walks the target's layers up to the deepest captured layer with
 no hooks and no early-exit exception, so it can be captured. `prepare` (in the target worker's
 thread, before step 1, one worker at a time: train/startup.py) checks the model on behaviour
 (`feature_forward_unsupported`), then per length bucket runs the forward once on a private
@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture import CaptureError, GraphPool, capture, error_summary
-from ..target.features import FeatureForward, feature_forward_unsupported
+from ..capture import GraphPool, checked_capture, error_summary
 from ..target.model import Target
+from ..target.probe import feature_forward_unsupported
+from ..target.walk import FeatureForward
 from .batches import HostBatch
 
 FEATURE_TOLERANCE = 2e-2  # relative: the replay runs the same modules; bf16 last bits may differ
@@ -65,9 +66,11 @@ class GraphedFeatures:
         with torch.cuda.stream(stream):
             for length in self.lengths:
                 try:
-                    self._prepare_length(length, stream, pool)
+                    reason = self._prepare_length(length, stream, pool)
                 except Exception as error:  # noqa: BLE001 - this length keeps Target.features
-                    self.eager_reasons[length] = error_summary(error)
+                    reason = error_summary(error)
+                if reason is not None:
+                    self.eager_reasons[length] = reason
                     self.graphs.pop(length, None)
         current.wait_stream(stream)
         if self.eager_reasons:
@@ -81,41 +84,47 @@ class GraphedFeatures:
             f"({compiled} compiled) in {time.perf_counter() - started:.1f}s")
         return f"{len(self.graphs)}/{len(self.lengths)} feature graphs, {compiled} compiled"
 
-    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> None:
+    def _prepare_length(self, length: int, stream: Any, pool: GraphPool) -> str | None:
         """This length's graph: of the compiled forward where it compiles, captures and passes the
-        replay check; else of the plain forward (the reason in `plain_reasons`); else raises."""
+        replay check; else of the plain forward (the reason in `plain_reasons`); else none, and
+        the reason is returned."""
         reason = feature_forward_unsupported(self.target, length)
         if reason is not None:
-            raise CaptureError(reason)
+            return reason
         ids = torch.zeros(self.batch_size, length, dtype=torch.long, device=self.device)
         forward = self._warm_forward(ids, length)
         if forward is not self.forward:
-            try:
-                self._capture_checked(forward, ids, stream, pool)
-                return
-            except Exception as error:  # noqa: BLE001 - the plain forward's graph instead (GraphPool: a fresh pool)
-                self.plain_reasons[length] = error_summary(error)
-        self._capture_checked(self.forward, ids, stream, pool)
+            reason = self._capture_checked(forward, ids, stream, pool)
+            if reason is None:
+                return None
+            self.plain_reasons[length] = reason  # the plain forward's graph instead (GraphPool: a fresh pool)
+        return self._capture_checked(self.forward, ids, stream, pool)
 
     def _capture_checked(self, forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, stream: Any,
-                         pool: GraphPool) -> None:
-        """Capture `forward(ids)`, then check that a replay on other ids equals Target.features."""
+                         pool: GraphPool) -> str | None:
+        """Capture `forward(ids)` and check that a replay on other ids equals Target.features;
+        returns why not, or None with the graph kept for this length."""
         length, vocab = ids.shape[1], self.target.embed_weight.shape[0]
         ids.copy_(_synthetic_ids(self.batch_size, length, vocab, 0))
-        graph, output = capture(lambda: forward(ids), self.device, stream, pool)
-        other = _synthetic_ids(self.batch_size, length, vocab, 1).to(self.device)
-        ids.copy_(other)
-        graph.replay()
-        expected = self.target.features(other, self.layer_ids)
-        scale = float(expected.abs().max())
-        difference = (output - expected).float()
-        error = float(difference.abs().max()) / (scale + 1e-12)
-        if not error <= FEATURE_TOLERANCE:
+
+        def equals_the_target_features(graph: Any, output: torch.Tensor) -> str | None:
+            other = _synthetic_ids(self.batch_size, length, vocab, 1).to(self.device)
+            ids.copy_(other)
+            graph.replay()
+            expected = self.target.features(other, self.layer_ids)
+            scale = float(expected.abs().max())
+            difference = (output - expected).float()
+            error = float(difference.abs().max()) / (scale + 1e-12)
+            if error <= FEATURE_TOLERANCE:
+                return None
             # The whole-tensor figure too: whether the largest error is one outlier or everywhere.
             spread = float(difference.norm() / expected.float().norm().clamp(min=1e-12))
-            raise CaptureError(f"a replay differs from Target.features (relative error {error:.1e}; "
-                               f"{spread:.1e} in norm)")
-        self.inputs[length], self.outputs[length], self.graphs[length] = ids, output, graph
+            return f"a replay differs from Target.features (relative error {error:.1e}; {spread:.1e} in norm)"
+
+        captured = checked_capture(lambda: forward(ids), self.device, stream, equals_the_target_features, pool)
+        if captured.reason is None:
+            self.inputs[length], self.outputs[length], self.graphs[length] = ids, captured.outputs, captured.graph
+        return captured.reason
 
     def _warm_forward(self, ids: torch.Tensor, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """The forward to capture for this length, run on this stream first (the compile, lazily

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture import CaptureError, GraphPool, capture, error_summary, first_line
+from ..capture import Captured, GraphPool, ReplayCheck, checked_capture, error_summary
 from ..core.drafter import DFlashDrafter
 from ..core.objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
 from ..core.static_step import (
@@ -166,30 +166,35 @@ def _probe_update(device: torch.device) -> str | None:
         grads = [graphed.weight.grad]
         lrs = [torch.zeros((), device=device)]
         skip = torch.zeros((), device=device)
+        base = torch.sin(torch.arange(64, device=device, dtype=torch.float32)).view(8, 8)
+
+        def follows_the_eager_update(graph: Any, _: Any) -> str | None:
+            for step, (lr, scale) in enumerate([(1e-2, 1e-3), (3e-3, 10.0), (0.0, 1.0), (1e-2, float("inf")), (5e-3, 1.0)]):
+                before = graphed.weight.detach().clone()
+                for group in opts[0].param_groups:
+                    group["lr"] = lr
+                eager.weight.grad = base * scale
+                clipped_fused_step(opts[0], eager, 1.0)
+                grads[0].copy_(base * scale)
+                lrs[0].fill_(lr)
+                graph.replay()
+                error = float((graphed.weight - eager.weight).abs().max()) / float(eager.weight.abs().max())
+                if not error <= 1e-5:
+                    return f"a replayed fused AdamW update differs from the eager one at probe step {step} (relative {error:.1e})"
+                if (lr == 0.0 or scale == float("inf")) and not torch.equal(graphed.weight, before):
+                    return f"a replayed fused AdamW update moved the weights at probe step {step} (lr 0 or skipped)"
+            return None
+
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             skip.fill_(1.0)
             tensor_lr_step(opts[1], lrs, grads, 1.0, skip)  # creates the optimizer state, changes nothing
             skip.zero_()
-            graph, _ = capture(lambda: tensor_lr_step(opts[1], lrs, grads, 1.0, skip), device, stream)
+            captured = checked_capture(lambda: tensor_lr_step(opts[1], lrs, grads, 1.0, skip), device, stream,
+                                       follows_the_eager_update)
         torch.cuda.current_stream(device).wait_stream(stream)
-        base = torch.sin(torch.arange(64, device=device, dtype=torch.float32)).view(8, 8)
-        for step, (lr, scale) in enumerate([(1e-2, 1e-3), (3e-3, 10.0), (0.0, 1.0), (1e-2, float("inf")), (5e-3, 1.0)]):
-            before = graphed.weight.detach().clone()
-            for group in opts[0].param_groups:
-                group["lr"] = lr
-            eager.weight.grad = base * scale
-            clipped_fused_step(opts[0], eager, 1.0)
-            grads[0].copy_(base * scale)
-            lrs[0].fill_(lr)
-            graph.replay()
-            error = float((graphed.weight - eager.weight).abs().max()) / float(eager.weight.abs().max())
-            if not error <= 1e-5:
-                return f"a replayed fused AdamW update differs from the eager one at probe step {step} (relative {error:.1e})"
-            if (lr == 0.0 or scale == float("inf")) and not torch.equal(graphed.weight, before):
-                return f"a replayed fused AdamW update moved the weights at probe step {step} (lr 0 or skipped)"
-    return None
+    return captured.reason
 
 
 # --- synthetic micro-batches for warm-ups and checks -------------------------------------------
@@ -302,13 +307,12 @@ class GraphedStep:
         return (f"{graphs}/{wanted} graphs captured; compile {self.compile_s:.1f}s, capture {self.capture_s:.1f}s"
                 + (f"; {len(self.eager_reasons)} bucket(s) eager" if self.eager_reasons else ""))
 
-    def _capture(self, fn: Callable[[], Any]) -> Any:
+    def _capture(self, fn: Callable[[], Any], check: ReplayCheck | None) -> Captured:
         started = time.perf_counter()
         try:
-            graph, _ = capture(fn, self.device, self.stream, self.pool)
+            return checked_capture(fn, self.device, self.stream, check, self.pool)
         finally:
             self.capture_s += time.perf_counter() - started
-        return graph
 
     def _skipping_update(self) -> None:
         self.static.force_skip.fill_(1.0)
@@ -327,24 +331,24 @@ class GraphedStep:
         self.stream.synchronize()
         self.compile_s += time.perf_counter() - started
         captured_before = self.capture_s
-        try:
-            graph = self._capture(lambda: self.static.accumulate(inputs, largest))
-            self._check_replay(graph, inputs, largest)
-        except Exception as error:  # noqa: BLE001 - no graph for this length: its steps run eagerly
-            self.eager_reasons[f"length {length}"] = error_summary(error)
-            say(f"length {length}: compiled in {time.perf_counter() - started:.1f}s, not captured ({first_line(error)})")
+        checked = self._capture(lambda: self.static.accumulate(inputs, largest),
+                                lambda graph, _: self._replay_mismatch(graph, inputs, largest))
+        if checked.reason is not None:  # no graph for this length: its steps run eagerly
+            self.eager_reasons[f"length {length}"] = checked.reason
+            say(f"length {length}: compiled in {time.perf_counter() - started:.1f}s, not captured ({checked.reason})")
             return
-        self.graphs[(length, largest)] = graph
-        for count in rows[:-1]:
-            try:
-                self.graphs[(length, count)] = self._capture(lambda count=count: self.static.accumulate(inputs, count))
-            except Exception as error:  # noqa: BLE001
-                self.eager_reasons[f"length {length} rows {count}"] = error_summary(error)
+        self.graphs[(length, largest)] = checked.graph
+        for count in rows[:-1]:  # the same function as the checked graph, at fewer rows
+            captured = self._capture(lambda count=count: self.static.accumulate(inputs, count), None)
+            if captured.reason is None:
+                self.graphs[(length, count)] = captured.graph
+            else:
+                self.eager_reasons[f"length {length} rows {count}"] = captured.reason
         say(f"length {length}: compiled in {time.perf_counter() - started - (self.capture_s - captured_before):.1f}s, "
             f"{sum(1 for k in self.graphs if k[0] == length)}/{len(rows)} rows buckets captured in "
             f"{self.capture_s - captured_before:.1f}s")
 
-    def _check_replay(self, graph: Any, inputs: StaticInputs, rows: int) -> None:
+    def _replay_mismatch(self, graph: Any, inputs: StaticInputs, rows: int) -> str | None:
         """A replay on data the capture never saw must equal the eager micro-batch on that data."""
         inputs.fill(synthetic_batch(inputs.shape, self.objective, self.vocab_size, self.device, 1))
         self.static.reset()
@@ -358,24 +362,29 @@ class GraphedStep:
         # would let the counts hide a wrong gradient.
         error = float(((got - expected).abs() / (expected.abs() + 1e-6)).max())
         if not (float(expected[-1]) > 0 and error <= REPLAY_TOLERANCE):  # the last entry counts the blocks
-            raise CaptureError(f"a replay differs from the eager micro-batch (relative error {error:.1e})")
+            return f"a replay differs from the eager micro-batch (relative error {error:.1e})"
+        return None
 
     def _prepare_update(self) -> None:
         self._skipping_update()  # warm-up on this stream
-        try:
-            graph = self._capture(self.static.update)
+
+        def skips(graph: Any, _: Any) -> str | None:
             with torch.no_grad():
                 before = torch.stack(torch._foreach_norm(self.static.params))
                 self.static.force_skip.fill_(1.0)
                 graph.replay()
                 if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
-                    raise CaptureError("a replayed skipped update moved the weights")
-        except Exception as error:  # noqa: BLE001 - the update then runs eagerly
-            self.eager_reasons["update"] = error_summary(error)
-            return
+                    return "a replayed skipped update moved the weights"
+            return None
+
+        try:
+            captured = self._capture(self.static.update, skips)
         finally:
             self.static.force_skip.zero_()
-        self.update_graph = graph
+        if captured.reason is not None:  # the update then runs eagerly
+            self.eager_reasons["update"] = captured.reason
+            return
+        self.update_graph = captured.graph
 
     def _warn_eager_buckets(self) -> None:
         if self.eager_reasons:
