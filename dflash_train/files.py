@@ -366,7 +366,9 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask applies
             except FileNotFoundError:
-                continue  # another process that had made the folder too removed it as it ended: make it again
+                if self._missing_folders():
+                    continue  # another process that had made the folder too removed it as it ended: make it again
+                raise  # a folder above is there but cannot hold files (a dangling link)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -383,12 +385,16 @@ class OutputLock:
                 return fd
             os.close(fd)  # the holder removed the file as we opened it: lock the new one
 
-    def _make_parents(self) -> None:
+    def _missing_folders(self) -> list[Path]:
+        """The folders above the output that do not exist, innermost first."""
         missing, folder = [], self.path.parent
         while not os.path.lexists(folder):
             missing.append(folder)
             folder = folder.parent
-        for folder in reversed(missing):
+        return missing
+
+    def _make_parents(self) -> None:
+        for folder in reversed(self._missing_folders()):
             try:
                 folder.mkdir()
             except FileExistsError:
