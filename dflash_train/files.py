@@ -10,7 +10,8 @@ The rule for outputs: a command never overwrites a file or folder it did not cre
 (`check_new_output`) and never writes into its own inputs (`check_outside_inputs`); an output is
 owned by one live process at a time (`hold_output`: a kernel lock, released when the process
 ends however it ends); what a killed writer left beside an output is cleaned, or put back,
-before the output is written again (`recover_interrupted_write`).
+before the output is written again (`recover_interrupted_write`). A command that writes one file
+at its end does all of that through `NewFileOutput`.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, os_error_reason
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -162,12 +165,22 @@ def apply_umask(root: Path) -> None:
             os.chmod(written, folder_mode if written.is_dir() else file_mode)
 
 
-def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
+def write_new_file_atomic(path: str | Path, data: bytes, flag: str = "") -> Path:
     """Write `data` to `path`, which must not exist: fsynced and complete or absent, never over a
     file that appeared meanwhile. If one did, the data goes to the first free `NAME.N.SUFFIX`
-    beside it (returned), so neither the other file nor this result is lost."""
+    beside it (returned), so neither the other file nor this result is lost. A write the disk
+    refuses (full, a size limit, read-only), or no free name, is one `UserError` naming `flag`
+    (the user's flag for `path`, if any) and the file; nothing is left under any of the names."""
     path = Path(path)
-    temp = _fsynced_sibling(path, data, None)
+    named = f"{flag} {path}" if flag else str(path)
+    try:
+        temp = _fsynced_sibling(path, data, None)
+    except OSError as error:
+        reason = os_error_reason(error)
+        if reason is None:
+            raise
+        # A failed write of an open file names no file: name it here, with the flag that chose it.
+        raise UserError(f"{named}: cannot write it: {reason}; nothing was written there") from error
     try:
         _pause_for_tests("before_final_link")
         for attempt in range(1000):
@@ -178,7 +191,9 @@ def write_new_file_atomic(path: str | Path, data: bytes) -> Path:
                 continue
             break
         else:
-            raise FileExistsError(f"{path} and 999 numbered siblings exist")
+            raise UserError(f"{named}: cannot write it: it and every numbered name beside it ({path.stem}.1{path.suffix} "
+                            f"to {target.name}) exist; nothing was written (move some away, or choose another "
+                            f"{flag or 'path'})")
     finally:
         temp.unlink(missing_ok=True)
     fsync_dir(path.parent)
@@ -316,21 +331,44 @@ class OutputLock:
     """An exclusive `flock` on `.NAME.lock` beside the output NAME, held while a command writes it.
     The kernel drops the lock when the holding process ends, kill -9 included, so a crash never
     leaves an output locked; the file is removed on release (and the inode is re-checked after
-    locking, so a process that opened it just before that removal does not lock a dead file)."""
+    locking, so a process that opened it just before that removal does not lock a dead file).
+
+    Missing folders above the output are made (`--out runs/new/p.jsonl` works like `mkdir -p`),
+    and removed again on release if the output was never written and they are still empty: a run
+    that fails leaves the disk as it found it. A folder another process made, or that holds
+    anything, is kept."""
 
     def __init__(self, output: str | Path, flag: str):
         resolved = Path(output).resolve()
         if resolved.parent == resolved:
             raise ConfigError(f"{flag} {output}: the root folder cannot be an output")
-        self.output, self.flag = Path(output), flag
+        self.output, self.flag, self._final = Path(output), flag, resolved
         self.path = resolved.parent / f".{resolved.name}.lock"
         self._fd: int | None = None
+        self._made: list[Path] = []  # the folders above the output this process made, outermost first
 
     def acquire(self) -> "OutputLock":
         check_outside_inputs(self.output, self.flag)  # a parent that is a file: one line, not a traceback
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._fd = self._lock()
+            os.ftruncate(self._fd, 0)
+            # The program and its first argument (`dflash-train train`): enough to recognise it, no flag values.
+            program = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]) if sys.argv and sys.argv[0] else "python"
+            os.write(self._fd, f"pid {os.getpid()}: {program[:100]}\n".encode("utf-8", "replace"))
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _lock(self) -> int:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask applies
+            self._make_parents()
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask applies
+            except FileNotFoundError:
+                if self._missing_folders():
+                    continue  # another process that had made the folder too removed it as it ended: make it again
+                raise  # a folder above is there but cannot hold files (a dangling link)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -344,25 +382,41 @@ class OutputLock:
                 current = None
             opened = os.fstat(fd)
             if current is not None and (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev):
-                break
+                return fd
             os.close(fd)  # the holder removed the file as we opened it: lock the new one
-        os.ftruncate(fd, 0)
-        # The program and its first argument (`dflash-train train`): enough to recognise it, no flag values.
-        program = " ".join([Path(sys.argv[0]).name, *sys.argv[1:2]]) if sys.argv and sys.argv[0] else "python"
-        os.write(fd, f"pid {os.getpid()}: {program[:100]}\n".encode("utf-8", "replace"))
-        self._fd = fd
-        return self
+
+    def _missing_folders(self) -> list[Path]:
+        """The folders above the output that do not exist, innermost first."""
+        missing, folder = [], self.path.parent
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = folder.parent
+        return missing
+
+    def _make_parents(self) -> None:
+        for folder in reversed(self._missing_folders()):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue  # another process made it meanwhile: not ours to remove
+            self._made.append(folder)
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            if os.path.samestat(os.stat(self.path), os.fstat(self._fd)):
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)  # closing drops the lock
-        self._fd = None
+        if self._fd is not None:
+            try:
+                if os.path.samestat(os.stat(self.path), os.fstat(self._fd)):
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+        if not os.path.lexists(self._final):
+            for folder in reversed(self._made):
+                try:
+                    folder.rmdir()  # only an empty folder: whatever was written into it keeps it
+                except OSError:
+                    break
+        self._made = []
 
     def __enter__(self) -> "OutputLock":
         return self if self._fd is not None else self.acquire()
@@ -377,6 +431,36 @@ def hold_output(output: str | Path, flag: str) -> OutputLock:
     return OutputLock(output, flag).acquire()
 
 
+class NewFileOutput:
+    """The one file a command writes at its end (`eval --json`, `eval-merge --json`, `prompts
+    --out`, `self-prompts --out`, `export --format gguf`), the same way for each: held by this
+    process from the start (`hold_output`), cleaned first of what an earlier write of it left when
+    killed midway (`recover_interrupted_write`, each line given to `say`), written once at the end
+    (`write_new_file_atomic`). `with NewFileOutput(path, "--json") as output: ... output.write(data)`."""
+
+    def __init__(self, path: str | Path, flag: str, say: Callable[[str], object] = print):
+        self.path, self.flag, self.say = Path(path), flag, say
+        self._lock = OutputLock(path, flag)
+
+    def __enter__(self) -> "NewFileOutput":
+        self._lock.acquire()
+        try:
+            for line in recover_interrupted_write(self.path.resolve()):
+                self.say(line)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def write(self, data: bytes) -> Path:
+        """`data` under the output's name (or, if a file took that name meanwhile, the first free
+        numbered name beside it: returned); a write the disk refuses is one line naming the flag."""
+        return write_new_file_atomic(self.path, data, self.flag)
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 def _lock_holder(fd: int) -> str:
     """What the holder wrote into the lock file (it writes right after locking: wait a moment)."""
     for _ in range(20):
@@ -387,10 +471,28 @@ def _lock_holder(fd: int) -> str:
     return "its pid is not recorded yet"
 
 
+class _Resumed(Exception):
+    pass
+
+
+def _resume(_signum: int, _frame: object) -> None:
+    raise _Resumed
+
+
 def _pause_for_tests(point: str) -> None:
     """Sleep at a named point of a write when DFLASH_TEST_PAUSE_AT says so, so a test can kill a
-    real process exactly there (`POINT:SECONDS`); it prints the point first, to be waited for."""
+    real process exactly there (`POINT:SECONDS`), or change the disk under it and let it go on
+    (SIGUSR1 ends the pause); it prints the point first, to be waited for."""
     wanted = os.environ.get("DFLASH_TEST_PAUSE_AT", "")
-    if wanted.partition(":")[0] == point:
+    if wanted.partition(":")[0] != point:
+        return
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGUSR1, _resume) if main else None
+    try:
         print(f"paused at {point}", file=sys.stderr, flush=True)
         time.sleep(float(wanted.partition(":")[2] or 60))
+    except _Resumed:
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGUSR1, previous)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import transformers
 from dflash_train.export.hf import export_model
 from dflash_train.target.model import Target, TargetError, load_target
 from safetensors.torch import load_file, save_file
+from processes import hidden_copies, paused_cli
 from test_evaluate import char_tokenizer, random_drafter
 
 from dflash_train import cli
@@ -205,14 +206,7 @@ def test_two_eval_merge_processes_never_share_a_json(shards, tmp_path, capsys):
     out = tmp_path / "merged.json"
     args = ["eval-merge", f"{shards['first']},{shards['second']}", "--json", str(out)]
     environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    first = subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True,
-                             env=dict(environment, DFLASH_TEST_PAUSE_AT="before_final_link:300"))
-    try:
-        deadline, line = time.monotonic() + 120, ""
-        while "paused at before_final_link" not in line:
-            line = first.stderr.readline()
-            assert (line or first.poll() is None) and time.monotonic() < deadline, first.communicate()
+    with paused_cli(args, "before_final_link") as first:
         second = subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
                                 env=environment, timeout=120, check=False)
         assert second.returncode == 2, second.stderr
@@ -220,13 +214,57 @@ def test_two_eval_merge_processes_never_share_a_json(shards, tmp_path, capsys):
                                                 f"process (pid {first.pid}: "), second.stderr
         assert len(second.stderr.strip().splitlines()) == 1, second.stderr
         first.kill()
-    finally:
-        first.kill()
-        first.communicate()
     left = sorted(p.name for p in tmp_path.iterdir())
-    hidden_copy = [name for name in left if name.startswith(".merged.json.") and name.endswith(".tmp")]
+    hidden_copy = hidden_copies(tmp_path, "merged.json")
     assert len(hidden_copy) == 1 and set(left) <= {".merged.json.lock", *hidden_copy}, left  # no merged*.json
     assert cli.main(args) == 0
     assert f"removed {tmp_path / hidden_copy[0]}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json"]
     assert json.loads(out.read_text())["shards"] == [str(shards["first"]), str(shards["second"])]
+
+
+def test_an_eval_killed_while_writing_its_json_is_cleaned_by_the_next(models, tmp_path, capsys):
+    """`eval --json F` killed (-9) as its file was about to take its name leaves a hidden copy
+    `.F.XXXXXXXX.tmp`; the next eval of F removes it, says so, and writes F (nothing else is left)."""
+    out = tmp_path / "eval.json"
+    args = _eval(models / "target", models / "drafter", "--limit", "1", "--no-baseline", "--json", str(out))
+    with paused_cli(args, "before_final_link") as killed:
+        killed.kill()
+    hidden_copy = hidden_copies(tmp_path, "eval.json")
+    assert len(hidden_copy) == 1 and not out.exists(), sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert f"removed {tmp_path / hidden_copy[0]}: the unfinished copy a killed write left" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+    assert json.loads(out.read_text())["pair"]["drafter"]["path"] == str((models / "drafter").resolve())
+
+
+def test_a_json_whose_name_and_every_numbered_name_appeared_is_one_line(shards, tmp_path):
+    """If F and F.1 ... F.999 all appear while `eval-merge --json F` runs (it never overwrites, and
+    writes beside a file that took its name), it says so in one line naming --json F, exit 2,
+    and leaves nothing of its own: no hidden copy, no lock."""
+    out = tmp_path / "merged.json"
+    with paused_cli(["eval-merge", f"{shards['first']},{shards['second']}", "--json", str(out)],
+                    "before_final_link") as merge:
+        for n in range(1000):
+            (tmp_path / ("merged.json" if n == 0 else f"merged.{n}.json")).write_text("theirs")
+        merge.send_signal(signal.SIGUSR1)  # go on
+        _, err = merge.communicate(timeout=120)
+    assert merge.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"dflash-train eval-merge: --json {out}: cannot write it: it and every numbered name beside it "
+        "(merged.1.json to merged.999.json) exist; nothing was written (move some away, or choose another --json)"), err
+    assert "Traceback" not in err, err
+    assert len(list(tmp_path.iterdir())) == 1000 and {p.read_text() for p in tmp_path.iterdir()} == {"theirs"}
+
+
+def test_a_failed_eval_leaves_no_folder_it_made_for_its_json(models, tmp_path, capsys):
+    """`eval --json new/dir/F` that fails before writing F (here: a benchmark that does not exist)
+    removes the folders it made for F; a folder that was there before stays."""
+    (tmp_path / "mine").mkdir()
+    for out in (tmp_path / "new" / "dir" / "eval.json", tmp_path / "mine" / "new" / "eval.json"):
+        args = _eval(models / "target", models / "drafter", "--json", str(out))
+        args[args.index("--bench") + 1] = str(tmp_path / "no-such-prompts.jsonl")
+        assert cli.main(args) == 2
+        assert "no-such-prompts.jsonl" in _one_error_line(capsys)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["mine"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
+from processes import hidden_copies, paused_cli
 from test_endpoint_answers import ScriptedServer
 from test_multinode import _cli_target_and_data
 
@@ -213,11 +214,12 @@ def prompt_set_cached():
 def test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag(disk, tmp_path, prompt_set_cached):
     """X18: `prompts --out` whose write fails midway (400 prompts, about 300 kB, into 64 KiB):
     one line naming --out, the file and the OS error, exit 2; the folder holds the user's file as
-    it was and nothing else (no partial file, no hidden temporary copy, no lock file)."""
+    it was and nothing else (no partial file, no hidden temporary copy, no lock file, not the
+    folders `new/dir/` it made for --out)."""
     listing = "--- the folder after the run:"
     if disk == "a full tmpfs":
         folder, mount_it = _tmpfs_prefix(tmp_path, 64)
-        out, expected = folder / "prompts.jsonl", "no space left on the device (ENOSPC)"
+        out, expected = folder / "new" / "dir" / "prompts.jsonl", "no space left on the device (ENOSPC)"
         prompts = " ".join(map(str, [*CLI, "prompts", "--out", out, "--limit", "400"]))
         # The tmpfs lives as long as the namespace: look at what is left from inside it.
         done = _in_namespace(f"{mount_it} echo mine > {folder}/notes.txt && {prompts}; code=$?; echo '{listing}'; "
@@ -226,7 +228,7 @@ def test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag(disk, tmp_
         folder = tmp_path / "disk"
         folder.mkdir()
         (folder / "notes.txt").write_text("mine\n")
-        out, expected = folder / "prompts.jsonl", "file too large for this file system or limit (EFBIG)"
+        out, expected = folder / "new" / "dir" / "prompts.jsonl", "file too large for this file system or limit (EFBIG)"
         done = subprocess.run([*CLI, "prompts", "--out", str(out), "--limit", "400"], capture_output=True, text=True,
                               env=ENV, cwd=tmp_path, timeout=300, preexec_fn=_file_size_limit(64 * 1024), check=False)
         done.stdout += f"{listing}\n" + "".join(f"{p.name}\n" for p in sorted(folder.iterdir()))
@@ -234,6 +236,47 @@ def test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag(disk, tmp_
     assert done.returncode == 2, done.stderr[-2000:]
     assert _last_line(done.stderr) == f"dflash-train prompts: --out {out}: cannot write it: {expected}; nothing was written there"
     assert done.stdout.split(listing)[1].split() == ["notes.txt", "mine"]
+
+
+def test_prompts_killed_while_writing_its_out_is_cleaned_by_the_next(tmp_path, prompt_set_cached):
+    """`prompts --out F` killed (-9) as its file was about to take its name leaves a hidden copy
+    `.F.XXXXXXXX.tmp`; the next `prompts --out F` removes it, says so, and writes F."""
+    out = tmp_path / "prompts.jsonl"
+    args = ["prompts", "--out", str(out), "--limit", "3"]
+    with paused_cli(args, "before_final_link") as killed:
+        killed.kill()
+    hidden_copy = hidden_copies(tmp_path, "prompts.jsonl")
+    assert len(hidden_copy) == 1 and not out.exists(), sorted(p.name for p in tmp_path.iterdir())
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"removed {tmp_path / hidden_copy[0]}: the unfinished copy a killed write left" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_self_prompts_cleans_what_a_killed_one_left_and_names_out_on_a_full_disk(smollm2_dir, tmp_path,
+                                                                                  prompt_set_cached):
+    """`self-prompts --out F` killed (-9) as F was about to take its name leaves a hidden copy; the
+    next run removes it and says so. That run's own write fails (its process may write no file past
+    64 bytes: a real RLIMIT_FSIZE, like a full disk): one line naming --out, F and the OS error,
+    exit 2, and the folder is left as the user had it (no copy, no lock)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    out = folder / "requests.jsonl"
+    args = ["self-prompts", "--target", str(smollm2_dir), "--count", "1", "--out", str(out), "--max-new-tokens", "40",
+            "--batch-size", "1", "--device", "cpu"]
+    with paused_cli(args, "before_final_link") as killed:
+        killed.kill()
+    hidden_copy = hidden_copies(folder, out.name)
+    assert len(hidden_copy) == 1 and not out.exists(), sorted(p.name for p in folder.iterdir())
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300,
+                          preexec_fn=_file_size_limit(64), check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"removed {folder / hidden_copy[0]}: the unfinished copy a killed write left" in done.stdout
+    assert _last_line(done.stderr) == (f"dflash-train self-prompts: --out {out}: cannot write it: file too large for "
+                                       "this file system or limit (EFBIG); nothing was written there")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and (folder / "notes.txt").read_text() == "mine\n"
 
 
 # --- paths of the wrong kind (D11: CF01, P09, Q02, X13, EM09) --------------------------------------------

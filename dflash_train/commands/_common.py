@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import DTYPE_NAMES, THINKING, ConfigError
-from ..errors import UserError, os_error_reason
 
 
 def check_target_flags(target: str, out: str, thinking: str, dtype: str) -> None:
@@ -48,21 +47,16 @@ def default_prompt_set(settings: Any) -> Any:
     return build_prompt_set(benchmark_prompt_texts(), settings, cache_dir=default_cache_dir())
 
 
-def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[[Any], str], flag: str = "") -> Path:
-    """`prompts` as a .jsonl of {id, source, messages} rows (what `regenerate --prompts FILE`
-    reads), written atomically; never over a file that appeared since the flags were checked
-    (then beside it, as `files.write_new_file_atomic` says). Returns the path written. A write
-    that fails (a full disk, a file-size limit) leaves nothing under `out` and is one line
-    naming `flag` (the user's flag for `out`, if any), the file and the OS error."""
+def prompt_file_bytes(prompts: Sequence[Any], source_of: Callable[[Any], str]) -> bytes:
+    """`prompts` as a .jsonl of {id, source, messages} rows: what `regenerate --prompts FILE` reads."""
+    lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
+    return "".join(line + "\n" for line in lines).encode("utf-8")
+
+
+def write_new_prompt_file(out: str, prompts: Sequence[Any], source_of: Callable[[Any], str]) -> Path:
+    """`prompts` written to the new file `out` by `files.write_new_file_atomic` (whole or not at
+    all, never over a file that appeared meanwhile); the path written. For a file a stage of a
+    command holds already; a command's own output goes through `files.NewFileOutput`."""
     from ..files import write_new_file_atomic
 
-    lines = (json.dumps({"id": p.id, "source": source_of(p), "messages": p.messages}, ensure_ascii=False) for p in prompts)
-    try:
-        return write_new_file_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
-    except OSError as error:
-        reason = os_error_reason(error)
-        if reason is None:
-            raise
-        # A failed write of an open file names no file: name it here, with the flag that chose it.
-        named = f"{flag} {out}" if flag else out
-        raise UserError(f"{named}: cannot write it: {reason}; nothing was written there") from error
+    return write_new_file_atomic(out, prompt_file_bytes(prompts, source_of))

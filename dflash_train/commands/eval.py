@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, UserError, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
-from ..files import check_new_output, hold_output, write_new_file_atomic
+from ..files import NewFileOutput, check_new_output
 
 
 @dataclasses.dataclass
@@ -51,11 +51,11 @@ class EvalConfig:
 
 def run_eval(config: EvalConfig) -> int:
     # A second eval writing the same --json would run in full only to land beside the first's.
-    with hold_output(config.json, "--json") if config.json else contextlib.nullcontext():
-        return _run_eval(config)
+    with NewFileOutput(config.json, "--json") if config.json else contextlib.nullcontext() as output:
+        return _run_eval(config, output)
 
 
-def _run_eval(config: EvalConfig) -> int:
+def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     import torch
 
     from ..data.render import render_prompt, stop_token_ids
@@ -76,7 +76,7 @@ def _run_eval(config: EvalConfig) -> int:
         raise UserError(f"no prompts left after --offset {config.offset} in {', '.join(config.bench)}")
     target, drafter = load_pair(config.target, config.drafter, device, dtype)
     # What was loaded, for eval-merge to compare shards (hashing the drafter costs a read of it).
-    pair = pair_identity(config.target, config.drafter) if config.json else None
+    pair = pair_identity(config.target, config.drafter) if output is not None else None
     stops = list(config.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
     block_size = drafter.config.block_size
     print(
@@ -114,7 +114,7 @@ def _run_eval(config: EvalConfig) -> int:
 
     print()
     print("\n".join(format_summary(summaries)))
-    if config.json:
+    if output is not None:
         payload = {
             "config": dataclasses.asdict(config),
             "block_size": block_size,
@@ -124,7 +124,7 @@ def _run_eval(config: EvalConfig) -> int:
             "pair": pair,
             "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
         }
-        out = write_new_file_atomic(config.json, (json.dumps(payload, indent=1) + "\n").encode())
+        out = output.write((json.dumps(payload, indent=1) + "\n").encode())
         print(f"wrote {out}" + ("" if out == Path(config.json) else f" ({config.json} appeared during the run)"))
     failed = sum(s["errors"] for s in summaries.values())
     if failed:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, option
-from ..files import check_new_output, hold_output, recover_interrupted_write, write_new_file_atomic
+from ..files import NewFileOutput, check_new_output
 from ..eval.stats import format_benchmark, format_summary, merge_eval_results
 
 
@@ -30,23 +30,18 @@ class EvalMergeConfig:
 
 def run_eval_merge(config: EvalMergeConfig) -> int:
     # Two merges writing one --json: the second's file would land beside the first's, as NAME.1.json.
-    with hold_output(config.json, "--json") if config.json else contextlib.nullcontext():
-        if config.json:
-            for line in recover_interrupted_write(Path(config.json).resolve()):
-                print(line)
-        return _run_eval_merge(config)
+    with NewFileOutput(config.json, "--json") if config.json else contextlib.nullcontext() as output:
+        return _run_eval_merge(config, output)
 
 
-def _run_eval_merge(config: EvalMergeConfig) -> int:
+def _run_eval_merge(config: EvalMergeConfig, output: NewFileOutput | None) -> int:
     payload = merge_eval_results(config.inputs)
     summaries = {name: bench["summary"] for name, bench in payload["benchmarks"].items()}
     for name, summary in summaries.items():
         print("\n".join(format_benchmark(name, summary)))
     print()
     print("\n".join(format_summary(summaries)))
-    if config.json:
-        out = write_new_file_atomic(config.json, (json.dumps(payload, indent=1) + "\n").encode())
+    if output is not None:
+        out = output.write((json.dumps(payload, indent=1) + "\n").encode())
         print(f"wrote {out} (merged {len(payload['shards'])} shards)")
     return 1 if any(s["errors"] for s in summaries.values()) else 0
-
-

@@ -9,7 +9,7 @@ import dataclasses
 
 from ..config import ConfigError, option
 from ..data.prompts.sets import SPLITS
-from ..files import check_new_output, hold_output
+from ..files import NewFileOutput, check_new_output
 
 
 @dataclasses.dataclass
@@ -34,13 +34,13 @@ class PromptsConfig:
 
 
 def run_prompts(config: PromptsConfig) -> int:
-    with hold_output(config.out, "--out") if config.out else contextlib.nullcontext():
-        return _run_prompts(config)
+    with NewFileOutput(config.out, "--out") if config.out else contextlib.nullcontext() as output:
+        return _run_prompts(config, output)
 
 
-def _run_prompts(config: PromptsConfig) -> int:
+def _run_prompts(config: PromptsConfig, output: NewFileOutput | None) -> int:
     from ..data.prompts.sets import PromptSetSettings
-    from ._common import default_prompt_set, write_new_prompt_file
+    from ._common import default_prompt_set, prompt_file_bytes
 
     prompt_set = default_prompt_set(PromptSetSettings(
         seed=config.seed, max_per_file=config.max_per_file, max_short_per_file=config.max_short_per_file,
@@ -49,7 +49,7 @@ def _run_prompts(config: PromptsConfig) -> int:
     taken = prompt_set.split(config.split)[: config.limit or None]
     print(prompt_set.summary(taken, config.split))
     print(prompt_set.stats.summary())
-    if config.out:
-        written = write_new_prompt_file(config.out, taken, lambda p: prompt_set.source_of[p.id], "--out")
+    if output is not None:
+        written = output.write(prompt_file_bytes(taken, lambda p: prompt_set.source_of[p.id]))
         print(f"wrote {len(taken)} {config.split} prompts to {written}")
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import ConfigError, option
 from ..data.prompts.sets import SPLITS
-from ..files import check_new_output, hold_output
+from ..files import NewFileOutput, check_new_output
 from ..generate.self_prompts import SelfPromptSettings
 from ._common import check_target_flags, load_target_for
 
@@ -53,17 +53,17 @@ class SelfPromptsConfig:
 
 
 def run_self_prompts(config: SelfPromptsConfig) -> int:
-    with hold_output(config.out, "--out"):
-        return _run_self_prompts(config)
+    with NewFileOutput(config.out, "--out") as output:
+        return _run_self_prompts(config, output)
 
 
-def _run_self_prompts(config: SelfPromptsConfig) -> int:
+def _run_self_prompts(config: SelfPromptsConfig, output: NewFileOutput) -> int:
     from ..errors import RunFailed
     from ..generate.engine import local_engine
     from ..generate.regenerate import GenerationSettings
     from ..generate.self_prompts import SOURCE, sample_requests, user_request_prefix
     from ..target.model import resolve_device
-    from ._common import benchmark_prompt_texts, write_new_prompt_file
+    from ._common import benchmark_prompt_texts, prompt_file_bytes
 
     settings = config.settings()
     benchmarks = benchmark_prompt_texts()
@@ -75,7 +75,7 @@ def _run_self_prompts(config: SelfPromptsConfig) -> int:
                                     top_p=settings.top_p, seed=settings.seed)
     engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
     report = sample_requests(engine, target.tokenizer, settings, benchmarks)
-    written = write_new_prompt_file(config.out, report.kept, lambda _: SOURCE, "--out") if report.kept else None
+    written = output.write(prompt_file_bytes(report.kept, lambda _: SOURCE)) if report.kept else None
     print(report.summary(str(written or "")))
     if report.short:
         kept = f"the {len(report.kept)} kept are in {written}" if written else "nothing was written"

@@ -36,7 +36,7 @@ import torch
 
 from ..config import UserError
 from ..core.drafter import DrafterConfig
-from ..files import check_new_output, hold_output, recover_interrupted_write, write_new_file_atomic
+from ..files import NewFileOutput, check_new_output
 
 __all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary",
            "write_gguf_drafter", "write_gguf_from_export"]
@@ -255,19 +255,18 @@ def write_gguf_drafter(
         tensors.append((gguf_name, gguf.quants.quantize(np.ascontiguousarray(data), kind), kind))
     parameters = sum(math.prod(t.shape) for t in state_dict.values())
 
-    with hold_output(out_path, "--out"):  # one live writer; a killed one's staging folder is cleaned
-        for line in recover_interrupted_write(out_path.resolve()):
-            print(f"[export] {line}", file=sys.stderr)
-        return _write_file(out_path, config, tensors, vocabulary, file_type, model_dir, parameters)
+    # One live writer; a killed one's staging folder is cleaned.
+    with NewFileOutput(out_path, "--out", say=lambda line: print(f"[export] {line}", file=sys.stderr)) as output:
+        return _write_file(output, config, tensors, vocabulary, file_type, model_dir, parameters)
 
 
-def _write_file(out_path: Path, config: DrafterConfig, tensors: list, vocabulary: dict[str, Any], file_type: Any,
-                model_dir: str | Path, parameters: int) -> Path:
+def _write_file(output: NewFileOutput, config: DrafterConfig, tensors: list, vocabulary: dict[str, Any],
+                file_type: Any, model_dir: str | Path, parameters: int) -> Path:
     import gguf
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path = output.path
     # Staged in a hidden sibling folder (`.NAME.xxxxxxxx`, files.py's staging name) and published with
-    # write_new_file_atomic, which never replaces a file that appeared meanwhile.
+    # `output.write`, which never replaces a file that appeared meanwhile.
     with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as staging:
         staged = Path(staging) / out_path.name
         writer = gguf.GGUFWriter(str(staged), ARCH)
@@ -282,7 +281,7 @@ def _write_file(out_path: Path, config: DrafterConfig, tensors: list, vocabulary
         writer.write_tensors_to_file()
         writer.close()
         tensors.clear()  # the file holds them now: one copy in memory, not two, while it is moved
-        return write_new_file_atomic(out_path, staged.read_bytes())
+        return output.write(staged.read_bytes())
 
 
 def write_gguf_from_export(export_dir: str | Path, out_path: str | Path, *, target: str | Path,
