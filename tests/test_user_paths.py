@@ -254,6 +254,10 @@ def test_prompts_killed_while_writing_its_out_is_cleaned_by_the_next(tmp_path, p
     assert len(out.read_text().splitlines()) == 3
 
 
+# Two SmolLM2 loads (~40 s on two cores): slow. The default suite keeps the guarantee through the
+# same NewFileOutput in test_prompts_killed_while_writing_its_out_is_cleaned_by_the_next and
+# test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag.
+@pytest.mark.slow
 def test_self_prompts_cleans_what_a_killed_one_left_and_names_out_on_a_full_disk(smollm2_dir, tmp_path,
                                                                                   prompt_set_cached):
     """`self-prompts --out F` killed (-9) as F was about to take its name leaves a hidden copy; the
