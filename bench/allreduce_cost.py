@@ -1,6 +1,6 @@
 """The cross-node gradient all-reduce: its cost per step, computed, and measured with gloo here.
 
-Across nodes each step all-reduces the drafter's fp32 gradients once (parallel/nodes.py).
+Across nodes each step all-reduces the drafter's fp32 gradients once (parallel/gradients.py).
 A ring all-reduce over N nodes sends and receives 2(N-1)/N of the buffer on every node's link,
 so with B bytes of gradients and a link of W bytes/s it takes about 2(N-1)/N x B / W (plus 2(N-1)
 latencies, negligible at gigabytes). The table gives that for a 1B-parameter drafter (the

@@ -39,9 +39,9 @@ from dflash_train.core.fp8 import use_fp8_linears  # noqa: E402
 from dflash_train.core.objective import fused_head_unsupported  # noqa: E402
 from dflash_train.core.step import (  # noqa: E402
     FrozenTargetParts,
+    Step,
     drafter_loss,
     make_optimizer,
-    training_step,
     warmup_cosine,
 )
 from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
@@ -110,12 +110,12 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     flops = step_flops(config, shape["batch"], shape["seq"], anchor_valid, batch.anchors.cpu())
 
     def timed_parts():
-        """Same work as training_step, with events between forward, backward and optimizer."""
+        """Same work as the Step, with events between forward, backward and optimizer."""
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else None
         clock: list[float] = []
         mark = (lambda i: events[i].record()) if events else (lambda i: clock.append(time.perf_counter()))
         mark(0)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)  # the Step's gradients are persistent: zeroed, never dropped
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             loss, _ = drafter_loss(drafter, frozen, batch, objective, backend)
         mark(1)
@@ -131,24 +131,21 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
         return [(clock[i + 1] - clock[i]) * 1000 for i in range(3)]
 
     last: dict = {}
+    step = Step(drafter, optimizer, scheduler, frozen, objective, attention_backend=backend, clip_grad=1.0,
+                autocast_dtype=autocast)
     graphed, prepare_s, prepare_note = None, None, ""
     if graphs == "on":
         from dflash_train.train.step_graphs import GraphedStep, step_shapes
 
         shapes = step_shapes([shape["seq"]], shape["batch"], objective, batch.target_features.shape[-1], dtype,
                              config.vocab_size)
-        graphed = GraphedStep(name=name, drafter=drafter, optimizer=optimizer, scheduler=scheduler, frozen=frozen,
-                              objective=objective, attention_backend=backend, clip_grad=1.0, autocast_dtype=autocast,
-                              shapes=shapes)
+        graphed = GraphedStep(name=name, step=step, shapes=shapes)
         started = time.perf_counter()
         prepare_note = graphed.prepare(lambda line: print(f"  prepare {name}: {line}", flush=True))
         prepare_s = time.perf_counter() - started
 
     def one_step():
-        if graphed is not None:
-            return graphed.step([batch], None)
-        return training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend=backend,
-                             clip_grad=1.0, autocast_dtype=autocast)
+        return (graphed or step).run([batch])
 
     def full_step():
         start = time.perf_counter()

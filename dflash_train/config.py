@@ -28,7 +28,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # --dtype flags (target.dtype_
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 THINKING = {"auto": None, "on": True, "off": False}  # --thinking -> the templates' enable_thinking
 TOKEN_IDS = ("auto", "ignore")  # --token-ids: train on rows' generated answer ids where they fit, or never
-DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (parallel/nodes.py)
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # train --dist-backend (parallel/launch.py)
 MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a longer one is a typo, and inf overflows the timers
 
 

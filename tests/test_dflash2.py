@@ -261,7 +261,7 @@ def test_selector_miss_rules():
 
 def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert"):
     from dflash_train.core.objective import ObjectiveConfig
-    from dflash_train.core.step import FrozenTargetParts, make_optimizer, training_step, warmup_cosine
+    from dflash_train.core.step import FrozenTargetParts, Step, make_optimizer, warmup_cosine
     from dflash_train.train.replicas import init_drafter
     from dflash_train.train.synthetic import TINY, drafter_config, make_batch
 
@@ -277,8 +277,9 @@ def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert
     optimizer = make_optimizer(drafter, 3e-3, 0.0, (0.9, 0.95))
     scheduler = warmup_cosine(optimizer, 12, 0.0, 1.0)
     start = {name: param.detach().clone() for name, param in drafter.named_parameters()}
-    losses = [training_step(drafter, optimizer, scheduler, [batch], frozen, objective, attention_backend="sdpa",
-                            clip_grad=1.0, autocast_dtype=None).loss for _ in range(12)]
+    step = Step(drafter, optimizer, scheduler, frozen, objective, attention_backend="sdpa", clip_grad=1.0,
+                autocast_dtype=None)
+    losses = [step.run([batch]).loss for _ in range(12)]
     assert losses[-1] < 0.8 * losses[0], losses
     for name in ("layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
                  "candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight"):
@@ -434,14 +435,13 @@ def test_eval_command_decodes_a_dflash2_export_losslessly(tmp_path, capsys):
 @pytest.mark.parametrize("miss", ["drop", "insert"])
 def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_nothing(miss):
     """The step the CUDA graphs capture, run eagerly on the CPU: its padded rows leave the DFlash2
-    loss and metrics unchanged, and 4 steps of 2 micro-batches equal training_step's."""
+    loss and metrics unchanged, and 4 steps of 2 micro-batches equal the eager Step's."""
     import copy
 
-    from test_step_graphs import LAYERS, _compare, _frozen, _graphed, _steps, _trainer
+    from test_step_graphs import LAYERS, _compare, _eager, _frozen, _graphed, _steps, _trainer
 
     from dflash_train.core.objective import ObjectiveConfig
-    from dflash_train.core.static_step import InputShape, StaticInputs, rows_bucket, static_drafter_loss
-    from dflash_train.core.step import drafter_loss, training_step
+    from dflash_train.core.step import InputShape, StaticInputs, drafter_loss, rows_bucket
     from dflash_train.train.replicas import init_drafter
 
     target = tiny_target("llama", layers=6, head_scale=20)
@@ -455,8 +455,8 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
                                      batch.target_features.shape[-1], torch.float32), torch.device("cpu"))
     inputs.fill(batch)
     with torch.no_grad():
-        exact = static_drafter_loss(drafter, frozen, inputs, batch.scored_rows, objective, "sdpa")
-        padded = static_drafter_loss(drafter, frozen, inputs, rows_bucket(batch.scored_rows, 16) + 16, objective, "sdpa")
+        exact = drafter_loss(drafter, frozen, inputs, objective, "sdpa", batch.scored_rows)
+        padded = drafter_loss(drafter, frozen, inputs, objective, "sdpa", rows_bucket(batch.scored_rows, 16) + 16)
         classic = drafter_loss(drafter, frozen, batch, objective, "sdpa")
     assert torch.equal(exact[0], padded[0]) and all(torch.equal(exact[1][k], padded[1][k]) for k in exact[1])
     torch.testing.assert_close(exact[0], classic[0], rtol=1e-6, atol=0)
@@ -466,11 +466,11 @@ def test_dflash2_static_step_equals_the_classic_step_and_padding_rows_change_not
     classic_opt, classic_sched = _trainer(target, objective, drafter)
     static_opt, static_sched = _trainer(target, objective, static_drafter)
     graphed = _graphed(target, objective, static_drafter, static_opt, static_sched)
+    classic = _eager(target, objective, drafter, classic_opt, classic_sched)
     classic_results, static_results = [], []
     for micro in steps:
-        classic_results.append(training_step(drafter, classic_opt, classic_sched, micro, frozen, objective,
-                                             attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None))
-        static_results.append(graphed.step(micro, None))
+        classic_results.append(classic.run(micro))
+        static_results.append(graphed.run(micro))
     _compare(classic_results, static_results, drafter, static_drafter, classic_opt, static_opt)
 
 

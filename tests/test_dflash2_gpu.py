@@ -27,7 +27,7 @@ from tiny import pattern_samples, tiny_target
 
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
-from dflash_train.core.step import training_step
+from dflash_train.core.step import Step
 from dflash_train.decode.loop import generate, make_decoder
 from dflash_train.train.replicas import init_drafter
 from dflash_train.train.trainer import train
@@ -52,23 +52,23 @@ def _dflash2_drafter(target, seed=0):
 def test_dflash2_graphed_step_equals_the_eager_step_in_float32(miss):
     """12 steps of 2 micro-batches over 2 length buckets, float32: the captured step's loss and
     gradient norm per step, and the weights at the end (convolutions, codebooks included), equal
-    the eager training_step's."""
+    the eager Step's."""
     target, objective = _target(), _objective(miss)
     steps = _steps(target, objective, 12)
     eager = _dflash2_drafter(target)
     eager_opt, eager_sched = _trainer(eager)
-    frozen = _frozen(target, torch.float32)
+    eager_step = Step(eager, eager_opt, eager_sched, _frozen(target, torch.float32), objective, attention_backend="flex",
+                      clip_grad=0.5, autocast_dtype=None)
     expected = []
     for micro in steps:
         _f32_lr(eager_opt)
-        expected.append(training_step(eager, eager_opt, eager_sched, micro, frozen, objective, attention_backend="flex",
-                                      clip_grad=0.5, autocast_dtype=None))
+        expected.append(eager_step.run(micro))
     graphed_drafter = _dflash2_drafter(target)
     optimizer, scheduler = _trainer(graphed_drafter)
     graphed = _graphed(target, objective, graphed_drafter, optimizer, scheduler, None, torch.float32)
     graphed.prepare(lambda line: None)
     _assert_all_captured(graphed)
-    got = [graphed.step(micro, None) for micro in steps]
+    got = [graphed.run(micro) for micro in steps]
     torch.cuda.synchronize()
     for step, (a, b) in enumerate(zip(got, expected)):
         assert a.loss == pytest.approx(b.loss, rel=1e-5), step

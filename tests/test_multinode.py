@@ -28,7 +28,8 @@ from tiny import pattern_samples, tiny_train_config
 from torchrun_train import build_targets, fingerprint
 
 from dflash_train.config import ConfigError
-from dflash_train.parallel.nodes import FlatGradients, Launch, detect_launch, place_devices
+from dflash_train.parallel.gradients import FlatGradients
+from dflash_train.parallel.launch import Launch, detect_launch, place_devices
 from dflash_train.train.batches import BatchPlanner, stream_identity
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.trainer import train

@@ -23,19 +23,22 @@ from tiny import pattern_samples, tiny_target, tiny_train_config
 from dflash_train.config import ConfigError, TrainConfig
 from dflash_train.core.drafter import DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
-from dflash_train.core.static_step import (
+from dflash_train.core.step import (
+    DrafterBatch,
+    FrozenTargetParts,
     InputShape,
     StaticInputs,
+    Step,
+    drafter_loss,
     padded_slot_index,
     rows_bucket,
     rows_buckets,
-    static_drafter_loss,
+    warmup_cosine,
 )
-from dflash_train.core.step import DrafterBatch, FrozenTargetParts, drafter_loss, training_step, warmup_cosine
+from dflash_train.parallel.gradients import GradientReducer
 from dflash_train.parallel.threads import StopSignal
 from dflash_train.parallel.utilisation import WorkerLoad, bottleneck
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.gradient_reducer import GradientReducer
 from dflash_train.train.replicas import init_drafter
 from dflash_train.train.startup import choose_cuda_graphs
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
@@ -90,11 +93,15 @@ def _trainer(target, objective, drafter, lr=3e-3):
     return optimizer, warmup_cosine(optimizer, 40, 0.1, 0.1)
 
 
+def _eager(target, objective, drafter, optimizer, scheduler, clip=0.5):
+    return Step(drafter, optimizer, scheduler, _frozen(target), objective, attention_backend="sdpa", clip_grad=clip,
+                autocast_dtype=None)
+
+
 def _graphed(target, objective, drafter, optimizer, scheduler, batch_size=4, clip=0.5):
     shapes = step_shapes(BUCKETS, batch_size, objective, len(LAYERS) * target.spec.hidden_size, torch.float32,
                          target.spec.vocab_size)
-    return GraphedStep(name="test", drafter=drafter, optimizer=optimizer, scheduler=scheduler, frozen=_frozen(target),
-                       objective=objective, attention_backend="sdpa", clip_grad=clip, autocast_dtype=None, shapes=shapes)
+    return GraphedStep(name="test", step=_eager(target, objective, drafter, optimizer, scheduler, clip), shapes=shapes)
 
 
 def _relative(a, b):
@@ -153,10 +160,10 @@ def test_rows_padding_changes_no_loss_gradient_or_metric(target, loss):
         value.backward()
         return value.detach(), metrics, [p.grad.clone() for p in drafter.parameters()]
 
-    exact = run(lambda: static_drafter_loss(drafter, frozen, inputs, count, objective, "sdpa"))
+    exact = run(lambda: drafter_loss(drafter, frozen, inputs, objective, "sdpa", count))
     bucket = rows_bucket(count, 16)
     assert bucket > count  # the bucket really pads
-    padded = [run(lambda rows=rows: static_drafter_loss(drafter, frozen, inputs, rows, objective, "sdpa"))
+    padded = [run(lambda rows=rows: drafter_loss(drafter, frozen, inputs, objective, "sdpa", rows))
               for rows in (bucket, bucket + 48)]
     for each in padded:
         assert torch.equal(each[0], exact[0])
@@ -186,7 +193,7 @@ def _compare(results_a, results_b, drafter_a, drafter_b, opt_a, opt_b):
 def test_static_step_equals_the_classic_step_over_24_steps(target):
     """GraphedStep on the CPU runs the captured functions eagerly: 24 steps of 2 micro-batches in
     different length buckets, clipping, weight decay, warm-up + cosine lr, and one step made
-    non-finite (skipped by both, weights and moments untouched) equal training_step's."""
+    non-finite (skipped by both, weights and moments untouched) equal the eager Step's."""
     objective = _objective(anchors=24)
     steps = _steps(target, objective, steps=24, batches_per_step=2)
     assert any(len({b.input_ids.shape[1] for b in micro}) == 2 for micro in steps)  # mixed buckets in a step
@@ -199,20 +206,19 @@ def test_static_step_equals_the_classic_step_over_24_steps(target):
     classic_opt, classic_sched = _trainer(target, objective, classic_drafter)
     static_opt, static_sched = _trainer(target, objective, static_drafter)
     graphed = _graphed(target, objective, static_drafter, static_opt, static_sched)
-    frozen = _frozen(target)
+    classic_step = _eager(target, objective, classic_drafter, classic_opt, classic_sched)
     classic, static = [], []
     grads = [p.grad for p in static_drafter.parameters()]
     inputs = {length: buffers.target_features.data_ptr() for length, buffers in graphed.inputs.items()}
     for micro in steps:
-        classic.append(training_step(classic_drafter, classic_opt, classic_sched, micro, frozen, objective,
-                                     attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None))
-        static.append(graphed.step(micro, None))
+        classic.append(classic_step.run(micro))
+        static.append(graphed.run(micro))
     assert [r.skipped for r in static].count(True) == 1 and static[9].skipped
     _compare(classic, static, classic_drafter, static_drafter, classic_opt, static_opt)
     # buffer reuse: the same gradient tensors and input buffers every step, nothing left to add
     assert all(p.grad is g for p, g in zip(static_drafter.parameters(), grads))
     assert {length: b.target_features.data_ptr() for length, b in graphed.inputs.items()} == inputs
-    assert all(float(g.abs().max()) == 0.0 for g in grads) and float(graphed.static.loss_sum) == 0.0
+    assert all(float(g.abs().max()) == 0.0 for g in grads) and float(graphed.step.loss_sum) == 0.0
     assert static_opt.param_groups[0]["lr"] == classic_opt.param_groups[0]["lr"]  # a float again, on schedule
     assert isinstance(static_opt.param_groups[0]["lr"], float)
 
@@ -232,13 +238,14 @@ def test_replicas_gradient_sum_through_the_static_step(target):
 
     def run(rank):
         for micro in steps:
-            results[rank].append(graphed[rank].step([micro[rank]], lambda: reducer.sync(rank)))
+            graphed[rank].accumulate(micro[rank])
+            reducer.sync(rank)
+            results[rank].append(graphed[rank].update())
 
     errors = run_in_threads(run, (0, 1), timeout=60, on_error=lambda _: reducer.abort())
     assert not errors, errors
-    frozen = _frozen(target)
-    expected = [training_step(reference, ref_opt, ref_sched, micro, frozen, objective, attention_backend="sdpa",
-                              clip_grad=0.5, autocast_dtype=None) for micro in steps]
+    ref_step = _eager(target, objective, reference, ref_opt, ref_sched)
+    expected = [ref_step.run(micro) for micro in steps]
     for step, exp in enumerate(expected):
         assert results[0][step].loss + results[1][step].loss == pytest.approx(exp.loss, rel=1e-5)
         assert results[0][step].grad_norm == pytest.approx(exp.grad_norm, rel=1e-5)
@@ -256,11 +263,11 @@ def test_a_shape_no_bucket_was_prepared_for_runs_eagerly_with_one_warning(target
     ref_opt, ref_sched = _trainer(target, objective, reference)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = [graphed.step(micro, None) for micro in steps]
+        results = [graphed.run(micro) for micro in steps]
     notes = [str(w.message) for w in caught if "no bucket was prepared" in str(w.message)]
     assert 1 <= len(notes) <= 2  # once per unprepared shape (two lengths at most here)
-    expected = [training_step(reference, ref_opt, ref_sched, micro, _frozen(target), objective, attention_backend="sdpa",
-                              clip_grad=0.5, autocast_dtype=None) for micro in steps]
+    ref_step = _eager(target, objective, reference, ref_opt, ref_sched)
+    expected = [ref_step.run(micro) for micro in steps]
     assert [r.loss for r in results] == pytest.approx([e.loss for e in expected], rel=1e-5)
 
 
@@ -472,7 +479,7 @@ def _warm_up_on_cpu(graphed, monkeypatch, capture):
     for length in sorted(graphed.inputs):
         graphed._prepare_length(length, lambda line: None)
     graphed._prepare_update()
-    graphed.static.reset()
+    graphed.step.reset()
 
 
 def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_graph(target, monkeypatch):
@@ -500,7 +507,7 @@ def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_grap
         assert all(torch.equal(a, b) for a, b in zip(drafter.parameters(), before))
         assert all(float(optimizer.state[p]["step"]) == 0 and float(optimizer.state[p]["exp_avg"].abs().max()) == 0
                    for p in drafter.parameters())
-        assert all(float(g.abs().max()) == 0 for g in graphed.static.grads)
+        assert all(float(g.abs().max()) == 0 for g in graphed.step.grads)
         if baked_length is None:
             assert not graphed.eager_reasons and graphed.update_graph is not None
             assert len(graphed.graphs) == sum(len(r) for r in graphed.shapes.rows.values())
@@ -510,17 +517,16 @@ def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_grap
             assert "replay differs" in graphed.eager_reasons[f"length {baked_length}"]
             assert not any(key[0] == baked_length for key in graphed.graphs)
             assert len([w for w in caught if "CUDA graphs" in str(w.message)]) == 1
-        ref_opt, ref_sched = _trainer(target, objective, reference)
+        ref_step = _eager(target, objective, reference, *_trainer(target, objective, reference))
         for micro in steps:
-            expected = training_step(reference, ref_opt, ref_sched, micro, _frozen(target), objective,
-                                     attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None)
-            assert graphed.step(micro, None).loss == pytest.approx(expected.loss, rel=1e-5)
+            expected = ref_step.run(micro)
+            assert graphed.run(micro).loss == pytest.approx(expected.loss, rel=1e-5)
         for a, b in zip(drafter.parameters(), reference.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def _captures_length(graphed, fn, length):
-    """Whether `fn` (a lambda around StaticStep.accumulate) reads `length`'s buffers."""
+    """Whether `fn` (a lambda around Step.accumulate) reads `length`'s buffers."""
     if length is None:
         return False
     cells = [c.cell_contents for c in (fn.__closure__ or ())]
@@ -568,13 +574,12 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
     exact_opt, exact_sched = _trainer(target, exact_objective, exact)
     static_opt, static_sched = _trainer(target, fp8_objective, static_fp8)
     graphed = _graphed(target, fp8_objective, static_fp8, static_opt, static_sched)
-    frozen = _frozen(target)
+    classic_step = _eager(target, fp8_objective, classic_fp8, classic_opt, classic_sched)
+    exact_step = _eager(target, exact_objective, exact, exact_opt, exact_sched)
     for micro in steps:
-        expected = training_step(classic_fp8, classic_opt, classic_sched, micro, frozen, fp8_objective,
-                                 attention_backend="sdpa", clip_grad=0.5, autocast_dtype=None)
-        training_step(exact, exact_opt, exact_sched, micro, frozen, exact_objective, attention_backend="sdpa",
-                      clip_grad=0.5, autocast_dtype=None)
-        got = graphed.step(micro, None)
+        expected = classic_step.run(micro)
+        exact_step.run(micro)
+        got = graphed.run(micro)
         assert not got.skipped and got.loss == pytest.approx(expected.loss, rel=1e-2)
     with torch.no_grad():
         for (name, s), c, e in zip(static_fp8.named_parameters(), classic_fp8.parameters(), exact.parameters()):

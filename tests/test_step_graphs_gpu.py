@@ -16,11 +16,11 @@ from tiny import pattern_samples, tiny_hf_model, tiny_train_config
 from dflash_train.core.drafter import DrafterConfig
 from dflash_train.core.fp8 import use_fp8_linears
 from dflash_train.core.objective import ObjectiveConfig
-from dflash_train.core.step import DrafterBatch, FrozenTargetParts, training_step, warmup_cosine
+from dflash_train.core.step import DrafterBatch, FrozenTargetParts, Step, warmup_cosine
+from dflash_train.parallel.gradients import GradientReducer
 from dflash_train.parallel.threads import StopSignal
 from dflash_train.train.batches import BatchPlanner
 from dflash_train.train.feature_graphs import GraphedFeatures
-from dflash_train.train.gradient_reducer import GradientReducer
 from dflash_train.train.replicas import init_drafter
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
 from dflash_train.train.supply import LiveTarget
@@ -101,12 +101,16 @@ def _steps(target, objective, steps, batches_per_step=2, poison=None):
     return out
 
 
+def _eager(drafter, optimizer, scheduler, frozen, objective, autocast):
+    return Step(drafter, optimizer, scheduler, frozen, objective, attention_backend="flex", clip_grad=0.5,
+                autocast_dtype=autocast)
+
+
 def _graphed(target, objective, drafter, optimizer, scheduler, autocast, frozen_dtype):
     shapes = step_shapes(BUCKETS, 4, objective, len(LAYERS) * target.spec.hidden_size, target.embed_weight.dtype,
                          target.spec.vocab_size)
-    return GraphedStep(name="gpu-test", drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                       frozen=_frozen(target, frozen_dtype), objective=objective, attention_backend="flex", clip_grad=0.5,
-                       autocast_dtype=autocast, shapes=shapes)
+    step = _eager(drafter, optimizer, scheduler, _frozen(target, frozen_dtype), objective, autocast)
+    return GraphedStep(name="gpu-test", step=step, shapes=shapes)
 
 
 def _assert_all_captured(graphed):
@@ -128,13 +132,12 @@ def _relative(a, b):
 def _run_eager(target, objective, steps, autocast, frozen_dtype, round_lr, seed=0, fp8=False):
     drafter = _compiled(_drafter(target, seed, fp8))
     optimizer, scheduler = _trainer(drafter)
-    frozen = _frozen(target, frozen_dtype)
+    step = _eager(drafter, optimizer, scheduler, _frozen(target, frozen_dtype), objective, autocast)
     results = []
     for micro in steps:
         if round_lr:
             _f32_lr(optimizer)
-        results.append(training_step(drafter, optimizer, scheduler, micro, frozen, objective, attention_backend="flex",
-                                     clip_grad=0.5, autocast_dtype=autocast))
+        results.append(step.run(micro))
     return drafter, optimizer, results
 
 
@@ -144,7 +147,7 @@ def _run_graphed(target, objective, steps, autocast, frozen_dtype, seed=0, fp8=F
     graphed = _graphed(target, objective, drafter, optimizer, scheduler, autocast, frozen_dtype)
     graphed.prepare(lambda line: None)
     _assert_all_captured(graphed)
-    results = [graphed.step(micro, None) for micro in steps]
+    results = [graphed.run(micro) for micro in steps]
     torch.cuda.synchronize()
     return drafter, optimizer, results, graphed
 
@@ -153,7 +156,7 @@ def _run_graphed(target, objective, steps, autocast, frozen_dtype, seed=0, fp8=F
 def test_graphed_step_equals_the_eager_step_in_float32(fused_head):
     """24 steps of 2 micro-batches over 2 length buckets, one of them skipped for a non-finite
     gradient: per-step loss, gradient norm and skip flag, and the weights and Adam moments at the
-    end, equal the eager training_step's (run at the float32 value of its lr, what the captured
+    end, equal the eager Step's (run at the float32 value of its lr, what the captured
     update reads): weights to 1e-6 relative, Adam moments to 1e-5 (the compiled step sums a norm
     weight's gradient over rows in another order than eager; on an H200 a q_norm's first moment,
     values ~1e-5, differed by 1.27e-6 relative, the same with and without worker streams).
@@ -218,7 +221,7 @@ def test_graphed_step_does_not_wait_for_the_gpu():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            results = [graphed.step(micro, None) for micro in steps[2:]]
+            results = [graphed.run(micro) for micro in steps[2:]]
         finally:
             torch.cuda.set_sync_debug_mode(0)
     # Only the warnings of an actual synchronising call; turning the debug mode on warns that it
@@ -243,8 +246,8 @@ def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
         shapes = step_shapes(BUCKETS, 4, objective, len(LAYERS) * target.spec.hidden_size, torch.float32,
                              target.spec.vocab_size)
         optimizer, scheduler = _trainer(drafter)
-        step = GraphedStep(name=f"replica-{rank}", drafter=drafter, optimizer=optimizer, scheduler=scheduler, frozen=frozen,
-                           objective=objective, attention_backend="flex", clip_grad=0.5, autocast_dtype=None, shapes=shapes)
+        step = GraphedStep(name=f"replica-{rank}", step=_eager(drafter, optimizer, scheduler, frozen, objective, None),
+                           shapes=shapes)
         with torch.cuda.device(device):
             step.prepare(lambda line: None)
         _assert_all_captured(step)
@@ -260,7 +263,9 @@ def test_replicas_gradient_sum_between_graphed_steps_equals_one_eager_drafter():
             moved = DrafterBatch(*(t.to(devices[rank]) for t in (batch.target_features, batch.input_ids,
                                                                   batch.loss_mask, batch.anchors, batch.anchor_valid)),
                                  batch.loss_normalizer, batch.scored_rows)
-            results[rank].append(graphed[rank].step([moved], lambda: reducer.sync(rank)))
+            graphed[rank].accumulate(moved)
+            reducer.sync(rank)
+            results[rank].append(graphed[rank].update())
         torch.cuda.synchronize(devices[rank])
 
     errors = run_in_threads(run, (0, 1), timeout=300, on_error=lambda _: reducer.abort())
@@ -302,13 +307,11 @@ def test_a_target_thread_and_two_drafter_threads_warm_up_in_turn():
     host = planner.step_batches(0)[0]
     assert _relative(features.features(host), target.features(host.input_ids.to(DEVICE), LAYERS)) <= 1e-5
     for g, twin in zip(graphed, twins):
-        optimizer, scheduler = _trainer(twin)
-        frozen = _frozen(target, torch.float32)
+        eager = _eager(twin, *_trainer(twin), _frozen(target, torch.float32), objective, None)
         for micro in steps:
-            _f32_lr(optimizer)
-            expected = training_step(twin, optimizer, scheduler, micro, frozen, objective, attention_backend="flex",
-                                     clip_grad=0.5, autocast_dtype=None)
-            assert g.step(micro, None).loss == pytest.approx(expected.loss, rel=1e-6)
+            _f32_lr(eager.optimizer)
+            expected = eager.run(micro)
+            assert g.run(micro).loss == pytest.approx(expected.loss, rel=1e-6)
 
 
 def _pipeline_config(out, **values):

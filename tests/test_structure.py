@@ -31,8 +31,8 @@ FLOORS = {
     # the bottom: settings, errors, files, progress, recipes, the checked CUDA-graph capture
     "config": 1, "errors": 1, "files": 1, "progress": 1, "assets": 1, "recipe": 1, "capture": 1, "": 1,  # "" = __init__
 }
-CORE = ("core.attention", "core.drafter", "core.dflash2", "core.objective", "core.step", "core.static_step",
-        "core.fp8", "core.head_kernel")
+CORE = ("core.attention", "core.drafter", "core.dflash2", "core.objective", "core.step", "core.fp8",
+        "core.head_kernel")
 # What the core must not touch: threads, files and processes, the command line.
 NOT_FOR_THE_CORE = {"threading", "queue", "os", "pathlib", "shutil", "tempfile", "json", "signal", "subprocess",
                     "argparse", "sys"}

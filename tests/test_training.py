@@ -151,10 +151,13 @@ def test_gpu_training_measures_real_tau_with_captured_graphs(tmp_path):
 
 @pytest.mark.parametrize("scale", [1e-3, 1e3])  # unclipped / clipped
 def test_clip_inside_fused_adamw_equals_clip_then_step(scale):
-    """`clipped_fused_step` folds the clip into the fused kernel's grad_scale: the same update
+    """`fused_clip_and_step` folds the clip into the fused kernel's grad_scale: the same update
     as clip_grad_norm_ then AdamW, for a norm under and over the limit; a non-finite
     gradient leaves weights and optimizer moments untouched."""
-    from dflash_train.core.step import clipped_fused_step
+    from dflash_train.core.step import fused_clip_and_step
+
+    def clipped_fused_step(optimizer, model, clip):
+        return float(fused_clip_and_step(optimizer, [p.grad for p in model.parameters()], clip)[0])
 
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(2)]

@@ -7,9 +7,9 @@ import threading
 import torch
 from threads import run_in_threads
 
+from dflash_train.parallel.gradients import GradientReducer
 from dflash_train.parallel.streams import WorkerStream, mark, receive, wait_for
-from dflash_train.parallel.threads import StopSignal
-from dflash_train.train.gradient_reducer import GradientReducer
+from dflash_train.parallel.threads import PipelineStopped, StopSignal
 
 CPU = torch.device("cpu")
 
@@ -78,3 +78,35 @@ def test_each_replica_loads_and_stores_its_own_gradients_in_its_own_thread():
     for model in replicas:
         for param, a, b in zip(model.parameters(), grads[0], grads[1]):
             torch.testing.assert_close(param.grad, a + b)
+
+
+def test_a_stop_vote_between_arrive_and_reduce_lets_every_replica_leave_the_step_unsummed():
+    """What the drafter loop does when the vote (replica 0, after every replica arrived) stops
+    every node: replica 0 cancels, the other replica leaves its `reduce` with PipelineStopped
+    instead of waiting for a sum that never comes, and no replica's gradients change."""
+    torch.manual_seed(0)
+    replicas = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    grads = [[torch.randn_like(p) for p in model.parameters()] for model in replicas]
+    for model, own in zip(replicas, grads):
+        for param, grad in zip(model.parameters(), own):
+            param.grad = grad.clone()
+    reducer = GradientReducer(replicas, StopSignal())
+    left: list[int] = []
+
+    def replica(rank: int) -> None:
+        reducer.arrive(rank)
+        if rank == 0:  # the vote said stop
+            reducer.cancel()
+            left.append(rank)
+            return
+        try:
+            reducer.reduce(rank, step=0)
+        except PipelineStopped:
+            left.append(rank)
+
+    errors = run_in_threads(replica, (0, 1), timeout=10)
+    reducer.abort()  # frees a replica still waiting, had the cancel not reached it
+    assert not errors, errors
+    assert sorted(left) == [0, 1]
+    for model, own in zip(replicas, grads):
+        assert all(torch.equal(param.grad, grad) for param, grad in zip(model.parameters(), own))

@@ -8,7 +8,7 @@ process), samples_by_rank ({"1": 31}: that rank trains other data), target_devic
     fail   {"rank": R, "step": S}                  raise in the hook
     die    {"rank": R, "step": S}                  os._exit: the process dies without a word
     signal {"rank": R, "step": S, "name": "SIGTERM", "repeat": 1}  a real signal to this process
-With "protocol": {...} it runs NodeGroup + NodeStep alone (no model), see `protocol`.
+With "protocol": {...} it runs NodeGroup, StepVote and NodeReduce alone (no model), see `protocol`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import signal
 import sys
 import threading
@@ -86,9 +85,12 @@ def train_node(spec: dict, rank: int) -> dict:
 
 
 def protocol(spec: dict) -> dict:
-    """Three steps of NodeStep with no model: rank 0 spends `busy_seconds` after step 1, as a
+    """Three steps of the vote and the gradient all-reduce with no model: rank 0 spends `busy_seconds` after step 1, as a
     checkpoint or an in-training eval would, announcing it in its vote only if `announce`."""
-    from dflash_train.parallel.nodes import NodeGroup, NodeStep, detect_launch
+    from dflash_train.parallel.gradients import NodeReduce
+    from dflash_train.parallel.launch import detect_launch
+    from dflash_train.parallel.nodes import NodeGroup
+    from dflash_train.parallel.vote import StepVote
     from dflash_train.parallel.threads import StopSignal
 
     settings = spec["protocol"]
@@ -99,15 +101,16 @@ def protocol(spec: dict) -> dict:
     try:
         with NodeGroup(launch, backend="gloo", timeout=settings["timeout"]) as nodes:
             busy = (lambda step: step == 1) if settings["announce"] and nodes.rank == 0 else None
-            across = NodeStep(nodes, drafter="d", start=0, end=3, local_replicas=1, block_size=4, stop=stop,
-                              reports=queue.Queue(), busy_after=busy)
+            vote = StepVote(nodes, drafter="d", start=0, end=3, local_replicas=1, block_size=4, stop=stop,
+                            busy_after=busy)
+            across = NodeReduce(nodes)
             buffer = torch.full((8,), float(nodes.rank + 1))
             for step in range(3):
-                across.continue_or_stop()
-                across.all_reduce(buffer)
+                assert not vote.cast().stops
+                across.all_reduce(buffer, step)
                 if step == 1 and nodes.rank == 0:
                     time.sleep(settings["busy_seconds"])
-            across.leave(3)
+            vote.leave(3)
             nodes.finish()
         result.update(ok=True, total=float(buffer[0]))
     except BaseException as error:  # noqa: BLE001

@@ -1,21 +1,34 @@
-"""One training step of a DFlash drafter, top to bottom.
+"""One training step of a DFlash drafter, top to bottom: the phases a loop calls, eagerly or captured.
 
-A step takes one or more micro-batches of target features (already on this drafter's
-device), runs the drafter over every anchored block under the DFlash mask, scores block
-slots 1..B−1 through the frozen LM head, and updates the drafter:
+A step takes one or more micro-batches of target features (already on this drafter's device),
+runs the drafter over every anchored block under the DFlash mask, scores block slots 1..B−1
+through the frozen LM head, and updates the drafter. `Step` holds one replica's persistent state
+(gradients, sums, lr tensors, the output buffer) and its phases:
 
-    zero grads
-    for each micro-batch:
+    Step.accumulate(batch)      for each micro-batch:
         block inputs   = embed([anchor, MASK, ...]) at positions a, a+1, ..., a+B−1
         hidden         = drafter(target features, block inputs, DFlash mask)
         CE per slot    = chunked cross-entropy through the frozen head (scored slots only)
         (DFlash2)      + selector_weight · the candidate selector's CE over the head's top-k
-        loss           = Σ w·CE / global normaliser            (so micro-batches and replicas add)
-        backward
-    sum gradients across replicas (if any)
-    clip, check finite, AdamW step, LR schedule step
+        loss           = Σ w·CE × the float32 reciprocal of the global normaliser
+                         (so micro-batches and replicas add)
+        backward       (the gradients add into persistent buffers)
+    the loop sums the gradients across replicas and nodes here, and votes whether to go on
+    Step.update()               clip, check finite, AdamW, zero the gradients, LR schedule step
+    Step.result(lr)             the step's numbers, read back on the host
 
-Nothing here knows about threads, files or the CLI.
+Eagerly these run as they are (`Step.run`: every phase in order, no reduction). CUDA graphs
+(train/step_graphs.py) capture the same two phases per shape bucket; for that nothing in them may
+depend on a host value that changes between steps:
+
+    StaticInputs   one set of device buffers per length bucket; each micro-batch is copied in
+    rows           the head rows: the host's scored-slot count rounded up to a rows bucket
+                   (`rows_bucket`); padding rows go through the head on a real row's state and
+                   land in a dump slot the loss never reads, so no real row's CE or gradient changes
+    normaliser     its reciprocal is a device tensor filled per micro-batch
+    lr             read from device tensors (`Step.lr_from_tensors`), filled before each update
+
+Nothing here knows about threads, files, graphs or the CLI.
 """
 
 from __future__ import annotations
@@ -38,8 +51,16 @@ from .objective import (
     frozen_head_cross_entropy,
     frozen_head_top_k,
     loss_weights,
-    weighted_loss,
 )
+
+METRICS = ("position_correct", "position_count", "accepted_sum", "blocks")  # block_metrics' sums, in output order
+
+
+def inverse_normalizer(normalizer: float) -> float:
+    """1 / max(normaliser, 1e-12) rounded as float32 arithmetic rounds it (what CUDA multiplies by
+    for `/ host number`), so a host float and a device tensor scale the loss alike."""
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(max(normalizer, 1e-12), dtype=torch.float32))
 
 
 @dataclass
@@ -53,6 +74,10 @@ class DrafterBatch:
     anchor_valid: torch.Tensor  # [b, N] bool
     loss_normalizer: float  # the global batch's Σ w (decay) or sequence count (D-PACE)
     scored_rows: int | None = None  # number of scored block slots, counted on the host (None: count on the device)
+
+    @property
+    def inverse_normalizer(self) -> float:
+        return inverse_normalizer(self.loss_normalizer)
 
 
 @dataclass
@@ -72,36 +97,111 @@ class FrozenTargetParts:
         return self._head_fp8
 
 
+# --- static shapes -----------------------------------------------------------------------------
+
+def rows_bucket(count: int, granule: int) -> int:
+    """The rows a micro-batch with `count` scored slots is padded to: the next multiple of `granule`
+    (the head's chunk rows: a compiled head pads its last chunk to that size anyway)."""
+    return max(1, -(-count // granule)) * granule
+
+
+def rows_buckets(max_rows: int, granule: int) -> list[int]:
+    """Every rows bucket a micro-batch of at most `max_rows` scored slots can fall into."""
+    return [granule * k for k in range(1, rows_bucket(max_rows, granule) // granule + 1)]
+
+
+@dataclass(frozen=True)
+class InputShape:
+    """What one length bucket's buffers hold."""
+
+    batch_size: int
+    length: int
+    num_anchors: int
+    feature_width: int
+    feature_dtype: torch.dtype
+
+
+class StaticInputs:
+    """One length bucket's device buffers, read by every captured step of that bucket; attribute
+    names are DrafterBatch's, so `drafter_loss` reads either (the head rows are given with them)."""
+
+    scored_rows = None  # a captured step's rows are its rows bucket, passed to `accumulate`
+
+    def __init__(self, shape: InputShape, device: torch.device):
+        b, length, n = shape.batch_size, shape.length, shape.num_anchors
+        self.shape = shape
+        self.target_features = torch.zeros(b, length, shape.feature_width, dtype=shape.feature_dtype, device=device)
+        self.input_ids = torch.zeros(b, length, dtype=torch.long, device=device)
+        self.loss_mask = torch.zeros(b, length, dtype=torch.bool, device=device)
+        self.anchors = torch.zeros(b, n, dtype=torch.long, device=device)
+        self.anchor_valid = torch.zeros(b, n, dtype=torch.bool, device=device)
+        self.inverse_normalizer = torch.ones((), dtype=torch.float32, device=device)
+
+    def holds(self, batch: DrafterBatch) -> bool:
+        return (tuple(batch.target_features.shape) == tuple(self.target_features.shape)
+                and tuple(batch.anchors.shape) == tuple(self.anchors.shape))
+
+    def fill(self, batch: DrafterBatch) -> None:
+        """Copy a micro-batch in, in stream order (no host sync)."""
+        if not self.holds(batch):
+            raise ValueError(f"a micro-batch of features {tuple(batch.target_features.shape)} and anchors "
+                             f"{tuple(batch.anchors.shape)} does not fit buffers of {self.shape}")
+        for name in ("target_features", "input_ids", "loss_mask", "anchors", "anchor_valid"):
+            getattr(self, name).copy_(getattr(batch, name), non_blocking=True)
+        self.inverse_normalizer.fill_(batch.inverse_normalizer)
+
+
+# --- the loss ----------------------------------------------------------------------------------
+
 def drafter_loss(
     drafter: DFlashDrafter,
     frozen: FrozenTargetParts,
-    batch: DrafterBatch,
+    batch: DrafterBatch | StaticInputs,
     objective: ObjectiveConfig,
     attention_backend: str,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DFlash training loss of one micro-batch and its metric sums."""
+    """The DFlash training loss of one micro-batch and its metric sums. `rows`: how many rows go
+    through the head (>= the scored slots; default the batch's host count, else counted on the
+    device, which waits for it)."""
     hidden, labels, label_valid = block_predictions(drafter, frozen, batch, attention_backend)
-    # Only scored slots go through the head: slot 0, padded anchors and unsupervised
-    # targets would cost vocabulary-sized matmuls for a zero weight.
-    rows = scored_slot_index(label_valid, batch.scored_rows)
-    scored_ce, scored_correct = head_cross_entropy(hidden, labels, rows, frozen, objective)
-    ce = slot_grid(scored_ce, rows, label_valid)
-    correct = slot_grid(scored_correct, rows, label_valid)
-
+    # Only scored slots go through the head: slot 0, padded anchors and unsupervised targets
+    # would cost vocabulary-sized matmuls for a zero weight. Padding rows (past the scored
+    # slots) read a real row's state and their CE lands in a dump slot, sliced off: zero gradient.
+    slots = label_valid.numel()
+    rows = batch.scored_rows if rows is None else rows
+    into = padded_slot_index(label_valid.flatten(), rows) if rows is not None else torch.nonzero(label_valid.flatten()).squeeze(1)
+    source = into.clamp(max=slots - 1)
+    scored_ce, scored_correct = head_cross_entropy(hidden, labels, source, frozen, objective)
+    ce = slot_grid(scored_ce, into, label_valid)
     if unwrap_drafter(drafter).candidate_selector is None:
-        loss = weighted_loss(ce, label_valid, objective, batch.loss_normalizer)
-        return loss, block_metrics(correct, label_valid, batch.anchor_valid)
-    selector_ce, selector_correct = selector_cross_entropy(drafter, hidden, labels, rows, frozen, objective)
-    loss = dflash2_loss(ce, slot_grid(selector_ce, rows, label_valid), label_valid, objective) / max(batch.loss_normalizer, 1e-12)
+        loss = (loss_weights(ce, label_valid, objective) * ce).sum() * batch.inverse_normalizer
+        return loss, block_metrics(slot_grid(scored_correct, into, label_valid), label_valid, batch.anchor_valid)
+    selector_ce, selector_correct = selector_cross_entropy(drafter, hidden, labels, source, frozen, objective)
+    loss = dflash2_loss(ce, slot_grid(selector_ce, into, label_valid), label_valid, objective) * batch.inverse_normalizer
     # The selector's teacher-forced top-1 is the proposal while the block's drafts are right so far,
     # so its leading correct slots are exactly what a greedy verify accepts (simulated τ).
-    return loss, block_metrics(slot_grid(selector_correct, rows, label_valid), label_valid, batch.anchor_valid)
+    return loss, block_metrics(slot_grid(selector_correct, into, label_valid), label_valid, batch.anchor_valid)
 
 
-def slot_grid(values: torch.Tensor, rows: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
-    """Per-row values of the scored slots `rows` laid out as label_valid's grid [b, N, B] (zeros elsewhere)."""
-    grid = torch.zeros(label_valid.numel(), dtype=values.dtype, device=values.device)
-    return grid.index_copy(0, rows, values).view(label_valid.shape)
+def padded_slot_index(scored: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows]: the positions of the True entries of `scored` in order (what nonzero_static gives),
+    then `scored.numel()` (one past the last: the dump slot) for the padding rows. Elementwise ops
+    and one scatter, so it captures on any torch; a host count above `rows` would drop rows, so
+    the caller's rows bucket must hold it."""
+    slots = scored.numel()
+    rank = torch.cumsum(scored, 0) - 1  # each scored slot's place among the scored ones
+    place = torch.where(scored & (rank < rows), rank, rows)  # unscored slots: the extra entry, dropped
+    index = torch.full((rows + 1,), slots, dtype=torch.long, device=scored.device)
+    index.scatter_(0, place, torch.arange(slots, device=scored.device))
+    return index[:rows]
+
+
+def slot_grid(values: torch.Tensor, into: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
+    """Per-row values laid out as label_valid's grid [b, N, B] at the flat slots `into` (zeros
+    elsewhere; rows aimed at the dump slot one past the last are dropped)."""
+    grid = torch.zeros(label_valid.numel() + 1, dtype=values.dtype, device=values.device)
+    return grid.index_copy(0, into, values)[:-1].view(label_valid.shape)
 
 
 def dflash2_loss(ce: torch.Tensor, selector_ce: torch.Tensor, label_valid: torch.Tensor, objective: ObjectiveConfig) -> torch.Tensor:
@@ -143,7 +243,7 @@ def head_cross_entropy(
 
 
 def block_predictions(
-    drafter: DFlashDrafter, frozen: FrozenTargetParts, batch: DrafterBatch, attention_backend: str
+    drafter: DFlashDrafter, frozen: FrozenTargetParts, batch: DrafterBatch | StaticInputs, attention_backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The drafter's final hidden states [b, N·B, hidden] for every anchored block, with the
     labels [b, N, B] they predict and which of those are scored."""
@@ -162,13 +262,41 @@ def block_predictions(
     return hidden, labels, label_valid
 
 
-def scored_slot_index(label_valid: torch.Tensor, count: int | None) -> torch.Tensor:
-    """Flat indices of the scored slots. With the count known on the host the output size is
-    static, so the compaction does not stall the host on the device mid-step."""
-    flat = label_valid.flatten()
-    if count is None:
-        return torch.nonzero(flat).squeeze(1)
-    return torch.nonzero_static(flat, size=count).squeeze(1)
+# --- the update --------------------------------------------------------------------------------
+
+def fused_clip_and_step(
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], clip_grad: float, skip: torch.Tensor | None = None,
+    lrs: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip by global norm and skip non-finite steps inside the fused AdamW kernel, no host sync:
+    returns the gradient norm and the skip flag (1.0: the update was not applied). `skip` forces
+    a skip; `lrs` (one device tensor per param group) replace the groups' float lrs while it runs.
+
+    The fused kernel divides every gradient by `grad_scale` and leaves parameters and moments
+    untouched where `found_inf` is set (the hooks mixed-precision loss scaling uses), so the
+    clip costs no extra pass over the gradients and the update needs no host sync first.
+    Same result as clip_grad_norm_ (scale min(1, clip / (norm + 1e-6))) then step-or-skip.
+    Between steps the groups hold the schedule's floats, so checkpoints and the LR scheduler see
+    nothing else.
+    """
+    groups = optimizer.param_groups
+    saved = [(group["lr"], group.get("capturable", False)) for group in groups]
+    if lrs is not None:
+        capturing = grads[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        for group, lr in zip(groups, lrs):
+            group["lr"] = lr
+            group["capturable"] = group.get("capturable", False) or capturing  # the optimizer refuses capture otherwise
+    norm = torch.nn.utils.get_total_norm(grads)
+    found_inf = (~torch.isfinite(norm)).float()
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip_grad, min=1.0)
+    optimizer.found_inf = found_inf if skip is None else torch.maximum(found_inf, skip)
+    try:
+        optimizer.step()
+        return norm, optimizer.found_inf
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+        for group, (lr, capturable) in zip(groups, saved):
+            group["lr"], group["capturable"] = lr, capturable
 
 
 @dataclass
@@ -179,78 +307,131 @@ class StepResult:
     lr: float
     metric_sums: dict[str, torch.Tensor]
 
+    @classmethod
+    def parse(cls, outputs: torch.Tensor, lr: float, block_size: int) -> "StepResult":
+        """A step from `Step.outputs` (on the host)."""
+        values, b = outputs.clone(), block_size
+        metrics = {"position_correct": values[3:3 + b], "position_count": values[3 + b:3 + 2 * b],
+                   "accepted_sum": values[3 + 2 * b], "blocks": values[4 + 2 * b]}
+        return cls(float(values[0]), float(values[1]), bool(values[2] > 0), lr, metrics)
 
-def training_step(
-    drafter: DFlashDrafter,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    micro_batches: list[DrafterBatch],
-    frozen: FrozenTargetParts,
-    objective: ObjectiveConfig,
-    *,
-    attention_backend: str,
-    clip_grad: float,
-    autocast_dtype: torch.dtype | None,
-    sync_gradients: Callable[[], None] | None = None,
-) -> StepResult:
-    optimizer.zero_grad(set_to_none=True)
-    device_type = micro_batches[0].input_ids.device.type
-    total_loss = torch.zeros((), device=micro_batches[0].input_ids.device)
-    sums: dict[str, torch.Tensor] = {}
-    for batch in micro_batches:
-        autocast = (
-            torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        )
+
+# --- the step ----------------------------------------------------------------------------------
+
+class Step:
+    """One replica's persistent step state (gradients, sums, lr tensors, outputs) and the phases a
+    step is made of (the module docstring). `apply` is the update's device part: `apply_update`,
+    or a captured replay of it. The gradients are the parameters' own `.grad` tensors, made once
+    and zeroed by each update: captured graphs and the gradient sum hold them, so nothing may set
+    them to None (`zero_grad(set_to_none=True)`) while the Step is in use."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        frozen: FrozenTargetParts,
+        objective: ObjectiveConfig,
+        *,
+        attention_backend: str,
+        clip_grad: float,
+        autocast_dtype: torch.dtype | None,
+    ):
+        self.drafter, self.optimizer, self.scheduler, self.frozen, self.objective = (
+            drafter, optimizer, scheduler, frozen, objective)
+        self.attention_backend, self.clip_grad, self.autocast_dtype = attention_backend, clip_grad, autocast_dtype
+        self.fused = bool(optimizer.defaults.get("fused"))  # else the update checks finiteness on the host
+        self.lr_from_tensors = False  # the update reads its lr from `lrs` (captured updates; needs fused AdamW)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.device = self.params[0].device
+        with torch.no_grad():
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        self.grads = [p.grad for p in self.params]
+        zeros = dict(device=self.device, dtype=torch.float32)
+        block = drafter.config.block_size
+        self.loss_sum = torch.zeros((), **zeros)
+        self.metric_sums = {"position_correct": torch.zeros(block, **zeros), "position_count": torch.zeros(block, **zeros),
+                            "accepted_sum": torch.zeros((), **zeros), "blocks": torch.zeros((), **zeros)}
+        self.lrs = [torch.zeros((), **zeros) for _ in optimizer.param_groups]
+        self.force_skip = torch.zeros((), **zeros)  # 1.0 makes the update a no-op (warm-ups)
+        self.outputs = torch.zeros(3 + 2 * block + 2, **zeros)  # loss, grad norm, skipped, METRICS
+        self.apply: Callable[[], None] = self.apply_update
+
+    def run(self, micro_batches: list[DrafterBatch]) -> StepResult:
+        """One whole step with nothing between the phases (one replica, one node), read back now."""
+        for batch in micro_batches:
+            self.accumulate(batch)
+        return self.result(self.update())
+
+    def accumulate(self, batch: DrafterBatch | StaticInputs, rows: int | None = None) -> None:
+        """Forward, loss and backward of one micro-batch (`rows`: see `drafter_loss`); gradients,
+        loss and metric sums add to what earlier micro-batches of the step left."""
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
         with autocast:
-            loss, metrics = drafter_loss(drafter, frozen, batch, objective, attention_backend)
+            loss, metrics = drafter_loss(self.drafter, self.frozen, batch, self.objective, self.attention_backend, rows)
         loss.backward()
-        total_loss += loss.detach()
-        for name, value in metrics.items():
-            sums[name] = sums[name] + value if name in sums else value
+        with torch.no_grad():
+            self.loss_sum += loss.detach()
+            for name in METRICS:
+                self.metric_sums[name] += metrics[name]
 
-    if sync_gradients is not None:
-        sync_gradients()
-    if optimizer.defaults.get("fused"):
-        grad_norm = clipped_fused_step(optimizer, drafter, clip_grad)
-    else:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip_grad))
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-    skipped = not math.isfinite(grad_norm)
-    lr = optimizer.param_groups[0]["lr"]
-    scheduler.step()
-    return StepResult(float(total_loss), grad_norm, skipped, lr, {k: v.detach().cpu() for k, v in sums.items()})
+    def update(self) -> float:
+        """Clip, check finite, AdamW, zero the gradients (`apply`), then the schedule's next lr;
+        returns the lr this step used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_from_tensors:
+            for group, tensor in zip(self.optimizer.param_groups, self.lrs):
+                tensor.fill_(group["lr"])  # in stream order
+        self.apply()
+        self.scheduler.step()
+        return lr
+
+    @torch.no_grad()
+    def apply_update(self) -> None:
+        """The update on the device: the step's numbers into `outputs`, the gradients and sums to zero."""
+        if self.fused:
+            norm, skipped = fused_clip_and_step(self.optimizer, self.grads, self.clip_grad, self.force_skip,
+                                                self.lrs if self.lr_from_tensors else None)
+        else:  # an unfused AdamW cannot skip on the device: the host looks at the norm
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
+            skipped = (~torch.isfinite(norm) | (self.force_skip > 0)).float()
+            if not skipped:
+                self.optimizer.step()
+        torch._foreach_zero_(self.grads)
+        metrics = [self.metric_sums[name].flatten() for name in METRICS]
+        self.outputs.copy_(torch.cat([self.loss_sum.view(1), norm.float().view(1), skipped.view(1), *metrics]))
+        self.reset_sums()
+
+    def result(self, lr: float) -> StepResult:
+        """The last update's numbers, read now (the host waits for the device)."""
+        return StepResult.parse(self.outputs.cpu(), lr, self.drafter.config.block_size)
+
+    @torch.no_grad()
+    def reset_sums(self) -> None:
+        self.loss_sum.zero_()
+        for value in self.metric_sums.values():
+            value.zero_()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Gradients and sums back to zero (after warm-ups)."""
+        torch._foreach_zero_(self.grads)
+        self.reset_sums()
+
+    @torch.no_grad()
+    def fingerprint(self) -> torch.Tensor:
+        """What a micro-batch left behind, in quantities that are continuous or exact: per-parameter
+        gradient norms, the loss, the scored-slot counts per position, the block count (last).
+        Top-1 counts are left out: a near-tie may flip between two kernels' roundings."""
+        norms = torch.stack(torch._foreach_norm(self.grads)).float()
+        sums = self.metric_sums
+        return torch.cat([norms, self.loss_sum.view(1), sums["position_count"].flatten(), sums["blocks"].view(1)])
 
 
-def clipped_fused_step(optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, clip_grad: float) -> float:
-    """Clip by global norm and skip non-finite steps inside the fused AdamW kernel.
-
-    The fused kernel divides every gradient by `grad_scale` and leaves parameters and moments
-    untouched where `found_inf` is set (the hooks mixed-precision loss scaling uses), so the
-    clip costs no extra pass over the gradients and the update needs no host sync first.
-    Same result as clip_grad_norm_ (scale min(1, clip / (norm + 1e-6))) then step-or-skip.
-    """
-    norm, _ = fused_clip_and_step(optimizer, [p.grad for p in drafter.parameters() if p.grad is not None], clip_grad)
-    return float(norm)
-
-
-def fused_clip_and_step(
-    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], clip_grad: float, skip: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clip and finiteness rule of `clipped_fused_step` on the device, no host sync: returns
-    the gradient norm and the skip flag (1.0: the update was not applied). `skip` forces a skip."""
-    norm = torch.nn.utils.get_total_norm(grads)
-    found_inf = (~torch.isfinite(norm)).float()
-    optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip_grad, min=1.0)
-    optimizer.found_inf = found_inf if skip is None else torch.maximum(found_inf, skip)
-    try:
-        optimizer.step()
-        return norm, optimizer.found_inf
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf
-
+# --- optimizer and schedule --------------------------------------------------------------------
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float):
     """Linear warm-up then cosine decay to min_lr_ratio × peak."""

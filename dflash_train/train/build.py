@@ -1,7 +1,7 @@
 """The build steps of a training run, in the order `train()` calls them, and the `Run` they make.
 
     layout          which devices run target workers and drafter workers (layout.py; see
-                    parallel.nodes.place_devices for several processes on one host)
+                    parallel.launch.place_devices for several processes on one host)
     drafter plans   one plan per drafter to train (replicas: one; variants: one per entry)
     run folder      checked and created (`prepare_run_folder`)
     feature supply  the target(s) and where features come from (supply.py), the samples
@@ -30,14 +30,15 @@ from ..config import ConfigError, TrainConfig
 from ..core.drafter import DrafterConfig
 from ..core.objective import ObjectiveConfig
 from ..files import check_outside_inputs, remove_leftover_staging, write_json_atomic
-from ..parallel.nodes import NodeGroup, NodeStep
+from ..parallel.gradients import GradientReducer, NodeReduce
+from ..parallel.nodes import NodeGroup
 from ..parallel.threads import StopSignal
+from ..parallel.vote import StepVote
 from ..target.model import Target, resolve_mask_token_id
 from .batches import BatchPlanner, shape_buckets
 from .compile_cache import CompileCacheReport
 from .compile_gate import CompileGate, recompile_limit_for
 from .drafter_worker import DrafterSetup, DrafterWorker, StepHook
-from .gradient_reducer import GradientReducer
 from .layout import DrafterPlan, Layout, layer_union, step_share
 from .precision import attention_backends, check_fp8_support, compiles_drafter, compiles_target, uses_fused_head
 from .rank_zero import Checkpointer, EvaluationSchedule, RankZeroWork
@@ -251,7 +252,7 @@ def build_drafter_workers(
     save_checkpoints: bool,
 ) -> tuple[list[DrafterWorker], GradientReducer | None]:
     """One drafter's replicas, each with its step attached, its checkpointer (rank 0), the reducer
-    of its gradients (several replicas or nodes) and one drafter thread per replica."""
+    of its gradients (several replicas or nodes), its vote (nodes) and one drafter thread per replica."""
     config, nodes, steps = run.config, run.nodes, run.steps
     if nodes.writes:
         write_run_record(plan, config)
@@ -266,11 +267,12 @@ def build_drafter_workers(
          "target": run.target},
         saved_step=steps.start,
     ) if save_checkpoints and nodes.writes else None
-    across = NodeStep(
+    vote = StepVote(
         nodes, drafter=plan.name, start=steps.start, end=steps.end, local_replicas=len(replicas),
-        block_size=plan.drafter_config.block_size, stop=shared.stop, reports=shared.reports,
+        block_size=plan.drafter_config.block_size, stop=shared.stop,
         busy_after=RankZeroWork(checkpointer, run.evaluation, steps.end).busy_after,
     ) if nodes.distributed else None
+    across = NodeReduce(nodes) if nodes.distributed else None
     reducer = GradientReducer([r.drafter for r in replicas], shared.stop, across) if len(replicas) > 1 or across else None
     workers = []
     for replica in replicas:
@@ -280,7 +282,7 @@ def build_drafter_workers(
         indices = list(range(replica.rank * config.grad_accum, (replica.rank + 1) * config.grad_accum))
         workers.append(DrafterWorker(DrafterSetup(
             thread_name=thread_name, replica=replica, inbox=shared.router.inbox(slot, indices, shared.stop),
-            steps=steps, stop=shared.stop, reports=shared.reports, reducer=reducer,
+            steps=steps, stop=shared.stop, reports=shared.reports, reducer=reducer, vote=vote,
             checkpointer=checkpointer if rank0 else None, evaluation=run.evaluation if rank0 and nodes.writes else None,
             hook=step_hook, warmup=shared.warmup,
         )))

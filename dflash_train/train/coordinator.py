@@ -32,6 +32,7 @@ from ..errors import RunFailed
 from ..export.hf import export_model
 from ..files import write_json_atomic
 from ..parallel.threads import POLL_SECONDS, StopSignal, Worker
+from ..parallel.vote import interrupt_target
 from ..progress import Progress
 from ..target.model import dtype_from_name
 from .build import Pipeline, Run, cpu_threads_per_worker
@@ -153,7 +154,7 @@ class Coordinator:
         self.queue_depth_sum = 0.0
         self.queue_samples = 0
         self.started = time.monotonic()
-        self.interrupts = InterruptHandler(self.nodes.interrupts(self.stop))
+        self.interrupts = InterruptHandler(interrupt_target(self.nodes, self.stop))
         self.health = HealthWatch(config.stop_after_bad_steps, [plan.name for plan in plans])
         self.failure: str | None = None  # why the health watch stopped the run
         self.clock = StartupClock(pipeline.warmup)
@@ -332,9 +333,9 @@ class Coordinator:
     def nodes_summary(self) -> dict:
         if not self.nodes.distributed:
             return {}
-        across = [r.across for r in self.pipeline.reducers if r.across is not None]
-        seconds = sum(a.seconds for a in across)
-        count = sum(a.timer.count for a in across)
+        timers = [r.across.timer for r in self.pipeline.reducers if r.across is not None]
+        seconds = sum(t.seconds for t in timers)
+        count = sum(t.count for t in timers)
         return {"nodes": self.nodes.world_size, "rank": self.nodes.rank, "cross_node_all_reduce_s": round(seconds, 3),
                 "cross_node_all_reduce_ms_per_step": round(1000 * seconds / count, 3) if count else None}
 

@@ -1,15 +1,24 @@
 """The drafter worker thread: trains one replica of one drafter, a step at a time.
 
 It takes one setup object (`DrafterSetup`) and talks to small named collaborators: its `Inbox`
-(batches, routing.py), the `GradientReducer` (replicas, gradient_reducer.py), its `Checkpointer`
-(rank 0 only: who checkpoints) and the shared `EvaluationSchedule` (rank 0 only; both in
-rank_zero.py). What a step computes is `step.training_step` (via `Replica.step`, replicas.py);
-who logs it is the coordinator, from the `StepReport`s.
+(batches, routing.py), the `GradientReducer` (replicas, nodes) and the `StepVote` (nodes; both
+in parallel/), its `Checkpointer` (rank 0 only: who checkpoints) and the shared
+`EvaluationSchedule` (rank 0 only; both in rank_zero.py). What a step computes is its replica's
+`core.step.Step` (replicas.py); who logs it is the coordinator, from the `StepReport`s. The loop
+owns the order of a step:
+
+    accumulate      forward, loss and backward of each micro-batch (the Step, or its graphs)
+    arrive          replicas: this replica's gradients are in; every local replica is here
+    vote            nodes, the first replica: every node goes on, or every node stops here
+    reduce          replicas, nodes: the summed gradients are back in every replica
+    update          clip, AdamW, LR schedule
+
+The vote comes before the cross-node all-reduce so that a node which leaves is met at the vote,
+never waited for inside an all-reduce; nothing deeper than this loop stops the run.
 """
 
 from __future__ import annotations
 
-import functools
 import queue
 import time
 from dataclasses import dataclass
@@ -19,9 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..core.step import DrafterBatch, StepResult
+from ..parallel.gradients import GradientReducer
+from ..parallel.nodes import NodeLost
 from ..parallel.streams import receive, wait_for
 from ..parallel.threads import PipelineStopped, StopSignal, Worker
-from .gradient_reducer import GradientReducer
+from ..parallel.vote import StepVote, Verdict
 from .rank_zero import Checkpointer, EvaluationSchedule
 from .replicas import Replica
 from .resume import StepRange
@@ -57,7 +68,8 @@ class DrafterSetup:
     steps: StepRange
     stop: StopSignal
     reports: queue.Queue  # StepReports for the coordinator
-    reducer: GradientReducer | None = None  # replicas: gradients summed after every backward
+    reducer: GradientReducer | None = None  # replicas or nodes: gradients summed after every backward
+    vote: StepVote | None = None  # nodes: every replica records its steps, the first one votes
     checkpointer: Checkpointer | None = None  # rank 0 of a drafter, unless checkpoints are off
     evaluation: EvaluationSchedule | None = None  # rank 0, with --eval-every
     hook: StepHook | None = None
@@ -162,46 +174,91 @@ class DrafterWorker(Worker):
         replica.drafter.train()
         if setup.warmup is not None:
             setup.warmup.run(self, replica.prepare)
-        sync = functools.partial(setup.reducer.sync, replica.rank) if setup.reducer is not None else None
-        end = setup.steps.end
         try:
-            incoming = self._receive(setup.steps.start) if len(setup.steps) else None
-            for step in setup.steps:
-                current = incoming
-                micro_batches, waited, samples, tokens = current.batches, current.waited, current.samples, current.tokens
-                # Take the next step's batches now: their GPU-to-GPU copies then overlap
-                # this step's compute instead of following it (this stream waits for them
-                # only when that step starts).
-                incoming = self._receive(step + 1) if step + 1 < end else None
-                started = time.perf_counter()
-                current.wait_until_ready(replica.device)  # before the span: waiting for the target is not drafter time
-                span = self.meter.begin(replica.device)
-                result = replica.step(micro_batches, sync)
-                self.meter.end(span, replica.device)
-                self.meter.add_gpu_wait(replica.take_gpu_wait())
-                seconds = time.perf_counter() - started
-                self.times.computing += seconds
-                self.times.waiting += waited
-                self.times.items += 1
-                self.completed_step = step + 1
-                if setup.reducer is not None:
-                    setup.reducer.record(step, result, samples, tokens)
-                evaluation = setup.evaluation.after_step(step, replica.drafter) if setup.evaluation is not None else None
-                setup.reports.put(StepReport(replica.name, replica.rank, step, result, samples, tokens, seconds, waited,
-                                             evaluation))
-                if setup.hook is not None:
-                    setup.hook(self, step)
-                if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
-                    setup.checkpointer.save(self.completed_step, replica)
+            self._train()
         except PipelineStopped:
             pass
+        except NodeLost as lost:  # another node left: this node fails, naming it
+            self.stop_signal.fail(lost.culprit, lost)
         except BaseException as error:
-            if setup.reducer is not None:
-                setup.reducer.leave(replica.rank, self.completed_step, f"{self.name} failed: {type(error).__name__}: {error}")
+            self._leave(f"{self.name} failed: {type(error).__name__}: {error}")
             raise
-        if setup.reducer is not None:
-            setup.reducer.leave(replica.rank, self.completed_step)
+        self._leave()
         # Whether finished, interrupted or stopped by another worker's failure, this
         # drafter's weights are those of its last completed step: save them.
         if setup.checkpointer is not None:
             setup.checkpointer.save(self.completed_step, replica)
+
+    def _train(self) -> None:
+        """The step loop: accumulate, (replicas, nodes) arrive, vote, reduce, update; then report,
+        evaluate, checkpoint. It returns when a vote stops every node."""
+        setup, replica, end = self.setup, self.replica, self.setup.steps.end
+        reducer, votes = setup.reducer, setup.vote is not None and replica.rank == 0
+        incoming = self._receive(setup.steps.start) if len(setup.steps) else None
+        for step in setup.steps:
+            current = incoming
+            micro_batches, waited, samples, tokens = current.batches, current.waited, current.samples, current.tokens
+            # Take the next step's batches now: their GPU-to-GPU copies then overlap
+            # this step's compute instead of following it (this stream waits for them
+            # only when that step starts).
+            incoming = self._receive(step + 1) if step + 1 < end else None
+            started = time.perf_counter()
+            current.wait_until_ready(replica.device)  # before the span: waiting for the target is not drafter time
+            span = self.meter.begin(replica.device)
+            replica.accumulate(micro_batches)
+            if reducer is not None:
+                reducer.arrive(replica.rank)
+                if votes and not self._every_node_goes_on(reducer):
+                    return  # every node stops after the step before this one
+                reducer.reduce(replica.rank, step)
+            result = replica.update()
+            self.meter.end(span, replica.device)
+            self.meter.add_gpu_wait(replica.take_gpu_wait())
+            seconds = time.perf_counter() - started
+            self.times.computing += seconds
+            self.times.waiting += waited
+            self.times.items += 1
+            self.completed_step = step + 1
+            if setup.vote is not None:
+                setup.vote.record(step, result.loss, result.metric_sums, samples, tokens)
+            evaluation = setup.evaluation.after_step(step, replica.drafter) if setup.evaluation is not None else None
+            setup.reports.put(StepReport(replica.name, replica.rank, step, result, samples, tokens, seconds, waited,
+                                         evaluation))
+            if setup.hook is not None:
+                setup.hook(self, step)
+            if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
+                setup.checkpointer.save(self.completed_step, replica)
+
+    def _every_node_goes_on(self, reducer: GradientReducer) -> bool:
+        """This step's vote (the node's first replica, after every local backward, before the
+        gradient all-reduce); a stop verdict stops this node after the step before. Unless every
+        node goes on, the other local replicas leave the step too, without its update."""
+        go_on = False
+        try:
+            go_on = not self._act_on(self.setup.vote.cast())
+        finally:
+            if not go_on:
+                reducer.cancel()
+        return go_on
+
+    def _leave(self, failure: str | None = None) -> None:
+        """The node's first replica is exiting (`failure`: why, if its own thread failed): the other
+        nodes learn it in the vote they wait for next."""
+        if self.setup.vote is None or self.replica.rank != 0:
+            return
+        try:
+            verdict = self.setup.vote.leave(self.completed_step, failure)
+        except NodeLost as lost:
+            self.stop_signal.fail(lost.culprit, lost)
+            return
+        if verdict is not None:
+            self._act_on(verdict)
+
+    def _act_on(self, verdict: Verdict) -> bool:
+        """The node totals of the step before the vote go to the coordinator; a stop stops this
+        node. Returns whether it stops."""
+        if verdict.totals is not None:
+            self.setup.reports.put(verdict.totals)
+        if verdict.stops:
+            verdict.stop_node(self.stop_signal)
+        return verdict.stops

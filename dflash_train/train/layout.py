@@ -11,7 +11,8 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..core.drafter import DrafterConfig
 from ..core.objective import ObjectiveConfig
-from ..parallel.nodes import Launch, NodeGroup, place_devices
+from ..parallel.launch import Launch, place_devices
+from ..parallel.nodes import NodeGroup
 from ..target.model import resolve_device
 
 

@@ -5,7 +5,7 @@ copied to each of its devices (`build_replicas`)."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -15,7 +15,7 @@ from ..core.dflash2 import GroupedDynamicCausalConv
 from ..core.drafter import DFlashDrafter, DrafterConfig
 from ..core.fp8 import use_fp8_linears
 from ..core.objective import ObjectiveConfig
-from ..core.step import DrafterBatch, FrozenTargetParts, StepResult, make_optimizer, training_step, warmup_cosine
+from ..core.step import DrafterBatch, FrozenTargetParts, Step, StepResult, make_optimizer, warmup_cosine
 from ..parallel.nodes import NodeGroup
 from ..target.model import Target
 from .checkpoint import load_drafter, restore_trainer
@@ -43,17 +43,25 @@ class Replica:
     attention_backend: str
     autocast_dtype: torch.dtype | None
     clip_grad: float
-    graphed: "GraphedStep | None" = None  # --cuda-graphs: the step as CUDA graphs (step_graphs.py)
+    graphed: "GraphedStep | None" = None  # --cuda-graphs: the step's phases as CUDA graphs (step_graphs.py)
     prepare: Callable[[Callable[[str], None]], str] | None = None  # its warm-up before step 1 (startup.py)
+    step: Step = field(init=False)  # the step's phases and persistent state, made from the fields above
 
-    def step(self, micro_batches: list[DrafterBatch], sync_gradients: Callable[[], None] | None) -> StepResult:
+    def __post_init__(self) -> None:
+        self.step = Step(self.drafter, self.optimizer, self.scheduler, self.frozen, self.objective,
+                         attention_backend=self.attention_backend, clip_grad=self.clip_grad,
+                         autocast_dtype=self.autocast_dtype)
+
+    def accumulate(self, micro_batches: list[DrafterBatch]) -> None:
+        """Forward, loss and backward of this step's micro-batches: their gradients add up."""
+        for batch in micro_batches:
+            (self.graphed or self.step).accumulate(batch)
+
+    def update(self) -> StepResult:
+        """Clip, AdamW and the LR schedule on the (summed) gradients; the step's numbers."""
         if self.graphed is not None:
-            return self.graphed.step(micro_batches, sync_gradients)
-        return training_step(
-            self.drafter, self.optimizer, self.scheduler, micro_batches, self.frozen, self.objective,
-            attention_backend=self.attention_backend, clip_grad=self.clip_grad,
-            autocast_dtype=self.autocast_dtype, sync_gradients=sync_gradients,
-        )
+            return self.graphed.update()
+        return self.step.result(self.step.update())
 
     def take_gpu_wait(self) -> float:
         """Seconds the last steps waited for the GPU to catch up (graphed steps run ahead of it)."""

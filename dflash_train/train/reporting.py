@@ -17,7 +17,7 @@ from typing import Protocol, TextIO
 
 from ..core.objective import summarize_metrics
 from ..files import write_text_atomic
-from ..parallel.nodes import NodeTotals
+from ..parallel.vote import NodeTotals
 from ..parallel.utilisation import Bottleneck, bottleneck, worker_load
 from ..progress import format_seconds
 from .tensorboard import TensorBoardSink, tensorboard_enabled

@@ -71,19 +71,10 @@ def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths:
                          feature_dtype, replica.frozen.head_weight.shape[0])
     thread = f"{replica.name}[{replica.rank}]"
     if choice.enabled:
-        replica.graphed = GraphedStep(
-            name=thread, drafter=replica.drafter, optimizer=replica.optimizer, scheduler=replica.scheduler,
-            frozen=replica.frozen, objective=replica.objective, attention_backend=replica.attention_backend,
-            clip_grad=replica.clip_grad, autocast_dtype=replica.autocast_dtype, shapes=shapes,
-        )
+        replica.graphed = GraphedStep(name=thread, step=replica.step, shapes=shapes)
         replica.prepare = replica.graphed.prepare
     elif compiled:
-        def prepare(say: Callable[[str], None]) -> str:
-            return warm_compile(drafter=replica.drafter, frozen=replica.frozen, objective=replica.objective,
-                                attention_backend=replica.attention_backend, autocast_dtype=replica.autocast_dtype,
-                                shapes=shapes, say=say)
-
-        replica.prepare = prepare
+        replica.prepare = lambda say: warm_compile(replica.step, shapes, say)
 
 
 def graphed_sources(sources: list[Any], choice: GraphChoice, lengths: list[int], batch_size: int,

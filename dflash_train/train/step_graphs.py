@@ -1,19 +1,22 @@
-"""The drafter's training step as CUDA graphs: captured per bucket before step 1, replayed after.
+"""The drafter's training step as CUDA graphs: `core.step.Step`'s phases captured per bucket
+before step 1, replayed after.
 
-Per replica, on top of `core.static_step.StaticStep`:
+Per replica, on top of its `Step`:
 
-    accumulate graph (L, R)   one micro-batch's forward, chunked frozen-head loss and backward, adding
-                              into the persistent gradients; one per length bucket L and rows bucket R
-    update graph              clip, finiteness, fused AdamW at the lr tensor, zero the gradients
+    accumulate graph (L, R)   `Step.accumulate` of one micro-batch in length bucket L's buffers with
+                              R head rows: forward, chunked frozen-head loss and backward, adding into
+                              the persistent gradients; one per length bucket L and rows bucket R
+    update graph              `Step.apply_update`: clip, finiteness, fused AdamW at the lr tensors,
+                              zero the gradients
 
 A step copies each micro-batch into its length bucket's buffers and replays its graph (micro-batches
-of one step may fall into different buckets); with replicas, the `GradientReducer` sums the
-persistent gradients between the micro-batches and the update, as it does eagerly. Replays run on
-the worker's current stream (its own: parallel/streams.py), the one its eager steps, the copies
-into the graphs' input buffers and the reducer's load and store of its gradients use. The host never waits
-for the GPU inside a step: the step's numbers are copied into pinned host memory and read when
-someone asks (`DeferredStepResult`, normally the coordinator, a step or two later); the host runs
-at most `MAX_AHEAD` steps ahead of the GPU (the wait is counted as waiting for the GPU).
+of one step may fall into different buckets); with replicas or nodes the loop sums the persistent
+gradients between the accumulates and the update, as it does eagerly. Replays run on the worker's
+current stream (its own: parallel/streams.py), the one its eager steps, the copies into the graphs'
+input buffers and the gradient sum's load and store use. The host never waits for the GPU inside a
+step: the step's numbers are copied into pinned host memory and read when someone asks
+(`DeferredStepResult`, normally the coordinator, a step or two later); the host runs at most
+`MAX_AHEAD` steps ahead of the GPU (the wait is counted as waiting for the GPU).
 
 `prepare` (warm-up, in the worker's own thread, before step 1; train/startup.py runs one worker's
 warm-up at a time) does, per length bucket: one eager micro-batch on synthetic data (compiles the
@@ -25,10 +28,10 @@ different threads are kept apart: capture.py.
 
 Falling back, never wrong, one warning per worker naming the reason:
   - fused AdamW with a tensor lr does not capture correctly on this torch/device (a probe on a tiny
-    model against the eager update, lr changes and a skipped step included): the classic eager
-    `step.training_step` runs instead;
+    model against the eager update, lr changes and a skipped step included): the `Step` runs
+    eagerly at each micro-batch's exact head rows and the schedule's float lr (the plain eager step);
   - a capture fails (an op that syncs, ...) or its replay differs from the eager micro-batch: that
-    bucket's `StaticStep` functions run eagerly (still no host sync inside the step).
+    bucket's phase runs eagerly (still no host sync inside the step).
 """
 
 from __future__ import annotations
@@ -44,18 +47,17 @@ from typing import Any, Callable
 import torch
 
 from ..capture import Captured, GraphPool, ReplayCheck, checked_capture, error_summary
-from ..core.drafter import DFlashDrafter
 from ..core.objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
-from ..core.static_step import (
+from ..core.step import (
+    DrafterBatch,
     InputShape,
     StaticInputs,
-    StaticStep,
-    StepOutputs,
+    Step,
+    StepResult,
+    fused_clip_and_step,
     rows_bucket,
     rows_buckets,
-    tensor_lr_step,
 )
-from ..core.step import DrafterBatch, FrozenTargetParts, StepResult, clipped_fused_step, drafter_loss, training_step
 
 MAX_AHEAD = 2  # steps the host may enqueue before waiting for the oldest one to finish on the GPU
 MAX_ROWS_GRAPHS = 48  # rows buckets per length bucket at most (coarser rows buckets past that)
@@ -105,15 +107,15 @@ class DeferredStepResult:
 
     def __init__(self, host: torch.Tensor, ready: Any, lr: float, block_size: int):
         self._host, self._ready, self._block_size = host, ready, block_size
-        self._outputs: StepOutputs | None = None
+        self._result: StepResult | None = None
         self.lr = lr
 
-    def _read(self) -> StepOutputs:
-        if self._outputs is None:
+    def _read(self) -> StepResult:
+        if self._result is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            self._outputs = StepOutputs.parse(self._host, self._block_size)
-        return self._outputs
+            self._result = StepResult.parse(self._host, self.lr, self._block_size)
+        return self._result
 
     @property
     def loss(self) -> float:
@@ -150,8 +152,8 @@ def update_capture_unsupported(device: torch.device) -> str | None:
 
 
 def _probe_update(device: torch.device) -> str | None:
-    """A tiny model updated eagerly (`clipped_fused_step`, float lr) and by a captured
-    `tensor_lr_step` replayed with the lr changed in between (to 0 once: a baked-in lr would
+    """A tiny model updated eagerly (`fused_clip_and_step`, float lr) and by a captured
+    `fused_clip_and_step` at lr tensors, replayed with the lr changed in between (to 0 once: a baked-in lr would
     still move the weights), a clipped gradient, and a non-finite one (the skip)."""
     with torch.cuda.device(device):
         start = (torch.arange(64, dtype=torch.float32).view(8, 8) - 31.5) / 64
@@ -174,7 +176,7 @@ def _probe_update(device: torch.device) -> str | None:
                 for group in opts[0].param_groups:
                     group["lr"] = lr
                 eager.weight.grad = base * scale
-                clipped_fused_step(opts[0], eager, 1.0)
+                fused_clip_and_step(opts[0], [eager.weight.grad], 1.0)
                 grads[0].copy_(base * scale)
                 lrs[0].fill_(lr)
                 graph.replay()
@@ -189,9 +191,9 @@ def _probe_update(device: torch.device) -> str | None:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             skip.fill_(1.0)
-            tensor_lr_step(opts[1], lrs, grads, 1.0, skip)  # creates the optimizer state, changes nothing
+            fused_clip_and_step(opts[1], grads, 1.0, skip, lrs)  # creates the optimizer state, changes nothing
             skip.zero_()
-            captured = checked_capture(lambda: tensor_lr_step(opts[1], lrs, grads, 1.0, skip), device, stream,
+            captured = checked_capture(lambda: fused_clip_and_step(opts[1], grads, 1.0, skip, lrs), device, stream,
                                        follows_the_eager_update)
         torch.cuda.current_stream(device).wait_stream(stream)
     return captured.reason
@@ -223,37 +225,21 @@ def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: i
 # --- the graphed step ---------------------------------------------------------------------------
 
 class GraphedStep:
-    """One replica's training step: captured graphs where they were proven, the same static functions
-    eagerly where not, or the classic eager step where captured updates cannot be trusted."""
+    """One replica's `Step` with its phases captured where they were proven, the same phases eagerly
+    where not, or the plain eager step where captured updates cannot be trusted. The loop calls
+    `accumulate` per micro-batch and `update`, as it calls the `Step`'s."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        drafter: DFlashDrafter,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        frozen: FrozenTargetParts,
-        objective: ObjectiveConfig,
-        attention_backend: str,
-        clip_grad: float,
-        autocast_dtype: torch.dtype | None,
-        shapes: StepShapes,
-        capture_graphs: bool = True,
-    ):
-        self.name = name
-        self.drafter, self.optimizer, self.scheduler, self.frozen, self.objective = (
-            drafter, optimizer, scheduler, frozen, objective)
-        self.attention_backend, self.clip_grad, self.autocast_dtype = attention_backend, clip_grad, autocast_dtype
-        self.static = StaticStep(drafter, optimizer, frozen, objective, attention_backend=attention_backend,
-                                 clip_grad=clip_grad, autocast_dtype=autocast_dtype)
-        self.device = self.static.device
-        self.shapes = shapes
+    def __init__(self, *, name: str, step: Step, shapes: StepShapes, capture_graphs: bool = True):
+        if not step.fused:
+            raise ValueError("a graphed step needs a fused AdamW (grad_scale / found_inf)")
+        self.name, self.step, self.shapes = name, step, shapes
+        step.lr_from_tensors = True
+        self.device = step.device
         self.inputs = {length: StaticInputs(shape, self.device) for length, shape in shapes.inputs.items()}
         self.capture_graphs = capture_graphs and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], Any] = {}
         self.update_graph: Any = None
-        self.classic_reason: str | None = None  # captured updates refused: the classic eager step runs
+        self.classic_reason: str | None = None  # captured updates refused: the plain eager step runs
         self.eager_reasons: dict[str, str] = {}  # bucket -> why it runs eagerly
         self.stream: Any = None
         self.pool: GraphPool | None = None
@@ -265,7 +251,7 @@ class GraphedStep:
 
     @property
     def vocab_size(self) -> int:
-        return self.frozen.head_weight.shape[0]
+        return self.step.frozen.head_weight.shape[0]
 
     # --- prepare ---------------------------------------------------------------------------------
 
@@ -280,15 +266,14 @@ class GraphedStep:
             except Exception as error:  # noqa: BLE001 - whatever broke the warm-up: the proven eager step
                 reason = f"the warm-up failed ({error_summary(error)})"
                 self.graphs, self.update_graph = {}, None
+                self.step.apply = self.step.apply_update
                 if self.stream is not None:
                     torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.classic_reason = reason
+        self.step.lr_from_tensors = False
         warnings.warn(f"CUDA graphs: {self.name} runs the eager training step: {reason}", stacklevel=2)
         # Its compiles too happen here, in the warm-up: after it nothing compiles (compile_gate.py).
-        compiled = warm_compile(drafter=self.drafter, frozen=self.frozen, objective=self.objective,
-                                attention_backend=self.attention_backend, autocast_dtype=self.autocast_dtype,
-                                shapes=self.shapes, say=say)
-        return f"eager training step ({reason}); {compiled}"
+        return f"eager training step ({reason}); {warm_compile(self.step, self.shapes, say)}"
 
     def _prepare_graphs(self, say: Say) -> str:
         current = torch.cuda.current_stream(self.device)
@@ -299,7 +284,7 @@ class GraphedStep:
             for length in sorted(self.inputs):
                 self._prepare_length(length, say)
             self._prepare_update()
-            self.static.reset()
+            self.step.reset()
         current.wait_stream(self.stream)
         self._warn_eager_buckets()
         graphs = len(self.graphs) + (self.update_graph is not None)
@@ -315,23 +300,23 @@ class GraphedStep:
             self.capture_s += time.perf_counter() - started
 
     def _skipping_update(self) -> None:
-        self.static.force_skip.fill_(1.0)
+        self.step.force_skip.fill_(1.0)
         try:
-            self.static.update()
+            self.step.apply_update()
         finally:
-            self.static.force_skip.zero_()
+            self.step.force_skip.zero_()
 
     def _prepare_length(self, length: int, say: Say) -> None:
-        inputs, rows = self.inputs[length], self.shapes.rows[length]
+        step, inputs, rows = self.step, self.inputs[length], self.shapes.rows[length]
         largest = rows[-1]
         started = time.perf_counter()
-        inputs.fill(synthetic_batch(inputs.shape, self.objective, self.vocab_size, self.device, 0))
-        self.static.accumulate(inputs, largest)  # compiles the forward, its backward and the head chunk
-        self.static.reset()
+        inputs.fill(synthetic_batch(inputs.shape, step.objective, self.vocab_size, self.device, 0))
+        step.accumulate(inputs, largest)  # compiles the forward, its backward and the head chunk
+        step.reset()
         self.stream.synchronize()
         self.compile_s += time.perf_counter() - started
         captured_before = self.capture_s
-        checked = self._capture(lambda: self.static.accumulate(inputs, largest),
+        checked = self._capture(lambda: step.accumulate(inputs, largest),
                                 lambda graph, _: self._replay_mismatch(graph, inputs, largest))
         if checked.reason is not None:  # no graph for this length: its steps run eagerly
             self.eager_reasons[f"length {length}"] = checked.reason
@@ -339,7 +324,7 @@ class GraphedStep:
             return
         self.graphs[(length, largest)] = checked.graph
         for count in rows[:-1]:  # the same function as the checked graph, at fewer rows
-            captured = self._capture(lambda count=count: self.static.accumulate(inputs, count), None)
+            captured = self._capture(lambda count=count: step.accumulate(inputs, count), None)
             if captured.reason is None:
                 self.graphs[(length, count)] = captured.graph
             else:
@@ -350,14 +335,15 @@ class GraphedStep:
 
     def _replay_mismatch(self, graph: Any, inputs: StaticInputs, rows: int) -> str | None:
         """A replay on data the capture never saw must equal the eager micro-batch on that data."""
-        inputs.fill(synthetic_batch(inputs.shape, self.objective, self.vocab_size, self.device, 1))
-        self.static.reset()
-        self.static.accumulate(inputs, rows)
-        expected = self.static.fingerprint()
-        self.static.reset()
+        step = self.step
+        inputs.fill(synthetic_batch(inputs.shape, step.objective, self.vocab_size, self.device, 1))
+        step.reset()
+        step.accumulate(inputs, rows)
+        expected = step.fingerprint()
+        step.reset()
         graph.replay()
-        got = self.static.fingerprint()
-        self.static.reset()
+        got = step.fingerprint()
+        step.reset()
         # Entry by entry (gradient norms per parameter, loss, metric counts): one scale for all
         # would let the counts hide a wrong gradient.
         error = float(((got - expected).abs() / (expected.abs() + 1e-6)).max())
@@ -366,25 +352,27 @@ class GraphedStep:
         return None
 
     def _prepare_update(self) -> None:
+        step = self.step
         self._skipping_update()  # warm-up on this stream
 
         def skips(graph: Any, _: Any) -> str | None:
             with torch.no_grad():
-                before = torch.stack(torch._foreach_norm(self.static.params))
-                self.static.force_skip.fill_(1.0)
+                before = torch.stack(torch._foreach_norm(step.params))
+                step.force_skip.fill_(1.0)
                 graph.replay()
-                if not torch.equal(torch.stack(torch._foreach_norm(self.static.params)), before):
+                if not torch.equal(torch.stack(torch._foreach_norm(step.params)), before):
                     return "a replayed skipped update moved the weights"
             return None
 
         try:
-            captured = self._capture(self.static.update, skips)
+            captured = self._capture(step.apply_update, skips)
         finally:
-            self.static.force_skip.zero_()
+            step.force_skip.zero_()
         if captured.reason is not None:  # the update then runs eagerly
             self.eager_reasons["update"] = captured.reason
             return
         self.update_graph = captured.graph
+        step.apply = captured.graph.replay
 
     def _warn_eager_buckets(self) -> None:
         if self.eager_reasons:
@@ -392,45 +380,37 @@ class GraphedStep:
             warnings.warn(f"CUDA graphs: {self.name} runs some step parts eagerly (slower, same result): {listed}",
                           stacklevel=3)
 
-    # --- step ------------------------------------------------------------------------------------
+    # --- the phases ------------------------------------------------------------------------------
 
-    def step(self, micro_batches: list[DrafterBatch], sync_gradients: Callable[[], None] | None) -> StepResult | DeferredStepResult:
+    def run(self, micro_batches: list[DrafterBatch]) -> StepResult | DeferredStepResult:
+        """One whole step with nothing between the phases (one replica, one node)."""
+        for batch in micro_batches:
+            self.accumulate(batch)
+        return self.update()
+
+    def _on_device(self) -> Any:
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def accumulate(self, batch: DrafterBatch) -> None:
+        """`Step.accumulate` of one micro-batch: copied into its bucket's buffers, its graph replayed."""
         if self.classic_reason is not None:
-            return training_step(
-                self.drafter, self.optimizer, self.scheduler, micro_batches, self.frozen, self.objective,
-                attention_backend=self.attention_backend, clip_grad=self.clip_grad,
-                autocast_dtype=self.autocast_dtype, sync_gradients=sync_gradients,
-            )
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with on_device:
-            for batch in micro_batches:
-                self._accumulate(batch)
-            if sync_gradients is not None:
-                sync_gradients()
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.static.set_lr()
-            if self.update_graph is not None:
-                self.update_graph.replay()
-            else:
-                self.static.update()
-            self.scheduler.step()
-            return self._deferred(lr)
-
-    def _accumulate(self, batch: DrafterBatch) -> None:
+            self.step.accumulate(batch)
+            return
         length = batch.input_ids.shape[1]
         inputs = self.inputs.get(length)
         if batch.scored_rows is None:
             raise ValueError("a graphed step needs the scored-slot count from the host (DrafterBatch.scored_rows)")
-        if inputs is None or not inputs.holds(batch):
-            self._accumulate_unprepared(batch)
-            return
-        rows = self.shapes.rows_for(length, batch.scored_rows)
-        inputs.fill(batch)
-        graph = self.graphs.get((length, rows))
-        if graph is not None:
-            graph.replay()
-        else:
-            self.static.accumulate(inputs, rows)
+        with self._on_device():
+            if inputs is None or not inputs.holds(batch):
+                self._accumulate_unprepared(batch)
+                return
+            rows = self.shapes.rows_for(length, batch.scored_rows)
+            inputs.fill(batch)
+            graph = self.graphs.get((length, rows))
+            if graph is not None:
+                graph.replay()
+            else:
+                self.step.accumulate(inputs, rows)
 
     def _accumulate_unprepared(self, batch: DrafterBatch) -> None:
         """A shape no bucket was prepared for (not in a pipeline run): eagerly, with buffers of its own."""
@@ -442,10 +422,18 @@ class GraphedStep:
                           "it runs eagerly", stacklevel=3)
         inputs = StaticInputs(shape, self.device)
         inputs.fill(batch)
-        self.static.accumulate(inputs, max(1, batch.scored_rows))
+        self.step.accumulate(inputs, max(1, batch.scored_rows))
+
+    def update(self) -> StepResult | DeferredStepResult:
+        """`Step.update` (its device part replayed where captured); the numbers read later."""
+        with self._on_device():
+            lr = self.step.update()
+            if self.classic_reason is not None:
+                return self.step.result(lr)
+            return self._deferred(lr)
 
     def _deferred(self, lr: float) -> DeferredStepResult:
-        outputs, block = self.static.outputs, self.drafter.config.block_size
+        outputs, block = self.step.outputs, self.step.drafter.config.block_size
         if self.device.type != "cuda":
             return DeferredStepResult(outputs.clone(), None, lr, block)
         host = torch.empty(outputs.shape, dtype=outputs.dtype, pin_memory=True)
@@ -467,29 +455,21 @@ class GraphedStep:
 
 # --- eager runs compile up front too ---------------------------------------------------------------
 
-def warm_compile(
-    *, drafter: DFlashDrafter, frozen: FrozenTargetParts, objective: ObjectiveConfig, attention_backend: str,
-    autocast_dtype: torch.dtype | None, shapes: StepShapes, say: Say,
-) -> str:
-    """The classic eager step's compiles, done before step 1: one forward and backward per length
-    bucket on synthetic data, gradients dropped after (no weight, no optimizer state changes)."""
-    device = next(drafter.parameters()).device
-    vocab = frozen.head_weight.shape[0]
+def warm_compile(step: Step, shapes: StepShapes, say: Say) -> str:
+    """The eager step's compiles, done before step 1: one `Step.accumulate` per length bucket on
+    synthetic data, gradients and sums zeroed after (no weight, no optimizer state changes)."""
+    device, vocab = step.device, step.frozen.head_weight.shape[0]
     started = time.perf_counter()
     for length, shape in sorted(shapes.inputs.items()):
         bucket_started = time.perf_counter()
         try:
-            batch = synthetic_batch(shape, objective, vocab, device, 0)
-            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
-            with autocast:
-                loss, _ = drafter_loss(drafter, frozen, batch, objective, attention_backend)
-            loss.backward()
+            step.accumulate(synthetic_batch(shape, step.objective, vocab, device, 0))
         except Exception as error:  # noqa: BLE001 - its steps run uncompiled instead (compile_gate.py)
             warnings.warn(f"warm-up: length {length} did not compile up front ({error_summary(error)}); "
                           "its steps run uncompiled (--fail-on-recompile: the first one stops the run)", stacklevel=2)
             continue
         finally:
-            drafter.zero_grad(set_to_none=True)
+            step.reset()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         say(f"length {length}: compiled in {time.perf_counter() - bucket_started:.1f}s")

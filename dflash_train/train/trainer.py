@@ -27,7 +27,8 @@ from typing import Any, Sequence, TextIO
 from ..config import PER_NODE_SETTINGS, ConfigError, TrainConfig
 from ..decode.families import describe_target
 from ..files import hold_output
-from ..parallel.nodes import NodeGroup, check_launch, detect_launch, gradient_backend
+from ..parallel.launch import check_launch, detect_launch, gradient_backend
+from ..parallel.nodes import NodeGroup
 from ..target.model import Target
 from .batches import stream_identity
 from .build import Pipeline, Run, build_evaluation, build_pipeline, compile_gate, describe_drafters, prepare_run_folder
