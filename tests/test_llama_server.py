@@ -11,12 +11,14 @@ What must hold:
 - lossless: with the drafter, llama-server's greedy tokens equal its own target-only tokens,
   prompt by prompt, token for token;
 - acceptance: on the prompts whose answer llama.cpp reproduces (its Q4_1 integer kernels and our
-  float32 of the dequantized weights can part at a near-tie), llama.cpp accepts at least
-  ACCEPTANCE_SHARE of the drafts our own decoder accepts on the same prompts. There the two
-  engines see the same tokens and the same drafter, and differ only in the target's numerics that
-  the drafter reads as features, so a correct file accepts about as often as we do (measured: see
-  the report line). A file llama.cpp reads wrongly (a layer id off by one, a tensor transposed,
-  another mask token) drafts noise, and noise is accepted about never.
+  float32 of the dequantized weights part at near-ties on some prompts), llama.cpp's acceptance
+  rate (`timings.draft_n_accepted / draft_n` of its /completion response) is at least
+  ACCEPTANCE_SHARE of our decoder's on the same prompts. There both engines verify the same
+  tokens with the same drafter and differ only in the target's numerics, which the drafter reads
+  as features: measured, llama.cpp accepted 77 of 175 drafts where we accept 76 of 182 (1.05x
+  ours). The bound leaves 10 % for numerics and catches a file llama.cpp reads a little wrong:
+  with its target layers shifted by one (the +1 of export/gguf.py dropped) the same drafter got
+  72 of 210 (0.82x).
 
 Marked `engine`: skipped unless DFLASH_ENGINE=1 and llama-server is built (`./bootstrap.sh
 engine` does both); minutes on a CPU.
@@ -60,8 +62,8 @@ MAX_NEW_TOKENS = 48
 BLOCK_SIZE = 8
 LAYERS = "2,9,16"  # shallow: the training forward stops at layer 16 of 30
 TRAIN_STEPS = 150  # measured: simulated tau 5.7 on these 8 answers at 150 steps, 1.1 at 60
-ACCEPTANCE_SHARE = 0.75
-MIN_OWN_ACCEPTANCE = 0.4  # below it the drafter knows too little for the comparison to mean anything (measured: 0.51)
+ACCEPTANCE_SHARE = 0.9
+MIN_OWN_ACCEPTANCE = 0.3  # below it the drafter knows too little for the comparison to mean anything (measured: 0.42)
 SERVER_START_S = 300
 
 
@@ -73,7 +75,8 @@ class Completion:
 
 
 class LlamaServer:
-    """One real llama-server process on 127.0.0.1 (a free port), its log in `log`."""
+    """One real llama-server process on 127.0.0.1 (a free port), its log in `log`. One thread: two
+    spinning OpenMP threads crawl when the machine's cores are shared with other jobs."""
 
     def __init__(self, binary: Path, model: Path, log: Path, *extra: str):
         with socket.socket() as probe:
@@ -81,7 +84,7 @@ class LlamaServer:
             self.port = probe.getsockname()[1]
         self.log = log
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", "1024",
-                   "-np", "1", "-t", "2", "--no-webui", *extra]
+                   "-np", "1", "-t", "1", "--no-webui", *extra]
         self.process = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + SERVER_START_S
         while not self._healthy():
@@ -206,7 +209,7 @@ def test_llama_server_serves_the_trained_drafter_losslessly(tmp_path, smollm2_di
 
     reproduced = [i for i in range(len(PROMPTS)) if [t for t in plain[i].tokens if t not in stops]
                   == rows[f"p{i}"]["answer_token_ids"]]
-    assert len(reproduced) >= len(PROMPTS) // 2, f"llama.cpp reproduces only prompts {reproduced} of our answers"
+    assert len(reproduced) >= 3, f"llama.cpp reproduces only prompts {reproduced} of our answers (measured: 4 of 8)"
     own = [_own_acceptance(ours[i].acceptance_lengths) for i in reproduced]
     own_drafted, own_accepted = sum(d for d, _ in own), sum(a for _, a in own)
     llama_drafted = sum(speculative[i].drafted for i in reproduced)
