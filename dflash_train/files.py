@@ -162,7 +162,12 @@ def apply_umask(root: Path) -> None:
     os.chmod(root, folder_mode)
     for written in root.rglob("*"):
         if not written.is_symlink():
-            os.chmod(written, folder_mode if written.is_dir() else file_mode)
+            os.chmod(written, folder_mode if written.is_dir() or _is_program(written) else file_mode)
+
+
+def _is_program(path: Path) -> bool:
+    """A file its writer made executable (a built binary): it stays executable when modes are reset."""
+    return path.is_file() and bool(path.stat().st_mode & 0o100)
 
 
 def write_new_file_atomic(path: str | Path, data: bytes, flag: str = "") -> Path:
@@ -250,7 +255,7 @@ def publish_dir_once(
         if shared:
             os.chmod(staging, 0o755)
             for written in staging.rglob("*"):
-                os.chmod(written, 0o755 if written.is_dir() else 0o644)
+                os.chmod(written, 0o755 if written.is_dir() or _is_program(written) else 0o644)
         else:
             apply_umask(staging)
         fsync_tree(staging)

@@ -67,12 +67,13 @@ def pytest_sessionstart(session):
 
 # Longer time limits than pyproject's default for whole classes of tests (a test's own
 # @pytest.mark.timeout wins): slow ones take minutes by definition, GPU ones compile.
-CLASS_TIME_LIMITS = {"slow": 1800, "gpu": 900}
+CLASS_TIME_LIMITS = {"slow": 1800, "gpu": 900, "engine": 3600}
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow: set DFLASH_SLOW=1 to run")
+    skip_engine = pytest.mark.skip(reason="engine: ./bootstrap.sh engine builds llama-server once and runs these")
     for item in items:
         if item.get_closest_marker("timeout") is None:
             limits = [seconds for mark, seconds in CLASS_TIME_LIMITS.items() if mark in item.keywords]
@@ -82,6 +83,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and os.environ.get("DFLASH_SLOW") != "1":
             item.add_marker(skip_slow)
+        if "engine" in item.keywords and os.environ.get("DFLASH_ENGINE") != "1":
+            item.add_marker(skip_engine)
 
 
 def pytest_terminal_summary(terminalreporter):

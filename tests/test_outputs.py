@@ -333,6 +333,28 @@ def test_outputs_are_created_with_the_users_umask(tmp_path, target, run_dir, uma
     assert not wrong
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_published_program_stays_executable(tmp_path, shared):
+    """The engine tests publish a built llama-server with publish_dir_once: resetting the modes to
+    the umask (or to the shared cache's 0644) made it a file nobody could run."""
+    from dflash_train.files import publish_dir_once
+
+    def build(staging):
+        (staging / "bin").mkdir()
+        (staging / "bin" / "server").write_text("#!/bin/sh\n")
+        os.chmod(staging / "bin" / "server", 0o700)
+        (staging / "build.json").write_text("{}")
+
+    previous = os.umask(0o022)
+    try:
+        folder = publish_dir_once(tmp_path / "built", build, is_complete=lambda d: (d / "build.json").is_file(),
+                                  shared=shared)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((folder / "bin" / "server").stat().st_mode) == 0o755
+    assert stat.S_IMODE((folder / "build.json").stat().st_mode) == 0o644
+
+
 # --- D12: an export killed at its rename --------------------------------------------------------------
 
 def _export_killed_at_its_rename(run_dir: Path, out: Path, *extra: str) -> None:
