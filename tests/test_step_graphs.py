@@ -530,16 +530,16 @@ def _captures_length(graphed, fn, length):
 
 
 def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
-    """--fp8 all through the functions CUDA graphs capture (run eagerly here): 6 steps stay closer
-    to the classic FP8 step than FP8 is to exact products (by a margin a static step that
-    lost the FP8 products would not keep). Not equal: a rows bucket's padding rows
-    (copies of a real row) can change the last head chunk's FP8 scale; on this model the first
-    loss differs by ~1e-4 relative and the weights by ~half of FP8's own distance from float32."""
+    """--fp8 all through the functions CUDA graphs capture (run eagerly here): 3 steps of 2
+    micro-batches stay closer to the classic FP8 step than FP8 is to exact products (by a margin
+    a static step that lost the FP8 head would not keep: measured 1.5 of FP8's distance then).
+    Not always equal: a rows bucket's padding rows (copies of a real row) can change the last
+    head chunk's FP8 scale. Small on purpose: CPU FP8 products are slow on some hosts."""
     from dflash_train.core.fp8 import use_fp8_linears
 
-    fp8_objective, exact_objective = _objective(anchors=24), _objective(anchors=24)
+    fp8_objective, exact_objective = _objective(anchors=12), _objective(anchors=12)
     fp8_objective.fp8_head = True
-    steps = _steps(target, fp8_objective, steps=6, batches_per_step=2)
+    steps = _steps(target, fp8_objective, steps=3, batches_per_step=2)
     classic_fp8 = _drafter(target)
     exact = copy.deepcopy(classic_fp8)
     assert use_fp8_linears(classic_fp8) > 0
@@ -557,7 +557,7 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
         assert not got.skipped and got.loss == pytest.approx(expected.loss, rel=1e-2)
     with torch.no_grad():
         for (name, s), c, e in zip(static_fp8.named_parameters(), classic_fp8.parameters(), exact.parameters()):
-            # measured: at most 0.61 of FP8's distance from exact; a static step without FP8 would be ~1
+            # measured: ~3e-5 of FP8's distance from exact (0.61 at 6 steps of 24 anchors); ~1.5 without the FP8 head
             assert _relative(s, c) <= 0.8 * _relative(e, c), (name, _relative(s, c), _relative(e, c))
 
 
