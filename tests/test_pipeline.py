@@ -14,6 +14,8 @@ from dflash_train.config import ConfigError
 from dflash_train.parallel.threads import PipelineError
 from dflash_train.train.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
+
 
 @pytest.fixture(scope="module")
 def target():
