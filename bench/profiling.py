@@ -1,4 +1,7 @@
-"""torch.profiler helpers shared by the bench scripts: the tables they write, and how busy the GPU was."""
+"""torch.profiler helpers shared by the bench scripts: the tables they write, and how busy the GPU was.
+
+    python bench/profiling.py kernels TRACE.json --steps N    # kernel ms per step per stream, as JSON
+"""
 
 from __future__ import annotations
 
@@ -55,3 +58,22 @@ def kernels_by_stream(trace: Path, steps: int, top: int = 12) -> dict:
         report[stream] = {"ms_per_step": round(entry["ms"] / steps, 3), "kernels_per_step": round(entry["kernels"] / steps, 1),
                           "top": [(name[:120], round(ms / steps, 3)) for name, ms in names]}
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Kernel time per CUDA stream of a Chrome trace, in ms per step.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    kernels = commands.add_parser("kernels", help="kernels_by_stream of a trace written by prof.export_chrome_trace")
+    kernels.add_argument("trace", type=Path)
+    kernels.add_argument("--steps", type=int, required=True, help="how many steps the trace profiled")
+    kernels.add_argument("--top", type=int, default=12, help="kernels listed per stream")
+    args = parser.parse_args(argv)
+    print(json.dumps(kernels_by_stream(args.trace, args.steps, args.top), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

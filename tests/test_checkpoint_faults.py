@@ -254,44 +254,49 @@ def test_a_save_killed_midway_is_cleaned_at_the_next_save(tmp_path):
 
 FULL_DISK = textwrap.dedent("""
     import json, sys
-    sys.path[:0] = [sys.argv[2], sys.argv[3]]
+    sys.path[:0] = [sys.argv[1], sys.argv[2]]
     from dflash_train.train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify_checkpoint
     from test_checkpoint_faults import _drafter, _optimizer_with_state
 
-    drafter = _drafter(hidden=int(sys.argv[4]))
+    drafter = _drafter(hidden=int(sys.argv[3]))
     optimizer = _optimizer_with_state(drafter)
-    result = {}
-    try:
-        save_checkpoint(sys.argv[1], 1, drafter, optimizer, None, {})
-        result["first"] = "saved"
-        save_checkpoint(sys.argv[1], 2, drafter, optimizer, None, {})
-        result["second"] = "saved"
-    except CheckpointError as error:
-        result["error"] = str(error)
-    except BaseException as error:
-        result["other"] = f"{type(error).__name__}: {error}"
-    result["latest"] = str(latest_checkpoint(sys.argv[1]))
-    result["left"] = sorted(p.name for p in (__import__("pathlib").Path(sys.argv[1]) / "checkpoints").iterdir())
-    if result.get("first"):
-        result["first_verifies"] = verify_checkpoint(result["latest"])["step"]
-    print(json.dumps(result))
+    for run in sys.argv[4:]:  # one run folder on each tiny disk
+        result = {}
+        try:
+            save_checkpoint(run, 1, drafter, optimizer, None, {})
+            result["first"] = "saved"
+            save_checkpoint(run, 2, drafter, optimizer, None, {})
+            result["second"] = "saved"
+        except CheckpointError as error:
+            result["error"] = str(error)
+        except BaseException as error:
+            result["other"] = f"{type(error).__name__}: {error}"
+        result["latest"] = str(latest_checkpoint(run))
+        result["left"] = sorted(p.name for p in (__import__("pathlib").Path(run) / "checkpoints").iterdir())
+        if result.get("first"):
+            result["first_verifies"] = verify_checkpoint(result["latest"])["step"]
+        print(json.dumps(result))
 """)
 
 
-def _on_a_tiny_tmpfs(tmp_path: Path, size_kib: int, hidden: int) -> dict:
-    mount = tmp_path / f"disk{size_kib}"
-    mount.mkdir()
+def _on_tiny_tmpfs(tmp_path: Path, sizes_kib: list[int], hidden: int) -> list[dict]:
+    """Saves two checkpoints on each of `sizes_kib` tiny disks (tmpfs mounts in one user
+    namespace, one Python process for all of them); what each save said, per disk."""
+    mounts = [tmp_path / f"disk{size}" for size in sizes_kib]
+    for mount in mounts:
+        mount.mkdir()
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK)
-    command = (f"mount -t tmpfs -o size={size_kib}k tmpfs {mount} && "
-               f"{sys.executable} {script} {mount / 'run'} {REPO} {REPO / 'tests'} {hidden}")
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mounts[0]}"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a user namespace here ({probe.stderr.decode().strip()}); "
                     "the full-disk path is then untested on this machine")
+    command = " && ".join([*(f"mount -t tmpfs -o size={size}k tmpfs {mount}" for size, mount in zip(sizes_kib, mounts)),
+                           f"{sys.executable} {script} {REPO} {REPO / 'tests'} {hidden} "
+                           + " ".join(str(mount / "run") for mount in mounts)])
     done = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(mounts):]]
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1): cannot mount a tiny tmpfs")
@@ -304,17 +309,16 @@ def test_a_full_disk_is_reported_as_such_naming_the_file(tmp_path):
     kib = 1024
 
     # Room for one checkpoint and the second one's weights, not its trainer state: torch.save
-    # hits ENOSPC (it used to say "unexpected pos ...").
+    # hits ENOSPC (it used to say "unexpected pos ..."). And no room even for the first
+    # checkpoint's weights (safetensors' bytes, written by us).
     room = sum(sizes.values()) + sizes["drafter.safetensors"] + sizes["trainer.pt"] // 2 + 3 * 4096
-    result = _on_a_tiny_tmpfs(tmp_path, room // kib, hidden)
+    result, no_room = _on_tiny_tmpfs(tmp_path, [room // kib, 64], hidden)
     assert result.get("first") == "saved" and "second" not in result and "other" not in result, result
     assert "No space left on device (ENOSPC)" in result["error"] and "unexpected pos" not in result["error"]
     assert f"{tmp_path / f'disk{room // kib}' / 'run' / 'checkpoints' / 'step-00000002' / 'trainer.pt'}:" in result["error"]
     assert result["error"].endswith(f"nothing of it was kept and the newest complete checkpoint is still {result['latest']}")
     assert result["left"] == ["latest", "step-00000001"] and result["first_verifies"] == 1
 
-    # No room even for the first checkpoint's weights (safetensors' bytes, written by us).
-    result = _on_a_tiny_tmpfs(tmp_path, 64, hidden)
-    assert "first" not in result and "other" not in result, result
-    assert "step-00000001/drafter.safetensors: No space left on device (ENOSPC)" in result["error"]
-    assert result["error"].endswith("there is no earlier checkpoint") and result["left"] == []
+    assert "first" not in no_room and "other" not in no_room, no_room
+    assert "step-00000001/drafter.safetensors: No space left on device (ENOSPC)" in no_room["error"]
+    assert no_room["error"].endswith("there is no earlier checkpoint") and no_room["left"] == []

@@ -13,7 +13,6 @@ Agreement with the reference is exact in float32. In bfloat16 it holds up to the
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import itertools
 import json
@@ -814,7 +813,7 @@ def test_prompt_files_are_read_by_the_project_reader(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# `dflash-train eval` and bench/spec_decode.py, end to end on a tiny chat model
+# `dflash-train eval`, end to end on a tiny chat model
 # --------------------------------------------------------------------------------------------
 
 
@@ -970,29 +969,6 @@ def test_eval_offset_is_validated(chat_pair, capsys):
     assert "no prompts left after --offset 3" in capsys.readouterr().err
 
 
-def test_quality_script_reports_a_failing_shard_and_merges_the_others(chat_pair, tmp_path, capsys):
-    script = importlib.import_module("bench.quality_smollm2")
-    eval_args = ["--target", str(chat_pair / "target"), "--bench", "mtbench", "--max-new-tokens", "6"]
-    runner = script.ShardRunner(["cpu", "cpu"], eval_args, deadline=time.monotonic() + 300)
-    good = script.shard_jobs("final", str(chat_pair / "drafter"), 3, 2, baseline=True, priority=0, shard_dir=tmp_path)
-    broken = script.shard_jobs("broken", str(tmp_path / "no-drafter"), 1, 1, baseline=False, priority=0, shard_dir=tmp_path)
-    for job in broken + good:
-        runner.submit(job)
-    runner.wait(poll_seconds=0.1)
-    out = capsys.readouterr().out
-    assert [job.status for job in runner.jobs] == ["failed", "ok", "ok"]
-    assert "shard broken-o000 (cpu, prompts 0..0) FAILED with exit code 2" in out and "no-drafter" in out
-    merged = script.merge_group(runner, "final")
-    assert [r["id"] for r in merged["benchmarks"]["mtbench"]["prompts"]] == ["81", "82", "83"]
-    assert script.merge_group(runner, "broken") is None
-
-    late = script.ShardRunner(["cpu"], eval_args, deadline=time.monotonic() - 1)
-    late.submit(good[0])
-    good[0].status = "pending"
-    late.wait(poll_seconds=0.1)
-    assert good[0].status == "not run" and "1 shard(s) not started: deadline reached" in capsys.readouterr().out
-
-
 def test_in_training_evaluator_from_a_benchmark(chat_pair):
     from dflash_train.export.hf import load_exported_drafter
     from dflash_train.target.model import load_target
@@ -1004,20 +980,6 @@ def test_in_training_evaluator_from_a_benchmark(chat_pair):
     assert target.tokenizer.decode(evaluator.prompts[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
     metrics = evaluator.measure(load_exported_drafter(chat_pair / "drafter"))
     assert metrics["tokens"] >= 2 and metrics["tau"] >= 1
-
-
-def test_bench_script_runs_on_cpu(chat_pair, tmp_path, reference_module):
-    script = importlib.import_module("bench.spec_decode")
-    out = tmp_path / "bench.json"
-    code = script.main([
-        "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"), "--bench", "mtbench",
-        "--limit", "2", "--max-new-tokens", "10", "--device", "cpu", "--json", str(out),
-    ])
-    assert code == 0
-    summary = json.loads(out.read_text())["benchmarks"]["mtbench"]["summary"]
-    assert summary["errors"] == 0
-    assert summary["same_as_reference"] == "2/2" and summary["same_acceptance_as_reference"] == "2/2"
-    assert summary["same_as_baseline"] == "2/2"
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,14 +87,21 @@ def _run(tmp_path: Path, target: Target, name: str, config_changes: dict | None 
     return run
 
 
-def _fields(path: Path) -> dict:
+def _read(path: Path) -> tuple[dict, list]:
+    """Every metadata key (its types and value) and every tensor (name, type, shape, bytes) of a
+    GGUF file. Parsing a 49k-token vocabulary takes seconds on a shared CPU: read each file once."""
     reader = gguf.GGUFReader(str(path))
-    return {key: ([gguf.GGUFValueType(t).name for t in field.types], field.contents()) for key, field in reader.fields.items()}
+    fields = {key: ([gguf.GGUFValueType(t).name for t in field.types], field.contents()) for key, field in reader.fields.items()}
+    tensors = [(t.name, t.tensor_type.name, [int(n) for n in t.shape], np.asarray(t.data).tobytes()) for t in reader.tensors]
+    return fields, tensors
+
+
+def _fields(path: Path) -> dict:
+    return _read(path)[0]
 
 
 def _tensors(path: Path) -> list:
-    return [(t.name, t.tensor_type.name, [int(n) for n in t.shape], np.asarray(t.data).tobytes())
-            for t in gguf.GGUFReader(str(path)).tensors]
+    return _read(path)[1]
 
 
 # The second drafter takes the converter's other branches: YaRN RoPE, float16, an embedding
@@ -126,23 +133,24 @@ def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
                             "--outfile", str(tmp_path / f"{name}.reference.gguf")])
     _finish(_convert(root, *conversions), "tiny target and the exports")
 
+    ours = {}
     for name, (dtype, _) in VARIANTS.items():
-        ours = tmp_path / f"{name}.gguf"
+        path = tmp_path / f"{name}.gguf"
         assert main(["export", str(runs[name]), "--format", "gguf", "--target", str(tmp_path / "target.gguf"),
-                     "--out", str(ours), "--dtype", dtype]) == 0
-        reference, written = _fields(tmp_path / f"{name}.reference.gguf"), _fields(ours)
+                     "--out", str(path), "--dtype", dtype]) == 0
+        (reference, reference_tensors), (written, written_tensors) = _read(tmp_path / f"{name}.reference.gguf"), _read(path)
+        ours[name] = written, written_tensors
         assert sorted(written) == sorted(reference), name
         for key in reference:
             assert written[key] == reference[key], (
                 f"{name} {key}: ours {str(written[key])[:200]} != llama.cpp's {str(reference[key])[:200]}")
-        reference_tensors, written_tensors = _tensors(tmp_path / f"{name}.reference.gguf"), _tensors(ours)
         assert [t[:3] for t in written_tensors] == [t[:3] for t in reference_tensors], name
         for (tensor, *_, expected), (_, *_, got) in zip(reference_tensors, written_tensors):
             assert got == expected, f"{name} {tensor}: data differs from llama.cpp's"
         assert len(written_tensors) == len(expected_weight_names(2, dflash2=name == "smol-dflash2"))
 
     # The keys that make it a DFlash drafter of this target, spelled out (values are llama.cpp's).
-    plain, scaled = _fields(tmp_path / "smol-drafter.gguf"), _fields(tmp_path / "smol-yarn.gguf")
+    plain, scaled = ours["smol-drafter"][0], ours["smol-yarn"][0]
     assert plain["general.architecture"][1] == "dflash"
     assert plain["dflash.target_layers"][1] == [2, 4, 5]
     assert plain["dflash.block_size"][1] == 8
@@ -152,9 +160,9 @@ def test_gguf_export_equals_llama_cpp_converter(tmp_path, smollm2_dir):
     assert scaled["general.file_type"][1] == gguf.LlamaFileType.MOSTLY_F16
     assert scaled["dflash.rope.scaling.type"][1] == "yarn" and scaled["dflash.embedding_scale"][1] == 8.0
     assert scaled["dflash.final_logit_softcapping"][1] == 30.0
-    dflash2 = _fields(tmp_path / "smol-dflash2.gguf")
+    dflash2 = ours["smol-dflash2"][0]
     assert [dflash2[f"dflash.{k}"][1] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")] == [3, 8, 16, 4]
-    dflash2_tensors = {t[0]: t[1] for t in _tensors(tmp_path / "smol-dflash2.gguf")}
+    dflash2_tensors = {t[0]: t[1] for t in ours["smol-dflash2"][1]}
     assert dflash2_tensors["blk.1.ffn_conv_base"] == "F32" and dflash2_tensors["selector_successor.weight"] == "BF16"
 
 

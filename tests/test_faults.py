@@ -22,6 +22,8 @@ from dflash_train.errors import RunFailed
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
+
 DATA = Path(__file__).parent / "data" / "smollm2_regenerated_64.jsonl.gz"
 
 

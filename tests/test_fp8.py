@@ -321,14 +321,9 @@ def test_gpu_training_with_fp8_learns_and_exports_plain_weights(tmp_path):
 def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
     """The compiled path (drafter forward and head chunk under torch.compile, bf16 autocast)
     gives the eager FP8 gradient, and fits one batch about as fast as bf16 does."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from drafter_step import TINY, drafter_config, make_batch
-    from fp8_check import build
-
+    from dflash_train.core.drafter import DFlashDrafter
     from dflash_train.core.step import FrozenTargetParts, drafter_loss, make_optimizer
+    from dflash_train.train.synthetic import TINY, drafter_config, make_batch
 
     device = torch.device("cuda")
     dims = dict(TINY, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, vocab=4096)
@@ -338,6 +333,19 @@ def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
     head = (torch.randn(config.vocab_size, config.hidden_size, generator=generator) * 0.05).to(device, torch.bfloat16)
     frozen = FrozenTargetParts(embed, head)
     batch, objective, _ = make_batch(config, 2, 512, 64, device, torch.bfloat16)
+
+    def build(mode: str, compiled: bool) -> DFlashDrafter:
+        """The same random drafter (N(0, 0.02), norms at 1) every call, its forward compiled and
+        its linears in FP8 (`--fp8 all`) as asked."""
+        torch.manual_seed(0)
+        model = DFlashDrafter(config).to(device)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        if compiled:
+            model.forward = torch.compile(model.forward, dynamic=False)
+        if mode == "all":
+            use_fp8_linears(model)
+        return model
 
     def fit(model, mode: str, compiled: bool, steps: int):
         objective.fp8_head, objective.compiled_head = mode != "off", compiled
@@ -354,10 +362,10 @@ def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
             losses.append(float(loss))
         return losses, first_grad
 
-    eager_losses, eager_grad = fit(build(dims, device, "all", False)[1], "all", False, 1)
-    compiled_losses, compiled_grad = fit(build(dims, device, "all", True)[1], "all", True, 40)
+    eager_losses, eager_grad = fit(build("all", False), "all", False, 1)
+    compiled_losses, compiled_grad = fit(build("all", True), "all", True, 40)
     assert abs(compiled_losses[0] - eager_losses[0]) < 1e-2 * eager_losses[0]
     assert torch.nn.functional.cosine_similarity(compiled_grad, eager_grad, dim=0) > 0.99
-    bf16_losses, _ = fit(build(dims, device, "off", True)[1], "off", True, 40)
+    bf16_losses, _ = fit(build("off", True), "off", True, 40)
     assert compiled_losses[-1] < compiled_losses[0] / 2
     assert compiled_losses[-1] < 1.5 * bf16_losses[-1], (compiled_losses[-1], bf16_losses[-1])

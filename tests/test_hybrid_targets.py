@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import re
 
 import pytest
 import torch
@@ -367,18 +366,3 @@ def test_export_check_wants_yarn_for_gpt_oss(tmp_path):
 
     _edit(tmp_path / "export", plain)
     assert _verdicts(tmp_path / "export", tmp_path / "target")["target_rope"] == "FAIL"
-
-
-def test_the_hybrid_bench_prints_its_summary_lines_on_cpu(capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.hybrid_targets import main
-
-    assert main(["--family", "qwen3_5", "--tiny", "--device", "cpu", "--steps", "3", "--train-batch", "2",
-                 "--rows", "2", "--batch", "2", "--max-new-tokens", "4", "--max-seq-len", "64", "--max-prompt", "16"]) == 0
-    out = capsys.readouterr().out
-    assert "target: qwen3_5_text (hybrid" in out
-    assert re.search(r"^train qwen3_5-shape: [\d.]+ samples/s \(limit .+\)$", out, re.M), out[-800:]
-    assert re.search(r"^regenerate qwen3_5-shape batch 2: [\d,]+ tok/s \(HF generate [\d,]+ tok/s\)$", out, re.M)

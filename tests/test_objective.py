@@ -203,23 +203,3 @@ def test_objective_config_errors():
         ObjectiveConfig(block_size=4, num_anchors=2, loss="mse")
     with pytest.raises(ValueError, match="dpace_alpha"):
         ObjectiveConfig(block_size=4, num_anchors=2, dpace_alpha=1.5)
-
-
-def test_the_head_bench_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_there(tmp_path, capsys):
-    """bench/head_ce.py end to end on the CPU (the GPU numbers are in docs/PERF.md): the summary
-    line and its JSON, and `--kernels fused` refused with the reason (exit 2)."""
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import head_ce
-
-    out = tmp_path / "head.json"
-    assert head_ce.main(["--device", "cpu", "--rows", "40", "--vocab", "300", "--hidden", "16", "--kernels", "eager",
-                         "--iters", "1", "--warmup", "0", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["summary"].startswith("head CE 40 rows × 300: eager ") and result["ms"]["eager"] > 0
-    with pytest.raises(SystemExit) as refused:
-        head_ce.main(["--device", "cpu", "--kernels", "fused"])
-    assert refused.value.code == 2 and "not a CUDA device" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from dflash_train.config import ConfigError
 from dflash_train.parallel.threads import PipelineError
 from dflash_train.train.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
+
 
 @pytest.fixture(scope="module")
 def target():
@@ -76,6 +78,27 @@ def test_variants_train_independent_drafters_from_one_stream(tmp_path, target):
         assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 10
     assert json.loads((tmp_path / "b6-dpace" / "run.json").read_text())["drafter_config"]["target_layer_ids"] == [2, 4]
     assert summary["workers"]["target-0"]["items"] == 10  # one target pass feeds both variants
+
+
+def test_each_variant_ends_with_the_weights_of_its_own_run(tmp_path, target):
+    """Variants mode shares the target's stream and nothing else: every drafter ends with the
+    weights a plain run with that variant's settings gives (same rows, order, seed and steps)."""
+    from safetensors.torch import load_file
+
+    variants = [{"name": "base"}, {"name": "b6-decay", "block_size": 6, "loss": "decay", "lr": 2e-3}]
+    samples = pattern_samples(16)
+    together = tmp_path / "together"
+    train(_config(together, mode="variants", variants=variants, steps=4, save_every=4, export_dtype=""),
+          samples=samples, target=target, log=_quiet())
+    for variant in variants:
+        alone = tmp_path / "alone" / variant["name"]
+        settings = {key: value for key, value in variant.items() if key != "name"}
+        train(_config(alone, steps=4, save_every=4, export_dtype="", **settings), samples=samples, target=target, log=_quiet())
+        got = load_file(str(together / variant["name"] / "checkpoints" / "step-00000004" / "drafter.safetensors"))
+        expected = load_file(str(alone / "checkpoints" / "step-00000004" / "drafter.safetensors"))
+        assert got.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{variant['name']} {key}")
 
 
 def test_variant_with_unknown_key_is_an_error(tmp_path, target):

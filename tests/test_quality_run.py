@@ -230,13 +230,17 @@ def test_curve_stage_trains_and_evaluates_each_point_then_plots(files, tmp_path)
     assert again.returncode == 0 and "curve: done in an earlier call" in again.stdout
 
 
+def recipe_args(files, work: Path, earlier: Path, *extra: str) -> list[str]:
+    return base_args(files, work, "--answers-from", str(earlier), "--smoke", "--stages", "recipe",
+                     "--recipe-variants", "loss=decay", "--recipe-rows", "5", "--recipe-steps", "3",
+                     "--recipe-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "8", *extra)
+
+
 @pytest.mark.timeout(900)
-def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_on_dev(files, tmp_path):
+def test_recipe_stage_trains_every_variant_in_one_run_and_ranks_them_on_dev(files, tmp_path):
     work = tmp_path / "work"
     earlier = earlier_answers(tmp_path / "earlier" / "answers.jsonl", 6)
-    args = base_args(files, work, "--answers-from", str(earlier), "--smoke", "--stages", "recipe",
-                     "--recipe-variants", "loss=decay", "--recipe-rows", "5", "--recipe-steps", "3",
-                     "--recipe-limit", "1", "--eval-procs-per-device", "1", "--max-new-tokens", "8")
+    args = recipe_args(files, work, earlier)
     done = quality_run(*args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -259,14 +263,23 @@ def test_recipe_stage_trains_every_variant_in_one_run_or_in_turn_and_ranks_them_
     again = quality_run(*args)
     assert again.returncode == 0 and "recipe: done in an earlier call" in again.stdout
 
-    # --recipe-mode sequential (the fallback where one variants run cannot be used): each variant
-    # is its own run on the same rows, and each drafter ends with the weights variants mode gave
-    # it (same rows, order, seed and steps; float32 on the CPU).
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_recipe_stage_in_turn_gives_every_variant_the_weights_of_one_variants_run(files, tmp_path):
+    """--recipe-mode sequential (the fallback where one variants run cannot be used): each variant
+    is its own run on the same rows, and each drafter ends with the weights variants mode gave
+    it (same rows, order, seed and steps; float32 on the CPU). Slow (two recipe stages); the
+    product's half of it, a variants run equals each variant's own run, is
+    test_pipeline.py::test_each_variant_ends_with_the_weights_of_its_own_run in the default suite."""
     from safetensors.torch import load_file
 
-    in_turn = tmp_path / "in-turn"
-    sequential = [*base_args(files, in_turn), *args[args.index("--answers-from"):], "--recipe-mode", "sequential"]
-    done = quality_run(*sequential)
+    earlier = earlier_answers(tmp_path / "earlier" / "answers.jsonl", 6)
+    work, in_turn = tmp_path / "work", tmp_path / "in-turn"
+    done = quality_run(*recipe_args(files, work, earlier))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = work / "recipe" / "run"
+    done = quality_run(*recipe_args(files, in_turn, earlier, "--recipe-mode", "sequential"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "variant base (1 of 2)" in done.stdout and "variant loss-decay (2 of 2)" in done.stdout
     assert sorted(json.loads((in_turn / "recipe" / "in-turn.json").read_text())) == ["base", "loss-decay"]

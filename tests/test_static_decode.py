@@ -397,27 +397,6 @@ def test_capture_while_another_thread_allocates_and_computes():
     assert not problems
 
 
-def test_static_decode_speed_bench_runs_on_cpu(tmp_path):
-    """bench/static_decode_speed.py in its tiny mode with prompts of several lengths and the
-    profiler: every number the GPU run records is there (a broken bench costs device time)."""
-    import json
-
-    from bench.static_decode_speed import main
-
-    out = tmp_path / "speed.json"
-    assert main(["--dims", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "2", "--new-tokens", "6",
-                 "--decoders", "static", "--lengths", "20,33,70", "--length-new-tokens", "6",
-                 "--profile", str(tmp_path / "prof"), "--json", str(out)]) == 0
-    static = json.loads(out.read_text())["static"]
-    assert static["greedy_step_ms"] > 0 and static["break_even_tau"] > 0
-    varied = static["varied_prompts"]
-    assert all(varied[f"{kind}_{what}"] > 0 for kind in ("target_only", "speculative")
-               for what in ("prefill_ms", "decode_ms_per_step")) and varied["eager_prefill_new_length_ms"] > 0
-    assert static["profile"]["speculative_steps"] > 0 and static["profile"]["target_only_steps"] == 5
-    for kind in ("target_only", "speculative"):
-        assert "Self CPU" in (tmp_path / f"prof.static.{kind}.txt").read_text()
-
-
 def test_the_cache_argument_is_named_by_the_first_forward_that_names_one():
     """A forward of *args, **kwargs over a Hugging Face model's (ScaledLogitsLlama) gets the
     name its base's forward uses, not the old `past_key_values` (a FutureWarning, and an error

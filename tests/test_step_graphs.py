@@ -6,11 +6,8 @@ configuration errors. Capture and replay themselves need a GPU: tests/test_step_
 import copy
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +43,6 @@ from dflash_train.train.trainer import train
 
 LAYERS = [1, 3]
 BUCKETS = [64, 112]
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -533,39 +529,17 @@ def _captures_length(graphed, fn, length):
     return any(cell is graphed.inputs[length] for cell in cells)
 
 
-def _graphed_step_bench(*flags: str) -> list[str]:
-    """bench/graphed_step.py in its CPU smoke mode on the shared 64-row file, with `flags`."""
-    return [sys.executable, str(REPO / "bench" / "graphed_step.py"), "--smoke", "--device", "cpu",
-            "--data", str(REPO / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"), *flags]
-
-
-def test_graphed_step_bench_reports_a_run_past_its_box_and_still_prints_the_others(tmp_path):
-    """bench/graphed_step.py: a run killed by --run-timeout is a FAILED line, not a traceback that loses the rest."""
-    out = tmp_path / "graphed.json"
-    done = subprocess.run(_graphed_step_bench("--steps", "2", "--run-timeout", "0.5", "--fp8", "head", "--json", str(out)),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    for label in ("start 1", "start 2", "eager", "graphed, --fp8 head"):
-        assert f"\n{label}:\n" in done.stdout, done.stdout
-    assert done.stdout.count("FAILED (timed out after 0.5s (--run-timeout))") == 4, done.stdout
-    assert "--fp8 head: FAILED" in done.stdout
-    results = json.loads(out.read_text())
-    assert {key: run["error"] for key, run in results.items()} == {
-        key: "timed out after 0.5s (--run-timeout)" for key in ("first_start", "second_start", "eager", "fp8")}
-
-
 def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
-    """--fp8 all through the functions CUDA graphs capture (run eagerly here): 6 steps stay closer
-    to the classic FP8 step than FP8 is to exact products (by a margin a static step that
-    lost the FP8 products would not keep). Not equal: a rows bucket's padding rows
-    (copies of a real row) can change the last head chunk's FP8 scale; on this model the first
-    loss differs by ~1e-4 relative and the weights by ~half of FP8's own distance from float32."""
+    """--fp8 all through the functions CUDA graphs capture (run eagerly here): 3 steps of 2
+    micro-batches stay closer to the classic FP8 step than FP8 is to exact products (by a margin
+    a static step that lost the FP8 head would not keep: measured 1.5 of FP8's distance then).
+    Not always equal: a rows bucket's padding rows (copies of a real row) can change the last
+    head chunk's FP8 scale. Small on purpose: CPU FP8 products are slow on some hosts."""
     from dflash_train.core.fp8 import use_fp8_linears
 
-    fp8_objective, exact_objective = _objective(anchors=24), _objective(anchors=24)
+    fp8_objective, exact_objective = _objective(anchors=12), _objective(anchors=12)
     fp8_objective.fp8_head = True
-    steps = _steps(target, fp8_objective, steps=6, batches_per_step=2)
+    steps = _steps(target, fp8_objective, steps=3, batches_per_step=2)
     classic_fp8 = _drafter(target)
     exact = copy.deepcopy(classic_fp8)
     assert use_fp8_linears(classic_fp8) > 0
@@ -583,62 +557,8 @@ def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):
         assert not got.skipped and got.loss == pytest.approx(expected.loss, rel=1e-2)
     with torch.no_grad():
         for (name, s), c, e in zip(static_fp8.named_parameters(), classic_fp8.parameters(), exact.parameters()):
-            # measured: at most 0.61 of FP8's distance from exact; a static step without FP8 would be ~1
+            # measured: ~3e-5 of FP8's distance from exact (0.61 at 6 steps of 24 anchors); ~1.5 without the FP8 head
             assert _relative(s, c) <= 0.8 * _relative(e, c), (name, _relative(s, c), _relative(e, c))
-
-
-def test_graphed_step_bench_run_dumps_every_threads_stack_before_its_box_ends(tmp_path):
-    """A run of bench/graphed_step.py that is still going 3 s before --run-timeout writes every
-    thread's stack to stderr (where a hung run is stuck), then carries on until it is killed."""
-    command = _graphed_step_bench("--child", "off", "--out", str(tmp_path / "run"), "--result", str(tmp_path / "result.json"),
-                                  "--steps", "1000", "--run-timeout", "5.5")
-    with pytest.raises(subprocess.TimeoutExpired) as stopped:
-        subprocess.run(command, capture_output=True, text=True, timeout=5, env={**os.environ, "PYTHONPATH": str(REPO)})
-    stderr = stopped.value.stderr or ""
-    stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
-    assert "Timeout (0:00:02.500000)!" in stderr and "most recent call first" in stderr, stderr[-2000:]
-
-
-def test_graphed_step_bench_runs_the_chosen_runs_on_the_chosen_buckets_and_profiles_a_window(tmp_path):
-    """--runs picks the runs (here start 1 alone), --buckets auto trains on train's automatic
-    buckets (128, 192, 256 at the smoke length; the recipe's default is one 768 bucket), and
-    --profile-steps profiles a window of steps of the run."""
-    out = tmp_path / "graphed.json"
-    done = subprocess.run(_graphed_step_bench("--steps", "6", "--runs", "start1", "--buckets", "auto",
-                                              "--profile-steps", "2", "--work", str(tmp_path / "work"), "--json", str(out)),
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert list(results) == ["first_start"], results.keys()
-    assert results["first_start"]["buckets"] == "auto" and results["first_start"]["steps"] == 6
-    assert "buckets [128, 192, 256]" in done.stdout, done.stdout[-3000:]
-    # The window's report (a CPU has no kernels: an empty table, written when the window closed).
-    assert json.loads((tmp_path / "work" / "run-graphed" / "kernels.json").read_text()) == {}
-
-
-def test_graphed_step_bench_refuses_an_unknown_run():
-    done = subprocess.run(_graphed_step_bench("--runs", "start1,warm"), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown run(s) warm" in done.stderr, done.stderr
-
-
-def test_kernels_by_stream_splits_a_trace_per_stream_in_ms_per_step(tmp_path):
-    """bench/profiling.kernels_by_stream on a trace in the format torch's profiler exports:
-    kernel events only (a CPU op and a memcpy are not kernels), per stream, per step, largest first."""
-    sys.path.insert(0, str(REPO))
-    from bench.profiling import kernels_by_stream
-
-    def kernel(name, stream, dur):
-        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "ts": 0, "args": {"stream": stream}}
-
-    events = [kernel("gemm", 7, 3000), kernel("gemm", 7, 1000), kernel("norm", 7, 500), kernel("flash", 13, 9000),
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99999, "ts": 0, "args": {}},
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 88888, "ts": 0, "args": {"stream": 7}}]
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
-    report = kernels_by_stream(trace, steps=2)
-    assert list(report) == ["13", "7"]
-    assert report["7"] == {"ms_per_step": 2.25, "kernels_per_step": 1.5, "top": [("gemm", 2.0), ("norm", 0.25)]}
-    assert report["13"]["ms_per_step"] == 4.5
 
 
 def test_graphed_features_capture_the_compiled_forward_or_say_why_not(target):

@@ -6,6 +6,7 @@ functions: a lazy import that climbs a floor is still a lower room knowing a hig
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,28 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert done.returncode == 0, done.stderr
     assert "usage: dflash-train" in done.stdout
     assert "HEAVY []" in done.stdout, done.stdout[-400:]
+
+
+BENCH_IMPORT = re.compile(r"""^\s*(from|import)\s+bench\b|import_module\(\s*["']bench\.|sys\.path\.\w+\(.*["']bench["']""", re.M)
+
+
+def bench_importers(files) -> list[str]:
+    return sorted(str(path) for path in files if BENCH_IMPORT.search(path.read_text()))
+
+
+def test_neither_the_package_nor_the_tests_import_bench():
+    """bench/ measures the product; what the product does is proved against the product. A bench
+    script's smoke test runs it as a subprocess (tests/test_bench_scripts.py), never imports it."""
+    tests = Path(__file__).resolve().parent
+    assert bench_importers(PACKAGE.rglob("*.py")) == []
+    assert bench_importers(p for p in tests.rglob("*.py") if p.resolve() != Path(__file__).resolve()) == []
+
+
+def test_the_bench_import_check_can_fail(tmp_path):
+    for line in ("from bench.profiling import kernels_by_stream", "import bench.head_ce",
+                 'script = importlib.import_module("bench.spec_decode")',
+                 'sys.path.insert(0, str(REPO / "bench"))'):
+        (tmp_path / "t.py").write_text(f"import sys\n{line}\n")
+        assert bench_importers([tmp_path / "t.py"]) == [str(tmp_path / "t.py")], line
+    (tmp_path / "t.py").write_text('summary = data["benchmarks"]  # bench/spec_decode.py writes this\n')
+    assert bench_importers([tmp_path / "t.py"]) == []

@@ -14,6 +14,9 @@ from dflash_train.target.model import (
 from tiny import FAMILIES, tiny_hf_model, tiny_target
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_features_are_hf_hidden_states_plus_one(family):
     target = tiny_target(family)

@@ -14,6 +14,8 @@ from dflash_train.config import ConfigError
 from dflash_train.train.checkpoint import latest_checkpoint, load_drafter
 from dflash_train.train.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
+
 
 def _config(out, **overrides):
     return tiny_train_config(out, **{**dict(steps=40, num_anchors=16, lr=3e-3, log_every=10, save_every=20), **overrides})
