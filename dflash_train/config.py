@@ -208,7 +208,7 @@ def _type_name(tp: Any) -> str:
     return _TYPE_NAMES.get(tp, (getattr(tp, "__name__", str(tp)),))[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -498,7 +498,7 @@ class DrafterSpec:
     fp8: str | None = None
 
     @classmethod
-    def from_table(cls, table: Any, where: str) -> "DrafterSpec":
+    def from_table(cls, table: Any, where: str) -> DrafterSpec:
         """A variant's table (`{name = 'b8', block_size = 8}`), each value converted to its
         field's type like a flag; an unknown key names the closest one a variant may set."""
         if isinstance(table, cls):
@@ -642,7 +642,7 @@ class TrainConfig:
             object.__setattr__(self, section, settings)
         object.__setattr__(self, "_drafters", self._make_drafters())
 
-    def replace(self, **values: Any) -> "TrainConfig":
+    def replace(self, **values: Any) -> TrainConfig:
         """This config with some settings changed, by flat name (`replace(lr=1e-3, data=[...])`),
         checked like any other."""
         classes = section_classes(TrainConfig)
@@ -676,12 +676,12 @@ class TrainConfig:
         drawn either way: the same loss, without the memory of the padded blocks)."""
         return min(self.objective.num_anchors, self.data.max_seq_len)
 
-    def variant_configs(self) -> list[tuple[str, "TrainConfig"]]:
+    def variant_configs(self) -> list[tuple[str, TrainConfig]]:
         """(name, settings) of each drafter of a variants run: the shared settings with its
         `DrafterSpec`, made (and so checked) when this config was; none in replicas mode."""
         return list(self._drafters)  # type: ignore[attr-defined]
 
-    def _make_drafters(self) -> list[tuple[str, "TrainConfig"]]:
+    def _make_drafters(self) -> list[tuple[str, TrainConfig]]:
         drafters: list[tuple[str, TrainConfig]] = []
         folders: dict[str, str] = {}
         if self.parallel.mode != "variants":

@@ -369,7 +369,6 @@ def test_dflash2_sampling_matches_the_targets_own_distribution(monkeypatch):
 
 
 def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_resume_and_export(tmp_path):
-    import dataclasses
     import os
     from pathlib import Path
 

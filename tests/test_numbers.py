@@ -4,7 +4,6 @@ loads. The walk covers every command of the CLI table and every int/float field 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
