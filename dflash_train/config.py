@@ -36,13 +36,22 @@ MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a lon
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, at_least: float | None = None,
            above: float | None = None, at_most: float | None = None, below: float | None = None,
-           choices: tuple | None = None, **kw: Any) -> Any:
+           choices: tuple | None = None, per_node: bool = False, fixed_by_checkpoint: bool = False,
+           **kw: Any) -> Any:
     """A dataclass field carrying its CLI help text and, for a number (or a list of numbers), the
     range every value must lie in: `check_numbers` refuses a value outside it, and NaN or inf
-    anywhere, for every command alike; `choices` are the only values `check_choices` accepts."""
+    anywhere, for every command alike; `choices` are the only values `check_choices` accepts.
+    For `train`: `per_node`, a setting each node of a multi-node run sets for itself (where its
+    files are, how its own devices run; every other must be equal on every node, or the run stops
+    at start); `fixed_by_checkpoint`, one a checkpoint's optimizer state fixes (a resume with
+    another value is refused)."""
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if per_node:
+        metadata["per_node"] = True
+    if fixed_by_checkpoint:
+        metadata["fixed_by_checkpoint"] = True
     if (at_least, above, at_most, below) != (None, None, None, None):
         metadata["range"] = NumberRange(low=above if above is not None else at_least, low_open=above is not None,
                                         high=below if below is not None else at_most, high_open=below is not None)
@@ -382,12 +391,6 @@ def canonical_dtype(name: str, key: str) -> str:
     return canonical
 
 
-# What each node of a multi-node run sets for itself (where its files are, how its own devices
-# run); every other setting must be equal on every node, or the run stops at start.
-PER_NODE_SETTINGS = ("target", "data", "out", "features", "eval_bench", "device", "target_devices", "drafter_devices",
-                     "prefetch", "attention", "compile", "compile_target", "cuda_graphs", "tensorboard")
-# Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
-FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
 ON_OFF = ("auto", "on", "off")
 
 
@@ -406,8 +409,8 @@ class Section:
 
 @dataclasses.dataclass(frozen=True)
 class DataSettings(Section):
-    data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)")
-    features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
+    data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)", per_node=True)
+    features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target", per_node=True)
     thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off", choices=tuple(THINKING))
     token_ids: str = option("auto", "rows with their answer's generated token ids (regenerate writes them): auto = train on those ids where their tokenizer is the target's, ignore = re-tokenize the text", choices=TOKEN_IDS)
     max_seq_len: int = option(2048, "longer conversations are truncated", at_least=2)
@@ -426,7 +429,7 @@ class DataSettings(Section):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings(Section):
-    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file", per_node=True)
     block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2)
     num_layers: int = option(5, "drafter decoder layers", at_least=1)
     target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
@@ -454,10 +457,10 @@ class OptimizerSettings(Section):
     steps: int = option(1000, "optimizer steps", at_least=1)
     batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
     grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
-    lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0)
-    weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0)
-    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1)
-    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", at_least=0, below=1)
+    lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0, fixed_by_checkpoint=True)
+    weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0, fixed_by_checkpoint=True)
+    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1, fixed_by_checkpoint=True)
+    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", at_least=0, below=1, fixed_by_checkpoint=True)
     warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up", at_least=0, below=1)
     min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak", at_least=0, at_most=1)
     clip_grad: float = option(1.0, "gradient-norm clip, > 0", above=0)
@@ -535,18 +538,18 @@ class DrafterSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSettings(Section):
-    device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)")
-    target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0")
-    drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2")
+    device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)", per_node=True)
+    target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0", per_node=True)
+    drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2", per_node=True)
     mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`", choices=("replicas", "variants"))
     variants: list[DrafterSpec] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
-    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa", choices=("auto", "flex", "sdpa"))
+    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa", choices=("auto", "flex", "sdpa"), per_node=True)
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
-    compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off", choices=ON_OFF)
-    compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off", choices=("auto", "off"))
-    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off", choices=ON_OFF)
+    compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off", choices=ON_OFF, per_node=True)
+    compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off", choices=("auto", "off"), per_node=True)
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off", choices=ON_OFF, per_node=True)
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md", choices=FP8_CHOICES)
-    prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1)
+    prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1, per_node=True)
     fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
     # several nodes: one process per node under torchrun (parallel/nodes.py)
     dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo", choices=DIST_BACKENDS)
@@ -572,14 +575,14 @@ class ParallelSettings(Section):
 @dataclasses.dataclass(frozen=True)
 class EvalSettings(Section):
     eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)", at_least=0)
-    eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
+    eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file", per_node=True)
     eval_limit: int = option(8, "prompts used by --eval-every", at_least=1)
     eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every", at_least=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSettings(Section):
-    out: str = option("", "run folder: checkpoints, metrics, run.json")
+    out: str = option("", "run folder: checkpoints, metrics, run.json", per_node=True)
     resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
     save_every: int = option(500, "checkpoint every K steps (and always at the end)", at_least=1)
     keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)", at_least=1)
@@ -595,7 +598,7 @@ class CheckpointSettings(Section):
 @dataclasses.dataclass(frozen=True)
 class LoggingSettings(Section):
     log_every: int = option(10, "a log line every K steps", at_least=1)
-    tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off", choices=ON_OFF)
+    tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off", choices=ON_OFF, per_node=True)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -708,6 +711,15 @@ class TrainConfig:
                 if name in _names(cls):
                     raise AttributeError(f"TrainConfig has no attribute {name!r}: it is config.{section}.{name}")
         raise AttributeError(f"TrainConfig has no attribute {name!r}")
+
+
+def marked(cls: type, mark: str) -> tuple[str, ...]:
+    """The settings of a config whose field carries `mark` (`option(per_node=True)`)."""
+    return tuple(name for name, (field, _, _) in leaf_fields(cls).items() if field.metadata.get(mark))
+
+
+PER_NODE_SETTINGS = marked(TrainConfig, "per_node")
+FIXED_BY_CHECKPOINT = marked(TrainConfig, "fixed_by_checkpoint")
 
 
 def _names(cls: type) -> tuple[str, ...]:

@@ -260,3 +260,18 @@ def test_a_variant_may_set_exactly_the_drafter_spec_settings():
             TrainConfig(out="r", mode="variants", variants=[{"name": "v", shared: 1}])
     (_, drafter), = TrainConfig(out="r", mode="variants", lr=1e-3, variants=[DrafterSpec(name="v", lr=2e-3)]).variant_configs()
     assert drafter.optimizer.lr == 2e-3 and drafter.parallel.variants == []
+
+
+def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
+    """Each node sets its own paths and devices (`option(per_node=True)`); every other setting,
+    a variant's table included, must be equal on every node (compared by flag)."""
+    from dflash_train.train.trainer import settings_every_node_shares
+
+    config = TrainConfig(out="run", data=["a.jsonl"], device="cpu", lr=1e-3, mode="variants", variants=[{"name": "v"}])
+    shared = settings_every_node_shares(config)
+    for per_node in ("--out", "--data", "--device", "--target", "--drafter-devices", "--cuda-graphs", "--tensorboard"):
+        assert per_node not in shared
+    assert shared["--lr"] == 1e-3 and shared["--variants"] == [{"name": "v"}] and shared["--steps"] == 1000
+    assert len(shared) == len(leaf_fields(TrainConfig)) - 14
+    moved = settings_every_node_shares(config.replace(out="elsewhere", device="cuda:1", lr=2e-3))
+    assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
