@@ -622,43 +622,26 @@ class TrainConfig:
     logging: LoggingSettings
 
     def __init__(self, **values: Any) -> None:
-        classes = section_classes(TrainConfig)
-        home = {name: section for section, cls in classes.items() for name in _names(cls)}
-        given: dict[str, Any] = {}
-        flat: dict[str, dict[str, Any]] = {section: {} for section in classes}
-        for key, value in values.items():
-            if key in classes and isinstance(value, classes[key]):
-                given[key] = value
-            elif key in home:
-                flat[home[key]][key] = value
-            else:
-                raise TypeError(f"TrainConfig() got an unexpected keyword argument {key!r}")
-        if "data" in flat["data"] and set(given) == set(classes) - {"data"}:
+        given, changes = _sort_settings(values, "TrainConfig()")
+        if "data" in changes.get("data", {}) and set(given) == set(section_classes(TrainConfig)) - {"data"}:
             # dataclasses.replace(config, data=[...]) lands here with every other section: the
             # data section would be lost, so say which call keeps it.
             raise TypeError("TrainConfig: `data` names both the [data] section and its files; "
                             "use config.replace(data=[...]) to change the files")
-        for section, cls in classes.items():
-            base = given.get(section)
-            settings = cls(**flat[section]) if base is None else dataclasses.replace(base, **flat[section]) \
-                if flat[section] else base
+        for section, cls in section_classes(TrainConfig).items():
+            settings = given.get(section)
+            if settings is None:
+                settings = cls(**changes.get(section, {}))
+            elif changes.get(section):
+                settings = dataclasses.replace(settings, **changes[section])
             object.__setattr__(self, section, settings)
         object.__setattr__(self, "_drafters", self._make_drafters())
 
     def replace(self, **values: Any) -> TrainConfig:
         """This config with some settings changed, by flat name (`replace(lr=1e-3, data=[...])`),
         checked like any other."""
-        classes = section_classes(TrainConfig)
-        home = {name: section for section, cls in classes.items() for name in _names(cls)}
-        sections = {section: getattr(self, section) for section in classes}
-        changes: dict[str, dict[str, Any]] = {}
-        for key, value in values.items():
-            if key in classes and isinstance(value, classes[key]):
-                sections[key] = value
-            elif key in home:
-                changes.setdefault(home[key], {})[key] = value
-            else:
-                raise TypeError(f"TrainConfig.replace() got an unexpected keyword argument {key!r}")
+        given, changes = _sort_settings(values, "TrainConfig.replace()")
+        sections = {section: given.get(section) or getattr(self, section) for section in section_classes(TrainConfig)}
         for section, fields in changes.items():
             sections[section] = dataclasses.replace(sections[section], **fields)
         return TrainConfig(**sections)
@@ -720,6 +703,23 @@ def marked(cls: type, mark: str) -> tuple[str, ...]:
 
 PER_NODE_SETTINGS = marked(TrainConfig, "per_node")
 FIXED_BY_CHECKPOINT = marked(TrainConfig, "fixed_by_checkpoint")
+
+
+def _sort_settings(values: dict[str, Any], call: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Keywords given to TrainConfig: whole sections (by section name), and settings by flat
+    name sorted into their sections."""
+    classes = section_classes(TrainConfig)
+    home = {name: section for section, cls in classes.items() for name in _names(cls)}
+    given: dict[str, Any] = {}
+    changes: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        if key in classes and isinstance(value, classes[key]):
+            given[key] = value
+        elif key in home:
+            changes.setdefault(home[key], {})[key] = value
+        else:
+            raise TypeError(f"{call} got an unexpected keyword argument {key!r}")
+    return given, changes
 
 
 def _names(cls: type) -> tuple[str, ...]:
