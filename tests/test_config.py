@@ -275,3 +275,30 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
     assert len(shared) == len(leaf_fields(TrainConfig)) - 14
     moved = settings_every_node_shares(config.replace(out="elsewhere", device="cuda:1", lr=2e-3))
     assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
+
+
+def test_product_code_reads_settings_through_their_sections():
+    """Every function of the package taking a `TrainConfig` reads `config.<section>.<setting>`:
+    a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
+    only on a GPU, so it is refused here by reading the source."""
+    import ast
+    from pathlib import Path
+
+    import dflash_train
+
+    allowed = set(sections_of(TrainConfig)) | {name for name in dir(TrainConfig) if not name.startswith("__")}
+    settings = set(leaf_fields(TrainConfig))
+    flat_reads, functions = [], 0
+    for path in sorted(Path(dflash_train.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            params = {a.arg for a in args if a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation)}
+            functions += bool(params)
+            for inner in ast.walk(node):
+                if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id in params
+                        and inner.attr in settings and inner.attr not in allowed):
+                    flat_reads.append(f"{path.name}:{inner.lineno}: {ast.unparse(inner)}")
+    assert functions > 20  # the walk found the trainer's functions
+    assert not flat_reads, f"read these through their section (config.<section>.<setting>): {flat_reads}"
