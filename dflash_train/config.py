@@ -185,6 +185,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 value = json.loads(value) if isinstance(value, str) else value
                 if not isinstance(value, (list, tuple)):
                     raise ValueError(value)
+                for item in value:
+                    if not isinstance(item, (dict, item_tp)):
+                        raise ConfigError(f"{key}: cannot read {item!r} as a table")
                 return list(value)
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]

@@ -80,6 +80,7 @@ def test_flags_override_the_file(tmp_path):
     ('resume = "maybe"\n', "resume: cannot read 'maybe' as true or false"),
     ('[data]\ndata = 3\n', r"\[data\] data: cannot read 3 as a list of strings"),
     ('data = [\n', "run.toml"),  # a TOML syntax error names the file
+    ('mode = "variants"\nvariants = [3]\n', "variants: cannot read 3 as a table"),
 ])
 def test_file_errors_name_the_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as error:
