@@ -1,8 +1,10 @@
-"""Typed run configuration: one dataclass per command, one CLI flag per field.
+"""Typed run configuration: one dataclass per command, one CLI flag per setting.
 
 A config can come from a file (`--config run.toml` or `.json`) and flags override it.
 Unknown keys, in a file or on the command line, are errors that name the key and the
-closest valid one, so a typo never silently trains with a default.
+closest valid one, so a typo never silently trains with a default. `train`'s config is made
+of typed sections (`config.optimizer.lr`), each checked where it is made; the other
+commands' configs are flat and checked by `build`.
 """
 
 from __future__ import annotations
