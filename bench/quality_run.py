@@ -526,9 +526,7 @@ def train_config(call: Call, data: Path, out: Path, steps: int, *, target: str |
     config = call.config
     recipe = recipe_from_dict(bench_recipe(config), "bench/quality_run.py")
     train = recipe.train_config(target or str(call.target_dir()), str(data), str(out), device=config.device)
-    train = dataclasses.replace(train, steps=steps, save_every=min(config.save_every, steps))
-    train.validate()
-    return train
+    return train.replace(steps=steps, save_every=min(config.save_every, steps))
 
 
 @dataclasses.dataclass
@@ -543,7 +541,7 @@ class TrainOutcome:
     drafters: dict[str, dict[str, Any]] | None = None  # every drafter's summary entry (variants: one per variant)
 
 
-def train_boxed(config, box: float) -> TrainOutcome:
+def train_boxed(config: TrainConfig, box: float) -> TrainOutcome:
     """Train (resuming `config.out`) until the steps are done or `box` seconds have passed (the
     trainer stops gracefully: the step in flight finishes and is checkpointed). A finished run is
     exported by the trainer."""
@@ -559,8 +557,8 @@ def train_boxed(config, box: float) -> TrainOutcome:
     steps_done = int(next(iter(summary["steps_done"].values())))
     entry = next(iter(summary["drafters"].values()))
     export = Path(entry["export"]) if entry.get("export") else None
-    out = Path(config.out)
-    if export is None and steps_done >= config.steps and (out / "export").is_dir():
+    out = Path(config.checkpoint.out)
+    if export is None and steps_done >= config.optimizer.steps and (out / "export").is_dir():
         export = out / "export"  # an earlier call finished and exported; this one resumed at the end
     return TrainOutcome(steps_done, export, time.monotonic() - started, str(summary["stop_reason"]),
                         entry.get("accuracy"), entry.get("tau_sim"), int(summary["data"]["samples"]),
@@ -704,7 +702,7 @@ def stage_curve(call: Call) -> str:
     if rows_there < config.curve_sizes[-1]:
         raise StageFailed(f"curve: {config.answers} holds {rows_there} rows, fewer than --curve-sizes "
                           f"{config.curve_sizes[-1]} (some prompts were skipped): choose smaller sizes")
-    batch = train_config(call, config.answers, folder / "probe", 1, target=config.target).batch_size
+    batch = train_config(call, config.answers, folder / "probe", 1, target=config.target).optimizer.batch_size
     points = curve_points(config, batch)
     files = None
     started, spent_before = time.monotonic(), entry["seconds"]
@@ -752,9 +750,9 @@ def stage_curve(call: Call) -> str:
 
 def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
     """`train` variants: the recipe unchanged ("base"), then one per KEY=VALUE, named KEY-VALUE."""
-    from dflash_train.config import VARIANT_KEYS, convert_values
+    from dflash_train.config import DrafterSpec, convert_values
 
-    allowed = [key for key in VARIANT_KEYS if key != "name"]
+    allowed = DrafterSpec.settings()
     variants: list[dict[str, Any]] = [{"name": "base"}]
     for item in items:
         key, sep, text = item.partition("=")
@@ -830,12 +828,11 @@ def recipe_table(recipe: dict[str, Any]) -> list[str]:
 def train_recipe_together(call: Call, base: TrainConfig, variants: list[dict[str, Any]], folder: Path) -> dict[str, Any] | str:
     """Every variant in one `train` run in variants mode (one target stream feeds them all):
     each variant's summary entry by name, or why not yet (the next call resumes)."""
-    config, run_dir = call.config, Path(base.out)
+    config, run_dir = call.config, Path(base.checkpoint.out)
     box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
     if box < config.min_stage_seconds:
         return f"training left to the next call ({max(box, 0):.0f}s of box)"
-    train = dataclasses.replace(base, mode="variants", variants=variants)
-    train.validate()
+    train = base.replace(mode="variants", variants=variants)
     say(f"recipe: {len(variants)} variant(s) ({', '.join(v['name'] for v in variants)}), "
         f"{config.recipe_rows} rows, {config.recipe_steps} steps into {run_dir}; box {box:.0f}s")
     outcome = train_boxed(train, box)
@@ -849,7 +846,7 @@ def train_recipe_in_turn(call: Call, base: TrainConfig, variants: list[dict[str,
     """Each variant as its own `train` run (replicas mode) into RUN/<name>, one after another, on
     the same rows with the same seed: what variants mode gives, without its shared stream. A
     finished variant is kept in FOLDER/in-turn.json and not loaded again."""
-    config, run_dir = call.config, Path(base.out)
+    config, run_dir = call.config, Path(base.checkpoint.out)
     finished_path = folder / "in-turn.json"
     finished = json.loads(finished_path.read_text()) if finished_path.is_file() else {}
     for variant in variants:
@@ -859,10 +856,9 @@ def train_recipe_in_turn(call: Call, base: TrainConfig, variants: list[dict[str,
         box = call.box(0.0, reserve=EXPORT_RESERVE_SECONDS)
         if box < config.min_stage_seconds:
             return f"variant {name} left to the next call ({max(box, 0):.0f}s of box)"
-        train = dataclasses.replace(base, out=str(run_dir / name), **{k: v for k, v in variant.items() if k != "name"})
-        train.validate()
+        train = base.replace(out=str(run_dir / name), **{k: v for k, v in variant.items() if k != "name"})
         say(f"recipe: variant {name} ({len(finished) + 1} of {len(variants)}), {config.recipe_rows} rows, "
-            f"{config.recipe_steps} steps into {train.out}; box {box:.0f}s")
+            f"{config.recipe_steps} steps into {train.checkpoint.out}; box {box:.0f}s")
         outcome = train_boxed(train, box)
         if outcome.steps_done < config.recipe_steps or outcome.export is None:
             return f"variant {name} stopped at step {outcome.steps_done} of {config.recipe_steps}; the next call resumes"

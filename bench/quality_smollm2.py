@@ -340,12 +340,10 @@ def quality_config(target_dir: str, data: str, out: str, *, steps: int, device: 
         device=device, fp8=fp8, cuda_graphs=cuda_graphs, **{"log_every": 100, **values},
     )
     if smoke:
-        config.batch_size, config.num_anchors, config.num_layers = 2, 8, 1
         # The given buckets up to the smoke length (auto stays auto: 128, 192, 256).
-        smoke_buckets = ([b for b in config.seq_buckets if b <= 256] or [256]) if config.seq_buckets else []
-        config.max_seq_len, config.seq_buckets, config.min_supervised_tokens = 256, smoke_buckets, 8
-        config.log_every = min(config.log_every, 5)
-    config.validate()
+        smoke_buckets = ([b for b in config.data.seq_buckets if b <= 256] or [256]) if config.data.seq_buckets else []
+        config = config.replace(batch_size=2, num_anchors=8, num_layers=1, max_seq_len=256, seq_buckets=smoke_buckets,
+                                min_supervised_tokens=8, log_every=min(config.logging.log_every, 5))
     return config
 
 

@@ -9,14 +9,13 @@ torch or transformers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import sys
 from typing import NamedTuple
 
 from . import __version__
-from .config import add_arguments, from_args
+from .config import add_arguments, from_args, leaf_fields
 from .errors import RunFailed, UserError, os_error_reason
 
 
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     module = _module(command)
     config_class = getattr(module, command.config)
     if unknown:
-        flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(config_class)] + ["--config"]
+        flags = ["--" + f.name.replace("_", "-") for f, _, _ in leaf_fields(config_class).values()] + ["--config"]
         first = unknown[0].split("=")[0]
         close = difflib.get_close_matches(first, flags, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; see dflash-train {args.command} --help"

@@ -1,15 +1,19 @@
-"""Typed run configuration: one dataclass per command, one CLI flag per field.
+"""Typed run configuration: one dataclass per command, one CLI flag per setting.
 
 A config can come from a file (`--config run.toml` or `.json`) and flags override it.
 Unknown keys, in a file or on the command line, are errors that name the key and the
-closest valid one, so a typo never silently trains with a default.
+closest valid one, so a typo never silently trains with a default. `train`'s config is made
+of typed sections (`config.optimizer.lr`), each checked where it is made; the other
+commands' configs are flat and checked by `build`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import types
@@ -33,11 +37,23 @@ MAX_SECONDS = 7 * 86400.0  # the longest timeout or interval a flag takes: a lon
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, at_least: float | None = None,
-           above: float | None = None, at_most: float | None = None, below: float | None = None, **kw: Any) -> Any:
+           above: float | None = None, at_most: float | None = None, below: float | None = None,
+           choices: tuple | None = None, per_node: bool = False, fixed_by_checkpoint: bool = False,
+           **kw: Any) -> Any:
     """A dataclass field carrying its CLI help text and, for a number (or a list of numbers), the
     range every value must lie in: `check_numbers` refuses a value outside it, and NaN or inf
-    anywhere, for every command alike."""
+    anywhere, for every command alike; `choices` are the only values `check_choices` accepts.
+    For `train`: `per_node`, a setting each node of a multi-node run sets for itself (where its
+    files are, how its own devices run; every other must be equal on every node, or the run stops
+    at start); `fixed_by_checkpoint`, one a checkpoint's optimizer state fixes (a resume with
+    another value is refused)."""
     metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if per_node:
+        metadata["per_node"] = True
+    if fixed_by_checkpoint:
+        metadata["fixed_by_checkpoint"] = True
     if (at_least, above, at_most, below) != (None, None, None, None):
         metadata["range"] = NumberRange(low=above if above is not None else at_least, low_open=above is not None,
                                         high=below if below is not None else at_most, high_open=below is not None)
@@ -80,7 +96,7 @@ def numeric_fields(cls: type) -> dict[str, type]:
     """The fields of a config class that hold numbers (int or float, optional, or a list of
     them), with the number type."""
     found = {}
-    for name, tp in _field_types(cls).items():
+    for name, (_, tp, _) in leaf_fields(cls).items():
         base, _ = _unwrap_optional(tp)
         if typing.get_origin(base) in (list, tuple):
             base = (typing.get_args(base)[:1] or (str,))[0]
@@ -93,7 +109,11 @@ def check_numbers(config: Any, section: str = "") -> None:
     """The one rule for numbers, shared by every command's config: each numeric setting is a
     finite number inside the range its field declares (`option(..., at_least=1)`), checked
     before anything loads; the error names the flag (or, with `section`, the file's key:
-    `[section] key`)."""
+    `[section] key`). A config of sections is checked section by section."""
+    for name in section_classes(type(config)):
+        check_numbers(getattr(config, name), section)
+    if section_classes(type(config)):
+        return
     fields = {f.name: f for f in dataclasses.fields(config)}
     label = (lambda name: f"[{section}] {name}") if section else _flag
     for name in numeric_fields(type(config)):
@@ -109,6 +129,13 @@ def check_numbers(config: Any, section: str = "") -> None:
                 raise ConfigError(f"{label(name)} must be a finite number{rule} (got {item})")
             if bounds is not None and not bounds.contains(item):
                 raise ConfigError(f"{label(name)} must be {bounds.describe()} (got {item})")
+
+
+def check_choices(config: Any) -> None:
+    """Each setting declared with `choices` holds one of them (the error names the flag)."""
+    for field in dataclasses.fields(config):
+        if "choices" in field.metadata:
+            _choice(field.name, getattr(config, field.name), field.metadata["choices"])
 
 
 def _flag(name: str) -> str:
@@ -156,6 +183,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         if origin in (list, tuple):
             (item_tp,) = typing.get_args(base)[:1] or (str,)
+            if dataclasses.is_dataclass(item_tp):  # tables (variants): their own type reads them, naming each
+                value = json.loads(value) if isinstance(value, str) else value
+                if not isinstance(value, (list, tuple)):
+                    raise ValueError(value)
+                for item in value:
+                    if not isinstance(item, (dict, item_tp)):
+                        raise ConfigError(f"{key}: cannot read {item!r} as a table")
+                return list(value)
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
             if not isinstance(value, (list, tuple)):
@@ -187,9 +222,25 @@ def _type_name(tp: Any) -> str:
     return _TYPE_NAMES.get(tp, (getattr(tp, "__name__", str(tp)),))[0]
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def section_classes(cls: type) -> dict[str, type]:
+    """A config made of sections (`TrainConfig`): section name -> its class; none for a flat
+    config (every other command's)."""
+    return {name: tp for name, tp in _field_types(cls).items() if isinstance(tp, type) and issubclass(tp, Section)}
+
+
+def leaf_fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any, str | None]]:
+    """Every setting of a config by its flag's name: (field, type, its section or None)."""
+    sections = section_classes(cls)
+    if not sections:
+        return {f.name: (f, tp, None) for f, tp in zip(dataclasses.fields(cls), _field_types(cls).values())}
+    return {f.name: (f, tp, section) for section, inner in sections.items()
+            for f, tp in zip(dataclasses.fields(inner), _field_types(inner).values())}
 
 
 def unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
@@ -199,15 +250,14 @@ def unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
 
 
 def sections_of(cls: type) -> dict[str, tuple[str, ...]]:
-    """A config's sections (`SECTIONS` on the class: section name -> its fields); none for a
-    config too small to need them."""
-    return dict(getattr(cls, "SECTIONS", {}))
+    """A config's sections (section name -> its settings' names); none for a flat config."""
+    return {name: tuple(f.name for f in dataclasses.fields(inner)) for name, inner in section_classes(cls).items()}
 
 
 def convert_values(cls: type, raw: dict[str, Any], where: str) -> dict[str, Any]:
     """Typed field values from a mapping with the flags' names (`-` or `_`), flat or grouped in
     the config's sections; unknown keys, keys in the wrong section and keys given twice are errors."""
-    types_by_name = _field_types(cls)
+    types_by_name = {name: tp for name, (_, tp, _) in leaf_fields(cls).items()}
     sections = sections_of(cls)
     home = {name: section for section, names in sections.items() for name in names}
     flat: dict[str, tuple[Any, str]] = {}
@@ -242,14 +292,17 @@ def from_dict(cls: type[C], raw: dict[str, Any], where: str = "config") -> C:
 
 
 def build(cls: type[C], values: dict[str, Any], where: str) -> C:
+    """`cls` made from typed values and checked: a config of sections checks itself where it is
+    made; a flat one is checked here (its numbers, then its `validate()`)."""
     try:
         config = cls(**values)
     except TypeError as error:
         raise ConfigError(f"{where}: {error}") from None
-    check_numbers(config)
-    validate = getattr(config, "validate", None)
-    if validate is not None:
-        validate()
+    if not section_classes(cls):
+        check_numbers(config)
+        validate = getattr(config, "validate", None)
+        if validate is not None:
+            validate()
     return config
 
 
@@ -286,7 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                         "[section] each is listed under); flags override it")
     groups = {section: parser.add_argument_group(f"[{section}]") for section in sections}
     home = {name: groups[section] for section, names in sections.items() for name in names}
-    for field, tp in zip(dataclasses.fields(cls), _field_types(cls).values()):
+    for field, tp, _ in leaf_fields(cls).values():
         target = home.get(field.name, parser)
         help_text = f"{field.metadata.get('help', '')} (default: {_default_shown(field)})"
         base, _ = _unwrap_optional(tp)
@@ -305,7 +358,7 @@ def from_args(cls: type[C], args: argparse.Namespace) -> C:
     config_path = getattr(args, "config", None)
     if config_path:
         values.update(convert_values(cls, load_file(config_path), str(config_path)))
-    types_by_name = _field_types(cls)
+    types_by_name = {name: tp for name, (_, tp, _) in leaf_fields(cls).items()}
     for name, value in vars(args).items():
         if name in types_by_name:
             values[name] = _convert(value, types_by_name[name], _flag(name))
@@ -343,126 +396,33 @@ def canonical_dtype(name: str, key: str) -> str:
     return canonical
 
 
-# Keys a variant may override; everything else is shared by construction (one target stream).
-VARIANT_KEYS = (
-    "name", "block_size", "num_layers", "num_anchors", "target_layer_ids", "loss", "gamma", "dpace_alpha",
-    "lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_ratio", "min_lr_ratio", "clip_grad", "seed", "fp8",
-    "arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight", "selector_miss",
-)
-# What each node of a multi-node run sets for itself (where its files are, how its own devices
-# run); every other setting must be equal on every node, or the run stops at start.
-PER_NODE_SETTINGS = ("target", "data", "out", "features", "eval_bench", "device", "target_devices", "drafter_devices",
-                     "prefetch", "attention", "compile", "compile_target", "cuda_graphs", "tensorboard")
-# Settings a checkpoint's optimizer state fixes: a resume with another value is refused.
-FIXED_BY_CHECKPOINT = ("lr", "weight_decay", "adam_beta1", "adam_beta2")
+ON_OFF = ("auto", "on", "off")
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything one `dflash-train train` run needs; `run.json` in the run folder records it.
+class Section:
+    """A typed section of a config (`[optimizer]`): its numbers and choices are checked where it
+    is made, so a section that exists is valid; frozen, so it stays so."""
 
-    Fields are flat (`config.lr`, flag `--lr`); `SECTIONS` groups them for `--help` and for
-    config files, which may write `lr = 6e-4` or `[optimizer]` / `lr = 6e-4`.
-    """
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        check_choices(self)
+        self.check()
 
-    target: str = option("", "target model: a Hugging Face folder or a .gguf file")
-    data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)")
-    out: str = option("", "run folder: checkpoints, metrics, run.json")
-    features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target")
-    thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off")
-    token_ids: str = option("auto", "rows with their answer's generated token ids (regenerate writes them): auto = train on those ids where their tokenizer is the target's, ignore = re-tokenize the text")
-    steps: int = option(1000, "optimizer steps", at_least=1)
-    batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
-    grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
+    def check(self) -> None:
+        """The section's own rules beyond numbers and choices (errors name the flag)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings(Section):
+    data: list[str] = option([], "training conversations: JSONL/Parquet files (comma-separated)", per_node=True)
+    features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target", per_node=True)
+    thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off", choices=tuple(THINKING))
+    token_ids: str = option("auto", "rows with their answer's generated token ids (regenerate writes them): auto = train on those ids where their tokenizer is the target's, ignore = re-tokenize the text", choices=TOKEN_IDS)
     max_seq_len: int = option(2048, "longer conversations are truncated", at_least=2)
     seq_buckets: list[int] = option([], "padded sequence lengths, increasing, at most max_seq_len (one compile each); empty = automatic up to max_seq_len", at_least=2)
     min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this", at_least=0)
-    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2)
-    num_layers: int = option(5, "drafter decoder layers", at_least=1)
-    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)", at_least=1)
-    target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
-    mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)", at_least=0)
-    arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)")
-    conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters", at_least=1)
-    conv_group_size: int = option(16, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size", at_least=1)
-    selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)", at_least=1)
-    selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among", at_least=1)
-    loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace")
-    gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)", above=0)
-    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]", at_least=0, at_most=1)
-    loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits", at_least=0)
-    selector_weight: float = option(1.0, "dflash2: weight of the selector's cross-entropy next to the backbone's (>= 0)", at_least=0)
-    selector_miss: str = option("drop", "dflash2: a true token outside the top-k candidates: drop (leave the slot out of the selector loss) or insert (put it in place of the lowest candidate)")
-    lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0)
-    weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0)
-    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1)
-    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", at_least=0, below=1)
-    warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up", at_least=0, below=1)
-    min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak", at_least=0, at_most=1)
-    clip_grad: float = option(1.0, "gradient-norm clip, > 0", above=0)
-    stop_after_bad_steps: int = option(10, "stop the run (exit 1) after this many consecutive non-finite (skipped) or zero-gradient steps, or once more than half of at least 2K steps were skipped; 0 = never", at_least=0)
-    seed: int = option(0, "seed for drafter init, data order and anchors", at_least=0)
-    device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)")
-    target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0")
-    drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2")
-    mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`")
-    variants: list[dict] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
-    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa")
-    precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32")
-    compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off")
-    compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off")
-    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off")
-    fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md")
-    prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1)
-    save_every: int = option(500, "checkpoint every K steps (and always at the end)", at_least=1)
-    keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)", at_least=1)
-    log_every: int = option(10, "a log line every K steps", at_least=1)
-    resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
-    fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
-    export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training (bfloat16, float16, float32; empty = no export)")
-    eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)", at_least=0)
-    eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file")
-    eval_limit: int = option(8, "prompts used by --eval-every", at_least=1)
-    eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every", at_least=1)
-    tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off")
-    # several nodes: one process per node under torchrun (parallel/nodes.py)
-    dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo")
-    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit", at_least=1, at_most=MAX_SECONDS)
 
-    SECTIONS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
-        "data": ("data", "features", "thinking", "token_ids", "max_seq_len", "seq_buckets", "min_supervised_tokens"),
-        "model": ("target", "block_size", "num_layers", "target_layer_ids", "mask_token_id", "arch", "conv_kernel_size",
-                  "conv_group_size", "selector_rank", "selector_top_k"),
-        "objective": ("loss", "gamma", "dpace_alpha", "num_anchors", "loss_chunk_rows", "selector_weight", "selector_miss"),
-        "optimizer": ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "adam_beta1", "adam_beta2",
-                      "warmup_ratio", "min_lr_ratio", "clip_grad", "stop_after_bad_steps", "seed"),
-        "parallel": ("device", "target_devices", "drafter_devices", "mode", "variants", "attention", "precision",
-                     "compile", "compile_target", "cuda_graphs", "fp8", "prefetch", "fail_on_recompile", "dist_backend", "dist_timeout"),
-        "eval": ("eval_every", "eval_bench", "eval_limit", "eval_max_new_tokens"),
-        "checkpoint": ("out", "resume", "save_every", "keep_checkpoints", "export_dtype"),
-        "logging": ("log_every", "tensorboard"),
-    }
-
-    def validate(self) -> None:
-        """Every value checked before anything loads; each error names its flag."""
-        _choice("mode", self.mode, ("replicas", "variants"))
-        if self.mode == "variants" and not self.variants:
-            raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
-        if self.mode != "variants" and self.variants:
-            raise ConfigError(f"`variants` is given but --mode is {self.mode}: add mode = \"variants\" to train them "
-                              "(or remove `variants`)")
-        _choice("loss", self.loss, ("decay", "dpace"))
-        _choice("arch", self.arch, ("dflash", "dflash2"))
-        _choice("selector_miss", self.selector_miss, ("drop", "insert"))
-        _choice("thinking", self.thinking, tuple(THINKING))
-        _choice("token_ids", self.token_ids, TOKEN_IDS)
-        _choice("attention", self.attention, ("auto", "flex", "sdpa"))
-        _choice("compile", self.compile, ("auto", "on", "off"))
-        _choice("compile_target", self.compile_target, ("auto", "off"))
-        _choice("fp8", self.fp8, FP8_CHOICES)
-        _choice("precision", self.precision, ("auto", "bf16", "fp32"))
-        _choice("tensorboard", self.tensorboard, ("auto", "on", "off"))
-        check_numbers(self)  # also here: train() and the variants validate configs built without `build`
+    def check(self) -> None:
         if self.seq_buckets:
             if any(a >= b for a, b in zip(self.seq_buckets, self.seq_buckets[1:])):
                 raise ConfigError(f"--seq-buckets {','.join(map(str, self.seq_buckets))}: lengths must be "
@@ -470,56 +430,305 @@ class TrainConfig:
             if self.seq_buckets[-1] > self.max_seq_len:
                 raise ConfigError(f"--seq-buckets {self.seq_buckets[-1]} is longer than --max-seq-len {self.max_seq_len} "
                                   "(rows are truncated to max_seq_len, so it would never be used)")
-        _choice("cuda_graphs", self.cuda_graphs, ("auto", "on", "off"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(Section):
+    target: str = option("", "target model: a Hugging Face folder or a .gguf file", per_node=True)
+    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2)
+    num_layers: int = option(5, "drafter decoder layers", at_least=1)
+    target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
+    mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)", at_least=0)
+    arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)", choices=("dflash", "dflash2"))
+    conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters", at_least=1)
+    conv_group_size: int = option(16, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size", at_least=1)
+    selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)", at_least=1)
+    selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSettings(Section):
+    loss: str = option("decay", "decay (DFlash paper, weights exp(-(k-1)/gamma)) or dpace", choices=("decay", "dpace"))
+    gamma: float | None = option(None, "decay gamma (> 0); empty = paper value for the block size (7 for B=16)", above=0)
+    dpace_alpha: float = option(0.5, "D-PACE smoothing alpha, in [0, 1]", at_least=0, at_most=1)
+    num_anchors: int = option(512, "anchor slots per sequence (fixed, for static shapes); at most max_seq_len are used (a sequence has no more anchor positions)", at_least=1)
+    loss_chunk_rows: int = option(0, "rows per frozen-head CE chunk; 0 = about 256 MiB of logits", at_least=0)
+    selector_weight: float = option(1.0, "dflash2: weight of the selector's cross-entropy next to the backbone's (>= 0)", at_least=0)
+    selector_miss: str = option("drop", "dflash2: a true token outside the top-k candidates: drop (leave the slot out of the selector loss) or insert (put it in place of the lowest candidate)", choices=("drop", "insert"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings(Section):
+    steps: int = option(1000, "optimizer steps", at_least=1)
+    batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
+    grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
+    lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0, fixed_by_checkpoint=True)
+    weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0, fixed_by_checkpoint=True)
+    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1, fixed_by_checkpoint=True)
+    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", at_least=0, below=1, fixed_by_checkpoint=True)
+    warmup_ratio: float = option(0.04, "fraction of steps of linear warm-up", at_least=0, below=1)
+    min_lr_ratio: float = option(0.0, "cosine decays to this fraction of the peak", at_least=0, at_most=1)
+    clip_grad: float = option(1.0, "gradient-norm clip, > 0", above=0)
+    stop_after_bad_steps: int = option(10, "stop the run (exit 1) after this many consecutive non-finite (skipped) or zero-gradient steps, or once more than half of at least 2K steps were skipped; 0 = never", at_least=0)
+    seed: int = option(0, "seed for drafter init, data order and anchors", at_least=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter of a variants run (`[[variants]]`): its name (its folder under --out) and the
+    settings it sets for itself. A field left None takes the shared value; everything not listed
+    here (data, target, devices, steps, batch) is shared by construction: one target stream
+    feeds every drafter. Each field is the same-named field of a section of `TrainConfig`."""
+
+    name: str = ""
+    block_size: int | None = None
+    num_layers: int | None = None
+    target_layer_ids: list[int] | None = None
+    arch: str | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    num_anchors: int | None = None
+    loss: str | None = None
+    gamma: float | None = None
+    dpace_alpha: float | None = None
+    selector_weight: float | None = None
+    selector_miss: str | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    warmup_ratio: float | None = None
+    min_lr_ratio: float | None = None
+    clip_grad: float | None = None
+    seed: int | None = None
+    fp8: str | None = None
+
+    @classmethod
+    def from_table(cls, table: Any, where: str) -> DrafterSpec:
+        """A variant's table (`{name = 'b8', block_size = 8}`), each value converted to its
+        field's type like a flag; an unknown key names the closest one a variant may set."""
+        if isinstance(table, cls):
+            return table
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: a variant is a table of overrides, e.g. {{name = 'b8', block_size = 8}}")
+        leaf_types = {name: tp for name, (_, tp, _) in leaf_fields(TrainConfig).items()}
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in allowed:
+                raise unknown_key_error(key, allowed, where)
+            values[name] = str(value or "") if name == "name" else _convert(value, leaf_types[name], f"{where}: {key}")
+        return cls(**values)
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The settings a variant may set for itself (flat names)."""
+        return [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings this drafter sets for itself (flat names)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}
+
+    def table(self) -> dict[str, Any]:
+        """As a config file writes it."""
+        return {**({"name": self.name} if self.name else {}), **self.overrides()}
+
+    def __repr__(self) -> str:
+        return f"DrafterSpec({', '.join(f'{key}={value!r}' for key, value in self.table().items())})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSettings(Section):
+    device: str = option("auto", "one device for target and drafter (auto = cuda:0 if present, else cpu)", per_node=True)
+    target_devices: list[str] = option([], "devices of the target worker threads, e.g. cuda:0", per_node=True)
+    drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2", per_node=True)
+    mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`", choices=("replicas", "variants"))
+    variants: list[DrafterSpec] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
+    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only) or sdpa", choices=("auto", "flex", "sdpa"), per_node=True)
+    precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
+    compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off", choices=ON_OFF, per_node=True)
+    compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles), off", choices=("auto", "off"), per_node=True)
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off", choices=ON_OFF, per_node=True)
+    fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md", choices=FP8_CHOICES)
+    prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1, per_node=True)
+    fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
+    # several nodes: one process per node under torchrun (parallel/nodes.py)
+    dist_backend: str = option("auto", "under torchrun: the cross-node gradient all-reduce; auto (nccl when the drafters are on CUDA, else gloo), nccl or gloo", choices=DIST_BACKENDS)
+    dist_timeout: float = option(300.0, "under torchrun: seconds a node may stop answering before the others stop with an error naming it (also the process groups' timeout); rank 0's evals and checkpoints are waited for without a limit", at_least=1, at_most=MAX_SECONDS)
+
+    def __post_init__(self) -> None:
+        specs = [DrafterSpec.from_table(table, f"variants[{i}]") for i, table in enumerate(self.variants)]
+        object.__setattr__(self, "variants", specs)
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.mode == "variants" and not self.variants:
+            raise ConfigError("mode variants needs at least one entry in `variants` (config file)")
+        if self.mode != "variants" and self.variants:
+            raise ConfigError(f"`variants` is given but --mode is {self.mode}: add mode = \"variants\" to train them "
+                              "(or remove `variants`)")
         devices = [*(self.target_devices or [self.device]), *(self.drafter_devices or [self.device])]
         if self.cuda_graphs == "on" and "cpu" in devices:
             raise ConfigError("--cuda-graphs on: CUDA graphs need CUDA devices and this run uses the cpu "
                               "(use --cuda-graphs auto or off)")
-        _choice("dist_backend", self.dist_backend, DIST_BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings(Section):
+    eval_every: int = option(0, "every K steps, measure real tau by speculative decoding (0 = off)", at_least=0)
+    eval_bench: str = option("mtbench", "prompts for --eval-every: a benchmark name or a prompts file", per_node=True)
+    eval_limit: int = option(8, "prompts used by --eval-every", at_least=1)
+    eval_max_new_tokens: int = option(64, "new tokens per prompt for --eval-every", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings(Section):
+    out: str = option("", "run folder: checkpoints, metrics, run.json", per_node=True)
+    resume: bool = option(False, "continue from the latest complete checkpoint in `out` (needed to reuse a run folder)")
+    save_every: int = option(500, "checkpoint every K steps (and always at the end)", at_least=1)
+    keep_checkpoints: int = option(2, "complete checkpoints kept (older ones are deleted)", at_least=1)
+    export_dtype: str = option("bfloat16", "dtype of the exported weights at the end of training (bfloat16, float16, float32; empty = no export)")
+
+    def check(self) -> None:
         if self.export_dtype:
-            self.export_dtype = canonical_dtype(self.export_dtype, "--export-dtype")
+            object.__setattr__(self, "export_dtype", canonical_dtype(self.export_dtype, "--export-dtype"))
         if self.out and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; the run folder must be a folder (new, or a run to --resume)")
-        self.variant_configs()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSettings(Section):
+    log_every: int = option(10, "a log line every K steps", at_least=1)
+    tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off", choices=ON_OFF, per_node=True)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TrainConfig:
+    """Everything one `dflash-train train` run needs, in typed sections (`config.optimizer.lr`);
+    `run.json` in the run folder records it (flat: `flat_values()`).
+
+    Made in one place and checked there: flags, config files (`lr = 6e-4` or `[optimizer]` /
+    `lr = 6e-4`), a recipe's `[train]` table and each variant all build a `TrainConfig`, and a
+    `TrainConfig` that exists is valid (its sections are frozen). Python callers may pass flat
+    keywords (`TrainConfig(out=..., lr=...)`) or whole sections; `replace(**flat)` derives one.
+    """
+
+    data: DataSettings
+    model: ModelSettings
+    objective: ObjectiveSettings
+    optimizer: OptimizerSettings
+    parallel: ParallelSettings
+    eval: EvalSettings
+    checkpoint: CheckpointSettings
+    logging: LoggingSettings
+
+    def __init__(self, **values: Any) -> None:
+        given, changes = _sort_settings(values, "TrainConfig()")
+        if "data" in changes.get("data", {}) and set(given) == set(section_classes(TrainConfig)) - {"data"}:
+            # dataclasses.replace(config, data=[...]) lands here with every other section: the
+            # data section would be lost, so say which call keeps it.
+            raise TypeError("TrainConfig: `data` names both the [data] section and its files; "
+                            "use config.replace(data=[...]) to change the files")
+        for section, cls in section_classes(TrainConfig).items():
+            settings = given.get(section)
+            if settings is None:
+                settings = cls(**changes.get(section, {}))
+            elif changes.get(section):
+                settings = dataclasses.replace(settings, **changes[section])
+            object.__setattr__(self, section, settings)
+        object.__setattr__(self, "_drafters", self._make_drafters())
+
+    def replace(self, **values: Any) -> TrainConfig:
+        """This config with some settings changed, by flat name (`replace(lr=1e-3, data=[...])`),
+        checked like any other."""
+        given, changes = _sort_settings(values, "TrainConfig.replace()")
+        sections = {section: given.get(section) or getattr(self, section) for section in section_classes(TrainConfig)}
+        for section, fields in changes.items():
+            sections[section] = dataclasses.replace(sections[section], **fields)
+        return TrainConfig(**sections)
+
+    def flat_values(self) -> dict[str, Any]:
+        """Every setting by its flag's name (what run.json and the checkpoints record, and what
+        the nodes of a run compare); variants as their tables."""
+        values: dict[str, Any] = {}
+        for section in section_classes(TrainConfig):
+            for name, value in ((f.name, getattr(getattr(self, section), f.name))
+                                for f in dataclasses.fields(getattr(self, section))):
+                values[name] = [spec.table() for spec in value] if name == "variants" else copy.deepcopy(value)
+        return values
 
     def anchor_slots(self) -> int:
         """The anchor slots trained: a sequence of max_seq_len tokens has fewer than max_seq_len
         anchor positions, so slots past that would only be padding (every valid position is
         drawn either way: the same loss, without the memory of the padded blocks)."""
-        return min(self.num_anchors, self.max_seq_len)
+        return min(self.objective.num_anchors, self.data.max_seq_len)
 
-    def variant_configs(self) -> list[tuple[str, "TrainConfig"]]:
-        """(name, settings) of each variant: the shared settings with the variant's overrides,
-        converted to the fields' types and validated like flags."""
-        if self.mode != "variants":
-            return []
-        types_by_name = _field_types(TrainConfig)
-        configs: list[tuple[str, TrainConfig]] = []
-        names: dict[str, str] = {}
-        for i, overrides in enumerate(self.variants):
+    def variant_configs(self) -> list[tuple[str, TrainConfig]]:
+        """(name, settings) of each drafter of a variants run: the shared settings with its
+        `DrafterSpec`, made (and so checked) when this config was; none in replicas mode."""
+        return list(self._drafters)  # type: ignore[attr-defined]
+
+    def _make_drafters(self) -> list[tuple[str, TrainConfig]]:
+        drafters: list[tuple[str, TrainConfig]] = []
+        folders: dict[str, str] = {}
+        if self.parallel.mode != "variants":
+            return drafters
+        for i, spec in enumerate(self.parallel.variants):
             where = f"variants[{i}]"
-            if not isinstance(overrides, dict):
-                raise ConfigError(f"{where}: a variant is a table of overrides, e.g. {{name = 'b8', block_size = 8}}")
-            values = {}
-            for key, value in overrides.items():
-                name = key.replace("-", "_")
-                if name not in VARIANT_KEYS:
-                    raise unknown_key_error(key, list(VARIANT_KEYS), where)
-                if name != "name":
-                    values[name] = _convert(value, types_by_name[name], f"{where}: {key}")
-            label = str(overrides.get("name") or f"variant{i}")
+            label = spec.name or f"variant{i}"
             folder = check_folder_name(label, f"{where}: name")  # the variant trains into OUT/<name>
-            if folder in names:
+            if folder in folders:
                 raise ConfigError(f"{where}: name {label!r} is used twice (names are folders: "
-                                  f"{names[folder]!r} is the same folder)")
-            names[folder] = label
-            variant = dataclasses.replace(self, mode="replicas", variants=[], **values)
+                                  f"{folders[folder]!r} is the same folder)")
+            folders[folder] = label
             try:
-                variant.validate()
+                drafter = self.replace(mode="replicas", variants=[], **spec.overrides())
             except ConfigError as error:
                 raise ConfigError(f"{where} ({label}): {error}") from None
-            configs.append((label, dataclasses.replace(variant, mode=self.mode, variants=self.variants)))
-        return configs
+            drafters.append((label, drafter))
+        return drafters
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a missing attribute: say where a flat name of the old layout lives.
+        if not name.startswith("_"):
+            for section, cls in section_classes(TrainConfig).items():
+                if name in _names(cls):
+                    raise AttributeError(f"TrainConfig has no attribute {name!r}: it is config.{section}.{name}")
+        raise AttributeError(f"TrainConfig has no attribute {name!r}")
+
+
+def marked(cls: type, mark: str) -> tuple[str, ...]:
+    """The settings of a config whose field carries `mark` (`option(per_node=True)`)."""
+    return tuple(name for name, (field, _, _) in leaf_fields(cls).items() if field.metadata.get(mark))
+
+
+PER_NODE_SETTINGS = marked(TrainConfig, "per_node")
+FIXED_BY_CHECKPOINT = marked(TrainConfig, "fixed_by_checkpoint")
+
+
+def _sort_settings(values: dict[str, Any], call: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Keywords given to TrainConfig: whole sections (by section name), and settings by flat
+    name sorted into their sections."""
+    classes = section_classes(TrainConfig)
+    home = {name: section for section, cls in classes.items() for name in _names(cls)}
+    given: dict[str, Any] = {}
+    changes: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        if key in classes and isinstance(value, classes[key]):
+            given[key] = value
+        elif key in home:
+            changes.setdefault(home[key], {})[key] = value
+        else:
+            raise TypeError(f"{call} got an unexpected keyword argument {key!r}")
+    return given, changes
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:

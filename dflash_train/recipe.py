@@ -132,20 +132,19 @@ class Recipe:
     self_prompts: SelfPromptsSection
     regenerate: RegenerateSection
     features: FeaturesSection
-    train: dict[str, Any]  # `dflash-train train` fields (typed, flat), without the pipeline's own
+    train: dict[str, Any]  # `dflash-train train` settings by flat name (typed), without the pipeline's own
     eval: EvalSection
     speed: SpeedSection
     export: ExportSection
 
     def train_config(self, target: str, data: str, out: str, *, features: str = "", device: str = "auto") -> TrainConfig:
-        """The `train` settings of this recipe for the given files, validated."""
-        config = TrainConfig(**{**self.train, "target": target, "data": [] if features else [data], "out": out,
-                                "features": features, "resume": True, "device": device})
+        """The `train` settings of this recipe for the given files (made, and so checked, like
+        the flags of `dflash-train train`)."""
         try:
-            config.validate()
+            return TrainConfig(**{**self.train, "target": target, "data": [] if features else [data], "out": out,
+                                  "features": features, "resume": True, "device": device})
         except ConfigError as error:
             raise ConfigError(f"recipe {self.name}: [train] {error}") from None
-        return config
 
     def section_values(self, section: str) -> dict[str, Any]:
         """One table's values, as the stage record keeps them."""

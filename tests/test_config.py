@@ -3,12 +3,24 @@ suggestions, list and bool parsing, variants converted like flags, and every fie
 before anything loads (these tests run the real CLI parser and no model)."""
 
 import argparse
+import dataclasses
 import json
+import types
+import typing
 
 import pytest
 
 from dflash_train.cli import build_parser, main
-from dflash_train.config import ConfigError, TrainConfig, from_args, from_dict
+from dflash_train.config import (
+    ConfigError,
+    DrafterSpec,
+    OptimizerSettings,
+    TrainConfig,
+    from_args,
+    from_dict,
+    leaf_fields,
+    sections_of,
+)
 
 
 def _config(tmp_path, argv, text=None, suffix=".toml"):
@@ -40,8 +52,8 @@ resume = true
     flat = _config(tmp_path, [], 'target = "t"\nblock_size = 8\nlr = 1e-3\nsteps = 12\ndata = ["a.jsonl", "b.jsonl"]\n'
                                  'seq_buckets = [256, 512]\nmax_seq_len = 512\nout = "run"\nresume = true\n')
     assert sections == flat
-    assert (sections.lr, sections.steps, sections.block_size, sections.resume) == (1e-3, 12, 8, True)
-    assert sections.data == ["a.jsonl", "b.jsonl"] and sections.seq_buckets == [256, 512]
+    assert (sections.optimizer.lr, sections.optimizer.steps, sections.model.block_size, sections.checkpoint.resume) == (1e-3, 12, 8, True)
+    assert sections.data.data == ["a.jsonl", "b.jsonl"] and sections.data.seq_buckets == [256, 512]
     as_json = _config(tmp_path, [], json.dumps({"model": {"target": "t", "block_size": 8}, "lr": 1e-3, "steps": 12,
                                                 "data": ["a.jsonl", "b.jsonl"], "seq_buckets": [256, 512],
                                                 "max_seq_len": 512, "out": "run", "resume": True}), ".json")
@@ -51,8 +63,8 @@ resume = true
 def test_flags_override_the_file(tmp_path):
     config = _config(tmp_path, ["--lr", "2e-3", "--no-resume", "--data", "c.jsonl"],
                      '[optimizer]\nlr = 1e-3\nsteps = 7\n[checkpoint]\nout = "run"\nresume = true\n[data]\ndata = ["a.jsonl"]\n')
-    assert config.lr == 2e-3 and config.resume is False and config.data == ["c.jsonl"]
-    assert config.steps == 7 and config.out == "run"  # untouched by flags
+    assert config.optimizer.lr == 2e-3 and config.checkpoint.resume is False and config.data.data == ["c.jsonl"]
+    assert config.optimizer.steps == 7 and config.checkpoint.out == "run"  # untouched by flags
 
 
 @pytest.mark.parametrize("text,match", [
@@ -68,6 +80,7 @@ def test_flags_override_the_file(tmp_path):
     ('resume = "maybe"\n', "resume: cannot read 'maybe' as true or false"),
     ('[data]\ndata = 3\n', r"\[data\] data: cannot read 3 as a list of strings"),
     ('data = [\n', "run.toml"),  # a TOML syntax error names the file
+    ('mode = "variants"\nvariants = [3]\n', "variants: cannot read 3 as a table"),
 ])
 def test_file_errors_name_the_file_and_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as error:
@@ -85,8 +98,8 @@ def test_unknown_and_bad_flags_are_one_line_with_exit_2(tmp_path, capsys):
 def test_lists_and_bools_parse_from_flags(tmp_path):
     config = _config(tmp_path, ["--target-layer-ids", "1, 3,5", "--seq-buckets", "", "--drafter-devices", "cpu,cpu",
                                 "--resume", "--fail-on-recompile", "--mask-token-id", "none"])
-    assert config.target_layer_ids == [1, 3, 5] and config.seq_buckets == [] and config.drafter_devices == ["cpu", "cpu"]
-    assert config.resume is True and config.fail_on_recompile is True and config.mask_token_id is None
+    assert config.model.target_layer_ids == [1, 3, 5] and config.data.seq_buckets == [] and config.parallel.drafter_devices == ["cpu", "cpu"]
+    assert config.checkpoint.resume is True and config.parallel.fail_on_recompile is True and config.model.mask_token_id is None
     with pytest.raises(ConfigError, match="--target-layer-ids: cannot read 'x' as an integer"):
         _config(tmp_path, ["--target-layer-ids", "1,x"])
 
@@ -104,9 +117,9 @@ gamma = 4
 """
     config = _config(tmp_path, ["--out", "r"], text)
     (fast_name, fast), (slow_name, slow) = config.variant_configs()
-    assert (fast_name, fast.lr, fast.block_size) == ("fast", 1e-3, 8)  # numbers, not strings
-    assert isinstance(fast.lr, float) and isinstance(slow.gamma, float)
-    assert (slow_name, slow.lr, slow.block_size) == ("slow", 6e-4, 16)
+    assert (fast_name, fast.optimizer.lr, fast.model.block_size) == ("fast", 1e-3, 8)  # numbers, not strings
+    assert isinstance(fast.optimizer.lr, float) and isinstance(slow.objective.gamma, float)
+    assert (slow_name, slow.optimizer.lr, slow.model.block_size) == ("slow", 6e-4, 16)
     for bad, match in [
         ('lr = "quick"', r"variants\[0\]: lr: cannot read 'quick' as a number"),
         ("lr = -1e-3", r"variants\[0\] \(v\): --lr must be > 0"),
@@ -135,36 +148,36 @@ gamma = 4
     (dict(keep_checkpoints=0), "--keep-checkpoints must be at least 1"),
     (dict(stop_after_bad_steps=-1), "--stop-after-bad-steps must be at least 0"),
 ])
-def test_bad_values_are_refused_by_validate(values, match):
+def test_bad_values_are_refused_where_the_config_is_made(values, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(out="run", **values).validate()
+        TrainConfig(out="run", **values)
+    with pytest.raises(ConfigError, match=match):  # deriving one is making one
+        TrainConfig(out="run").replace(**values)
 
 
 def test_dtype_aliases_are_accepted_as_their_names():
     for alias, name in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("bfloat16", "bfloat16")):
-        config = TrainConfig(out="run", export_dtype=alias)
-        config.validate()
-        assert config.export_dtype == name
+        assert TrainConfig(out="run", export_dtype=alias).checkpoint.export_dtype == name
 
 
 def test_out_naming_a_file_is_refused(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("mine")
     with pytest.raises(ConfigError, match="--out .*notes.txt is a file"):
-        TrainConfig(out=str(path)).validate()
+        TrainConfig(out=str(path))
     assert path.read_text() == "mine"
 
 
-def test_every_field_has_one_section_and_one_flag(capsys):
-    import dataclasses
-
-    fields = [f.name for f in dataclasses.fields(TrainConfig)]
-    listed = [name for names in TrainConfig.SECTIONS.values() for name in names]
-    assert sorted(listed) == sorted(fields) and len(set(listed)) == len(listed)
+def test_every_setting_has_one_section_and_one_flag(capsys):
+    sections = sections_of(TrainConfig)
+    assert list(sections) == ["data", "model", "objective", "optimizer", "parallel", "eval", "checkpoint", "logging"]
+    listed = [name for names in sections.values() for name in names]
+    fields = list(leaf_fields(TrainConfig))
+    assert len(fields) > 50 and len(set(listed)) == len(listed) and sorted(listed) == sorted(fields)
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = capsys.readouterr().out
-    for section in TrainConfig.SECTIONS:
+    for section in sections:
         assert f"[{section}]:" in help_text
     parser = argparse.ArgumentParser()
     from dflash_train.config import add_arguments
@@ -196,3 +209,99 @@ def test_a_config_file_that_is_not_utf8_is_one_error(tmp_path):
     path.write_bytes(b"lr = 1\xff\n")
     with pytest.raises(ConfigError, match=r"run.toml: not UTF-8 text \(byte 6\)"):
         from_args(TrainConfig, build_parser("train").parse_args(["train", "--config", str(path)]))
+
+
+def test_flat_keywords_and_sections_make_the_same_config():
+    dataclass_replace = dataclasses.replace  # by another name: the access codemod rewrites dataclasses.replace(config)
+    flat = TrainConfig(out="run", lr=1e-3, steps=5, data=["a.jsonl"], max_seq_len=512)
+    nested = TrainConfig(out="run", data=["a.jsonl"], max_seq_len=512, optimizer=OptimizerSettings(lr=1e-3, steps=5))
+    assert flat == nested and flat.optimizer.lr == 1e-3 and flat.data.data == ["a.jsonl"]
+    # replace() changes the files of the [data] section and keeps the section's other settings
+    moved = flat.replace(data=["b.jsonl"], lr=2e-3)
+    assert (moved.data.data, moved.data.max_seq_len, moved.optimizer.lr, moved.optimizer.steps) == (["b.jsonl"], 512, 2e-3, 5)
+    with pytest.raises(TypeError, match=r"use config.replace\(data="):
+        dataclass_replace(flat, data=["b.jsonl"])  # would silently drop max_seq_len
+    assert dataclass_replace(flat, lr=3e-3).optimizer.lr == 3e-3
+    with pytest.raises(TypeError, match="'lrr'"):
+        TrainConfig(lrr=1e-3)
+
+
+def test_a_config_that_exists_is_valid_and_stays_so():
+    config = TrainConfig(out="run")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.optimizer.lr = -1.0  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="--lr must be > 0"):
+        OptimizerSettings(lr=-1.0)  # a section alone is checked where it is made too
+    as_before: typing.Any = config  # code written for the flat layout
+    with pytest.raises(AttributeError, match=r"it is config.optimizer.lr"):
+        as_before.lr  # noqa: B018 - the flat name of the old layout points to its section
+
+
+def test_the_flat_record_makes_the_same_config_again():
+    """run.json and the checkpoints keep the settings flat by flag name (resume reads them)."""
+    config = TrainConfig(out="run", lr=1e-3, mode="variants", variants=[{"name": "b8", "block_size": 8}, {"gamma": 4}])
+    record = json.loads(json.dumps(config.flat_values()))
+    assert record["lr"] == 1e-3 and record["variants"] == [{"name": "b8", "block_size": 8}, {"gamma": 4.0}]
+    assert TrainConfig(**record) == config
+    assert [name for name, _ in config.variant_configs()] == ["b8", "variant1"]
+
+
+def test_a_variant_may_set_exactly_the_drafter_spec_settings():
+    """DrafterSpec is the list of what a variant may change: each of its settings is a train
+    setting of the same type, and a variant with any other key is refused naming the closest."""
+    settings = leaf_fields(TrainConfig)
+    hints = typing.get_type_hints(DrafterSpec)
+    for name in DrafterSpec.settings():
+        base = typing.get_args(hints[name])[0]  # `X | None`: None = the shared value
+        declared = settings[name][1]
+        assert base == (typing.get_args(declared)[0] if typing.get_origin(declared) in (typing.Union, types.UnionType)
+                        else declared), name
+    assert {"block_size", "lr", "fp8", "arch", "loss"} <= set(DrafterSpec.settings())
+    for shared in ("steps", "batch_size", "data", "max_seq_len", "device", "mode"):
+        assert shared not in DrafterSpec.settings()
+        with pytest.raises(ConfigError, match=rf"variants\[0\]: unknown key '{shared}'"):
+            TrainConfig(out="r", mode="variants", variants=[{"name": "v", shared: 1}])
+    (_, drafter), = TrainConfig(out="r", mode="variants", lr=1e-3, variants=[DrafterSpec(name="v", lr=2e-3)]).variant_configs()
+    assert drafter.optimizer.lr == 2e-3 and drafter.parallel.variants == []
+
+
+def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
+    """Each node sets its own paths and devices (`option(per_node=True)`); every other setting,
+    a variant's table included, must be equal on every node (compared by flag)."""
+    from dflash_train.train.trainer import settings_every_node_shares
+
+    config = TrainConfig(out="run", data=["a.jsonl"], device="cpu", lr=1e-3, mode="variants", variants=[{"name": "v"}])
+    shared = settings_every_node_shares(config)
+    for per_node in ("--out", "--data", "--device", "--target", "--drafter-devices", "--cuda-graphs", "--tensorboard"):
+        assert per_node not in shared
+    assert shared["--lr"] == 1e-3 and shared["--variants"] == [{"name": "v"}] and shared["--steps"] == 1000
+    assert len(shared) == len(leaf_fields(TrainConfig)) - 14
+    moved = settings_every_node_shares(config.replace(out="elsewhere", device="cuda:1", lr=2e-3))
+    assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
+
+
+def test_product_code_reads_settings_through_their_sections():
+    """Every function of the package taking a `TrainConfig` reads `config.<section>.<setting>`:
+    a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
+    only on a GPU, so it is refused here by reading the source."""
+    import ast
+    from pathlib import Path
+
+    import dflash_train
+
+    allowed = set(sections_of(TrainConfig)) | {name for name in dir(TrainConfig) if not name.startswith("__")}
+    settings = set(leaf_fields(TrainConfig))
+    flat_reads, functions = [], 0
+    for path in sorted(Path(dflash_train.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            params = {a.arg for a in args if a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation)}
+            functions += bool(params)
+            for inner in ast.walk(node):
+                if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id in params
+                        and inner.attr in settings and inner.attr not in allowed):
+                    flat_reads.append(f"{path.name}:{inner.lineno}: {ast.unparse(inner)}")
+    assert functions > 20  # the walk found the trainer's functions
+    assert not flat_reads, f"read these through their section (config.<section>.<setting>): {flat_reads}"

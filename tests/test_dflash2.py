@@ -369,7 +369,6 @@ def test_dflash2_sampling_matches_the_targets_own_distribution(monkeypatch):
 
 
 def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_resume_and_export(tmp_path):
-    import dataclasses
     import os
     from pathlib import Path
 
@@ -389,7 +388,7 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
                                eval_bench=str(Path(__file__).parent / "data" / "eval_prompts.jsonl"))
     samples = pattern_samples(16, max_len=60)
     train(config, samples=samples, target=target, log=open(os.devnull, "w"), stop_at=2)
-    summary = train(dataclasses.replace(config, resume=True), samples=samples, target=target, log=open(os.devnull, "w"))
+    summary = train(config.replace(resume=True), samples=samples, target=target, log=open(os.devnull, "w"))
     for name in ("dflash", "dflash2"):
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2, 3, 4], name

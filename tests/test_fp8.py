@@ -259,7 +259,7 @@ def test_fp8_dims_and_device_checks_say_what_is_wrong():
         check_fp8_dims({"hidden_size": 64, "vocab_size": 100})
     assert fp8_unsupported(torch.device("cpu")) is None  # decided by running a product
     with pytest.raises(ConfigError, match="fp8 'e4m3'"):
-        TrainConfig(out="x", fp8="e4m3").validate()
+        TrainConfig(out="x", fp8="e4m3")
 
 
 # ----- training -----------------------------------------------------------------------------

@@ -192,11 +192,11 @@ def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
     train = quality.train_config("target", "data.jsonl", "run")
     assert (quality.prompts.count, quality.self_prompts.count, quality.self_prompts.max_new_tokens) == (140000, 40000, 128)
     assert (quality.regenerate.max_new_tokens, quality.regenerate.max_prompt_tokens) == (256, 512)
-    assert (train.steps, train.batch_size, train.max_seq_len, train.seq_buckets, train.min_supervised_tokens) == (
+    assert (train.optimizer.steps, train.optimizer.batch_size, train.data.max_seq_len, train.data.seq_buckets, train.data.min_supervised_tokens) == (
         20000, 8, 768, [768], 32)
-    assert (train.block_size, train.num_layers, train.num_anchors, train.mask_token_id, train.loss, train.gamma) == (
+    assert (train.model.block_size, train.model.num_layers, train.objective.num_anchors, train.model.mask_token_id, train.objective.loss, train.objective.gamma) == (
         16, 5, 256, 16, "dpace", 7.0)
-    assert (train.lr, train.warmup_ratio, train.clip_grad, train.save_every, train.keep_checkpoints) == (
+    assert (train.optimizer.lr, train.optimizer.warmup_ratio, train.optimizer.clip_grad, train.checkpoint.save_every, train.checkpoint.keep_checkpoints) == (
         6e-4, 0.04, 1.0, 250, 2)
     assert (quality.eval.bench, quality.eval.limit, quality.speed.bench, quality.speed.limit, quality.speed.decoder) == (
         ["dev", "humaneval", "mtbench_odd", "math500"], 40, ["humaneval", "mtbench_odd"], 20, "static")

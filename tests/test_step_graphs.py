@@ -305,12 +305,12 @@ def test_graphed_features_on_cpu_fall_back_to_the_live_target(target):
 
 def test_cuda_graphs_choices_and_configuration_errors(tmp_path):
     with pytest.raises(ConfigError, match="--cuda-graphs 'yes'"):
-        TrainConfig(cuda_graphs="yes").validate()
+        TrainConfig(cuda_graphs="yes")
     with pytest.raises(ConfigError, match="need CUDA devices"):
-        TrainConfig(cuda_graphs="on", device="cpu").validate()
+        TrainConfig(cuda_graphs="on", device="cpu")
     with pytest.raises(ConfigError, match="need CUDA devices"):
-        TrainConfig(cuda_graphs="on", device="cuda:0", drafter_devices=["cpu"]).validate()
-    TrainConfig(cuda_graphs="on", device="cpu", target_devices=["cuda:0"], drafter_devices=["cuda:1"]).validate()
+        TrainConfig(cuda_graphs="on", device="cuda:0", drafter_devices=["cpu"])
+    TrainConfig(cuda_graphs="on", device="cpu", target_devices=["cuda:0"], drafter_devices=["cuda:1"])
     cpu = [torch.device("cpu")]
     with pytest.raises(ConfigError, match="cpu is not one"):  # `auto` resolved to the cpu
         choose_cuda_graphs(TrainConfig(cuda_graphs="on", device="auto"), cpu)
@@ -344,7 +344,7 @@ def test_compile_target_decides_which_graphed_sources_compile_the_feature_forwar
     assert not compiles_target(TrainConfig(compile="off"), cuda)
     assert compiles_target(TrainConfig(compile="on"), cpu)
     with pytest.raises(ConfigError, match="--compile-target 'yes'"):
-        TrainConfig(compile_target="yes").validate()
+        TrainConfig(compile_target="yes")
     live = LiveTarget(target, LAYERS)
     for compiled in (True, False):
         [source] = graphed_sources([live], GraphChoice(True, "on"), BUCKETS, 4, compiled=lambda device: compiled)

@@ -78,4 +78,4 @@ def test_variants_write_per_drafter_event_files_and_off_writes_none(tmp_path, on
 
 def test_tensorboard_setting_is_validated():
     with pytest.raises(ConfigError, match="tensorboard 'yes': use auto, on or off"):
-        tiny_train_config("unused", tensorboard="yes").validate()
+        tiny_train_config("unused", tensorboard="yes")

@@ -59,7 +59,7 @@ def stage_settings(work: Work, stage: str) -> dict[str, Any]:
             continue  # a stage the run does not have; an export reads neither the eval nor the other export
         for item in STAGE_INPUTS[name]:
             table, _, key = item.partition(".")
-            values = vars(train) if table == "train" else recipe.section_values(table)
+            values = train.flat_values() if table == "train" else recipe.section_values(table)
             keys = [key] if key else (recipe.train if table == "train" else values)
             settings.update({f"{table}.{k}": values[k] for k in keys})
     return json.loads(json.dumps(settings))  # as the book reads it back
@@ -255,12 +255,12 @@ def stage_features(work: Work) -> tuple[int, str]:
     cache_json = work.features / "cache.json"
     if not (cache_json.is_file() and json.loads(cache_json.read_text()).get("complete")):
         run_cache_features(checked(CacheFeaturesConfig(
-            target=work.target, data=[str(work.data)], out=str(work.features), max_seq_len=train.max_seq_len,
-            min_supervised_tokens=train.min_supervised_tokens, target_layer_ids=list(train.target_layer_ids),
-            num_layers=train.num_layers, thinking=train.thinking, dtype=work.recipe.features.dtype, device=work.device,
+            target=work.target, data=[str(work.data)], out=str(work.features), max_seq_len=train.data.max_seq_len,
+            min_supervised_tokens=train.data.min_supervised_tokens, target_layer_ids=list(train.model.target_layer_ids),
+            num_layers=train.model.num_layers, thinking=train.data.thinking, dtype=work.recipe.features.dtype, device=work.device,
         )))
     rows = int(json.loads(cache_json.read_text()).get("samples", 0))
-    return rows, f"target layers {list(train.target_layer_ids) or '(default)'} of {rows} conversations cached in {work.features}"
+    return rows, f"target layers {list(train.model.target_layer_ids) or '(default)'} of {rows} conversations cached in {work.features}"
 
 
 class Interrupted(Exception):

@@ -83,7 +83,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)
     stages = plan(work, book, requested)
-    check_layer_ids(work.train_config().target_layer_ids, Path(work.target))  # its values, with this target and folder
+    check_layer_ids(work.train_config().model.target_layer_ids, Path(work.target))  # its values, with this target and folder
     if "eval" in stages:
         check_benchmarks(recipe)
     folder.mkdir(parents=True, exist_ok=True)

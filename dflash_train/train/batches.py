@@ -43,7 +43,7 @@ def auto_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
 
 def shape_buckets(config: TrainConfig) -> list[int]:
     """The sequence lengths a run pads its batches to: --seq-buckets, or the automatic ones."""
-    return sorted(config.seq_buckets) if config.seq_buckets else auto_buckets(config.max_seq_len)
+    return sorted(config.data.seq_buckets) if config.data.seq_buckets else auto_buckets(config.data.max_seq_len)
 
 
 @dataclass

@@ -18,7 +18,6 @@ replicas.py (weight init), resume.py (the resume point and set-aside checkpoints
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import queue
@@ -62,10 +61,10 @@ def prepare_run_folder(config: TrainConfig, plans: list[DrafterPlan]) -> Path:
     Without --resume it must hold nothing a run writes (a second run would mix its metrics and
     checkpoints with the first's); with it, what an interrupted checkpoint write left behind is
     cleaned up."""
-    out = Path(config.out)
-    check_outside_inputs(out, "--out", [config.target, config.features, *config.data,
-                                        *([config.eval_bench] if Path(config.eval_bench).is_file() else [])])
-    if not config.resume:
+    out = Path(config.checkpoint.out)
+    check_outside_inputs(out, "--out", [config.model.target, config.data.features, *config.data.data,
+                                        *([config.eval.eval_bench] if Path(config.eval.eval_bench).is_file() else [])])
+    if not config.checkpoint.resume:
         held = [out / name for name in RUN_FOLDER_FILES if (out / name).exists()]
         held += [plan.run_dir / name for plan in plans for name in RUN_FILES if (plan.run_dir / name).exists()]
         if held:
@@ -80,8 +79,8 @@ def prepare_run_folder(config: TrainConfig, plans: list[DrafterPlan]) -> Path:
 def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
     """run.json: the settings this drafter trains with and its drafter config."""
     write_json_atomic(plan.run_dir / "run.json", {
-        "train_config": dataclasses.asdict(plan.config), "drafter_config": plan.drafter_config.to_dict(),
-        "target": str(config.target), "mode": config.mode, "name": plan.name,
+        "train_config": plan.config.flat_values(), "drafter_config": plan.drafter_config.to_dict(),
+        "target": str(config.model.target), "mode": config.parallel.mode, "name": plan.name,
     }, indent=2)
 
 
@@ -89,35 +88,35 @@ def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
 
 def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Target, log: TextIO) -> None:
     """Each plan's drafter and objective, sized from the target; --fp8 checked against both."""
-    mask_token_id = resolve_mask_token_id(config.mask_token_id, target.tokenizer, target.embed_weight.shape[0])
+    mask_token_id = resolve_mask_token_id(config.model.mask_token_id, target.tokenizer, target.embed_weight.shape[0])
     for plan in plans:
-        if plan.config.anchor_slots() < plan.config.num_anchors:
-            print(f"{plan.name}: --num-anchors {plan.config.num_anchors} is more than --max-seq-len "
-                  f"{plan.config.max_seq_len}: training {plan.config.anchor_slots()} anchor slots per sequence "
+        if plan.config.anchor_slots() < plan.config.objective.num_anchors:
+            print(f"{plan.name}: --num-anchors {plan.config.objective.num_anchors} is more than --max-seq-len "
+                  f"{plan.config.data.max_seq_len}: training {plan.config.anchor_slots()} anchor slots per sequence "
                   "(a sequence has no more anchor positions; the loss is the same)", file=log)
         plan.drafter_config = DrafterConfig.from_target(
-            target.spec, num_layers=plan.config.num_layers, block_size=plan.config.block_size,
-            mask_token_id=mask_token_id, target_layer_ids=plan.config.target_layer_ids or None,
+            target.spec, num_layers=plan.config.model.num_layers, block_size=plan.config.model.block_size,
+            mask_token_id=mask_token_id, target_layer_ids=plan.config.model.target_layer_ids or None,
             **dflash2_fields(plan.config),
         )
         compiled_head = all(compiles_drafter(config, device) for device in plan.devices)
         plan.objective = ObjectiveConfig(
-            block_size=plan.config.block_size, num_anchors=plan.config.anchor_slots(), loss=plan.config.loss,
-            gamma=plan.config.gamma, dpace_alpha=plan.config.dpace_alpha, loss_chunk_rows=plan.config.loss_chunk_rows,
+            block_size=plan.config.model.block_size, num_anchors=plan.config.anchor_slots(), loss=plan.config.objective.loss,
+            gamma=plan.config.objective.gamma, dpace_alpha=plan.config.objective.dpace_alpha, loss_chunk_rows=plan.config.objective.loss_chunk_rows,
             compiled_head=compiled_head,
             fused_head=compiled_head and uses_fused_head(plan, target.spec.final_logit_softcapping, log),
-            fp8_head=plan.config.fp8 != "off",
-            selector_weight=plan.config.selector_weight, selector_miss=plan.config.selector_miss,
+            fp8_head=plan.config.parallel.fp8 != "off",
+            selector_weight=plan.config.objective.selector_weight, selector_miss=plan.config.objective.selector_miss,
         )
-        if plan.config.fp8 != "off":
+        if plan.config.parallel.fp8 != "off":
             check_fp8_support(plan, target)
 
 
 def dflash2_fields(config: TrainConfig) -> dict:
     """The drafter's architecture and, for DFlash2, its sizes (a DFlash drafter keeps the defaults)."""
-    if config.arch != "dflash2":
-        return {"arch": config.arch}
-    return {key: getattr(config, key) for key in ("arch", "conv_kernel_size", "conv_group_size", "selector_rank",
+    if config.model.arch != "dflash2":
+        return {"arch": config.model.arch}
+    return {key: getattr(config.model, key) for key in ("arch", "conv_kernel_size", "conv_group_size", "selector_rank",
                                                    "selector_top_k")}
 
 
@@ -134,23 +133,23 @@ def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan]) 
         return None
     threads = max(sum(len(plan.devices) for plan in plans), len(layout.target_devices))
     return CompileGate(recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads),
-                       after_warmup="fail" if config.fail_on_recompile else "eager")
+                       after_warmup="fail" if config.parallel.fail_on_recompile else "eager")
 
 
 def build_evaluation(config: TrainConfig, supply: FeatureSupply, steps: StepRange, log: TextIO) -> EvaluationSchedule | None:
     """The in-training evaluator (real tau by speculative decoding every --eval-every steps),
     its prompts rendered in the thinking mode the training rows were."""
-    if not config.eval_every:
+    if not config.eval.eval_every:
         return None
     from ..eval.in_training import InTrainingEvaluator
 
     target = supply.first
     evaluator = InTrainingEvaluator.from_benchmark(
-        target, config.eval_bench, limit=config.eval_limit, max_new_tokens=config.eval_max_new_tokens,
+        target, config.eval.eval_bench, limit=config.eval.eval_limit, max_new_tokens=config.eval.eval_max_new_tokens,
         enable_thinking=evaluation_thinking(config, supply))
-    print(f"in-training eval: real tau every {config.eval_every} steps on {len(evaluator.prompts)} "
-          f"{config.eval_bench} prompts, {config.eval_max_new_tokens} new tokens, on {target.device}", file=log)
-    return EvaluationSchedule(evaluator, config.eval_every, steps.end)
+    print(f"in-training eval: real tau every {config.eval.eval_every} steps on {len(evaluator.prompts)} "
+          f"{config.eval.eval_bench} prompts, {config.eval.eval_max_new_tokens} new tokens, on {target.device}", file=log)
+    return EvaluationSchedule(evaluator, config.eval.eval_every, steps.end)
 
 
 # --- the run, and its pipeline: replicas, queues, workers --------------------------------------
@@ -242,8 +241,8 @@ def share_between_threads(run: Run) -> Shared:
     warmup = Warmup(threads, stop, run.log, run_dir=run.folder, compile_cache=run.compile_cache, gate=run.gate)
     _, share = step_share(config, run.plans, run.nodes)
     router = BatchRouter(len(run.supply.targets), len(run.drafter_threads), batches_per_step=len(share),
-                         grad_accum=config.grad_accum, every_drafter_trains_every_batch=config.mode == "variants",
-                         depth=config.prefetch)
+                         grad_accum=config.optimizer.grad_accum, every_drafter_trains_every_batch=config.parallel.mode == "variants",
+                         depth=config.parallel.prefetch)
     return Shared(stop, queue.Queue(), router, warmup)
 
 
@@ -262,8 +261,8 @@ def build_drafter_workers(
         attach_step(replica, config, run.graphs, shape_buckets(config), feature_dtype(run.sources),
                     compiled=compiles_drafter(config, replica.device) or backends[replica.device] == "flex")
     checkpointer = Checkpointer(
-        plan.run_dir, config.save_every, config.keep_checkpoints,
-        {"train_config": dataclasses.asdict(plan.config), "layer_union": layer_union(run.plans), "stream": run.stream,
+        plan.run_dir, config.checkpoint.save_every, config.checkpoint.keep_checkpoints,
+        {"train_config": plan.config.flat_values(), "layer_union": layer_union(run.plans), "stream": run.stream,
          "target": run.target},
         saved_step=steps.start,
     ) if save_checkpoints and nodes.writes else None
@@ -277,9 +276,9 @@ def build_drafter_workers(
     workers = []
     for replica in replicas:
         slot = run.drafter_threads.index((plan, replica.rank))
-        thread_name = f"drafter-{slot}" + (f"[{plan.name}]" if config.mode == "variants" else "")
+        thread_name = f"drafter-{slot}" + (f"[{plan.name}]" if config.parallel.mode == "variants" else "")
         rank0 = replica.rank == 0
-        indices = list(range(replica.rank * config.grad_accum, (replica.rank + 1) * config.grad_accum))
+        indices = list(range(replica.rank * config.optimizer.grad_accum, (replica.rank + 1) * config.optimizer.grad_accum))
         workers.append(DrafterWorker(DrafterSetup(
             thread_name=thread_name, replica=replica, inbox=shared.router.inbox(slot, indices, shared.stop),
             steps=steps, stop=shared.stop, reports=shared.reports, reducer=reducer, vote=vote,
@@ -295,8 +294,8 @@ def plan_batches(run: Run) -> BatchPlanner:
     global_batches, share = step_share(config, run.plans, run.nodes)
     tokenizer = run.supply.first.tokenizer
     return BatchPlanner(
-        run.samples, batch_size=config.batch_size, batches_per_step=global_batches, share=share,
-        buckets=shape_buckets(config), seed=config.seed, objectives={plan.name: plan.objective for plan in run.plans},
+        run.samples, batch_size=config.optimizer.batch_size, batches_per_step=global_batches, share=share,
+        buckets=shape_buckets(config), seed=config.optimizer.seed, objectives={plan.name: plan.objective for plan in run.plans},
         pad_id=(tokenizer.pad_token_id or 0) if tokenizer is not None else 0, pin_memory=run.layout.uses_cuda,
     )
 
@@ -304,7 +303,7 @@ def plan_batches(run: Run) -> BatchPlanner:
 def build_target_workers(run: Run, planner: BatchPlanner, shared: Shared) -> list[TargetWorker]:
     """One target thread per feature source, its forward graphed under --cuda-graphs."""
     config = run.config
-    sources = graphed_sources(run.sources, run.graphs, shape_buckets(config), config.batch_size,
+    sources = graphed_sources(run.sources, run.graphs, shape_buckets(config), config.optimizer.batch_size,
                               compiled=functools.partial(compiles_target, config))
     return [TargetWorker(TargetSetup(f"target-{t}", t, source, planner, shared.router, run.steps, shared.stop,
                                      warmup=shared.warmup))

@@ -155,7 +155,7 @@ class Coordinator:
         self.queue_samples = 0
         self.started = time.monotonic()
         self.interrupts = InterruptHandler(interrupt_target(self.nodes, self.stop))
-        self.health = HealthWatch(config.stop_after_bad_steps, [plan.name for plan in plans])
+        self.health = HealthWatch(config.optimizer.stop_after_bad_steps, [plan.name for plan in plans])
         self.failure: str | None = None  # why the health watch stopped the run
         self.clock = StartupClock(pipeline.warmup)
 
@@ -236,13 +236,13 @@ class Coordinator:
         if first:
             self.progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
         step = record["step"]
-        if step % self.config.log_every == 0 or step == self.steps.end:
+        if step % self.config.logging.log_every == 0 or step == self.steps.end:
             elapsed = time.monotonic() - self.started
             eta = (self.steps.end - step) * elapsed / max(1, step - self.steps.start)
             depth = self.mean_queue_depth()
             workers = self.pipeline.workers
-            limit = pipeline_bottleneck(workers, depth, self.config.prefetch)
-            self.progress.print(step_line(record, name if many else None, self.config.steps, eta)
+            limit = pipeline_bottleneck(workers, depth, self.config.parallel.prefetch)
+            self.progress.print(step_line(record, name if many else None, self.config.optimizer.steps, eta)
                                 + pipeline_note(workers, depth, limit, self.pipeline.gate))
             if first:
                 pipeline_record = {"step": step, "elapsed_s": round(elapsed, 2), "mean_queue_depth": round(depth, 3),
@@ -288,7 +288,7 @@ class Coordinator:
             **self.nodes_summary(),
             "compiles": self.compile_snapshot(),
             "startup": self.clock.summary(),
-            "bottleneck": str(pipeline_bottleneck(pipeline.workers, self.mean_queue_depth(), self.config.prefetch)),
+            "bottleneck": str(pipeline_bottleneck(pipeline.workers, self.mean_queue_depth(), self.config.parallel.prefetch)),
         }
         for plan in self.plans:
             rank0 = pipeline.rank0(plan)
@@ -307,8 +307,8 @@ class Coordinator:
             if measured:
                 entry["tau_real"] = {"step": measured[-1]["step"], "tau": measured[-1]["tau_real"],
                                      "tau_pooled": measured[-1]["tau_real_pooled"]}
-            finished = error is None and self.failure is None and rank0.completed_step >= self.config.steps
-            if finished and self.config.export_dtype and self.nodes.writes:
+            finished = error is None and self.failure is None and rank0.completed_step >= self.config.optimizer.steps
+            if finished and self.config.checkpoint.export_dtype and self.nodes.writes:
                 bad = non_finite_parameters(rank0.replica.drafter)
                 if bad:
                     self._watch_health(f"{plan.name}: weights are not finite after step {rank0.completed_step} "
@@ -319,8 +319,8 @@ class Coordinator:
         if self.failure is not None:
             summary["stop_reason"] = f"failed: {self.failure}"
         if self.nodes.writes:
-            write_json_atomic(Path(self.config.out) / "summary.json", summary, indent=2)
-        print(summary_text(summary, self.config.steps), file=self.log)
+            write_json_atomic(Path(self.config.checkpoint.out) / "summary.json", summary, indent=2)
+        print(summary_text(summary, self.config.optimizer.steps), file=self.log)
         self.nodes.finish()
         if error is not None:
             raise error
@@ -340,7 +340,7 @@ class Coordinator:
                 "cross_node_all_reduce_ms_per_step": round(1000 * seconds / count, 3) if count else None}
 
     def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
-        return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.export_dtype, "cpu"),
+        return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.checkpoint.export_dtype, "cpu"),
                             run_dir=plan.run_dir, force=True, log=self.log)  # OUT/export belongs to the run
 
 

@@ -31,12 +31,12 @@ class Layout:
 
 def resolve_layout(config: TrainConfig, launch: Launch | None = None) -> Layout:
     targets, drafters = place_devices([
-        [resolve_device(d) for d in (config.target_devices or [config.device])],
-        [resolve_device(d) for d in (config.drafter_devices or [config.device])],
+        [resolve_device(d) for d in (config.parallel.target_devices or [config.parallel.device])],
+        [resolve_device(d) for d in (config.parallel.drafter_devices or [config.parallel.device])],
     ], launch)
     layout = Layout(targets, drafters)
     on_cpu = [str(d) for d in layout.drafter_devices if d.type != "cuda"]
-    if config.attention == "flex" and on_cpu:
+    if config.parallel.attention == "flex" and on_cpu:
         raise ConfigError(f"--attention flex: flex attention has no backward pass on {', '.join(on_cpu)} (it trains "
                           "on CUDA only); use --attention sdpa or auto")
     return layout
@@ -55,8 +55,8 @@ class DrafterPlan:
 
 
 def plan_drafters(config: TrainConfig, layout: Layout) -> list[DrafterPlan]:
-    out = Path(config.out)
-    if config.mode == "replicas":
+    out = Path(config.checkpoint.out)
+    if config.parallel.mode == "replicas":
         return [DrafterPlan("drafter", config, out, list(layout.drafter_devices))]
     devices = layout.drafter_devices
     return [DrafterPlan(name, variant, out / name, [devices[i % len(devices)]])
@@ -71,5 +71,5 @@ def layer_union(plans: list[DrafterPlan]) -> list[int]:
 def step_share(config: TrainConfig, plans: list[DrafterPlan], nodes: NodeGroup) -> tuple[int, range]:
     """Micro-batches per step over every node (nodes × replicas × grad_accum), and the
     contiguous range of them this node trains."""
-    local = (len(plans[0].devices) if config.mode == "replicas" else 1) * config.grad_accum
+    local = (len(plans[0].devices) if config.parallel.mode == "replicas" else 1) * config.optimizer.grad_accum
     return local * nodes.world_size, range(nodes.rank * local, (nodes.rank + 1) * local)

@@ -17,21 +17,21 @@ from .layout import DrafterPlan, Layout
 
 
 def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
-    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+    return config.parallel.compile == "on" or (config.parallel.compile == "auto" and device.type == "cuda")
 
 
 def compiles_target(config: TrainConfig, device: torch.device) -> bool:
     """Whether the target's feature forward on `device` is compiled before its capture (only
     under CUDA graphs: train/feature_graphs.py)."""
-    return config.compile_target == "auto" and compiles_drafter(config, device)
+    return config.parallel.compile_target == "auto" and compiles_drafter(config, device)
 
 
 def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device, str]:
-    return {d: resolve_backend(config.attention, d) for d in layout.drafter_devices}
+    return {d: resolve_backend(config.parallel.attention, d) for d in layout.drafter_devices}
 
 
 def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
-    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    use_bf16 = config.parallel.precision == "bf16" or (config.parallel.precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if use_bf16 else None
 
 
@@ -58,15 +58,15 @@ def check_fp8_support(plan: DrafterPlan, target: Target) -> None:
     """--fp8 needs FP8 products on every device of the drafter and 16-aligned model dims."""
     spec = target.spec
     dims = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
-    if plan.config.fp8 == "all":
+    if plan.config.parallel.fp8 == "all":
         dims.update(intermediate_size=spec.intermediate_size, **{
             "num_attention_heads × head_dim": spec.num_attention_heads * spec.head_dim,
             "num_key_value_heads × head_dim": spec.num_key_value_heads * spec.head_dim,
         })
-        if plan.config.arch == "dflash2":  # its kernel projections and selector projection are linears too
+        if plan.config.model.arch == "dflash2":  # its kernel projections and selector projection are linears too
             dims.update({"2 × conv_kernel_size × hidden_size / conv_group_size":
-                         2 * plan.config.conv_kernel_size * (spec.hidden_size // plan.config.conv_group_size),
-                         "selector_rank": plan.config.selector_rank})
+                         2 * plan.config.model.conv_kernel_size * (spec.hidden_size // plan.config.model.conv_group_size),
+                         "selector_rank": plan.config.model.selector_rank})
     try:
         check_fp8_dims(dims)
     except ValueError as error:
@@ -74,4 +74,4 @@ def check_fp8_support(plan: DrafterPlan, target: Target) -> None:
     for device in plan.devices:
         reason = fp8_unsupported(device)
         if reason:
-            raise ConfigError(f"{plan.name}: --fp8 {plan.config.fp8}: {reason}; use --fp8 off")
+            raise ConfigError(f"{plan.name}: --fp8 {plan.config.parallel.fp8}: {reason}; use --fp8 off")

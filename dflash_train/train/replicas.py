@@ -118,7 +118,7 @@ def build_replicas(
     if checkpoint is not None:
         base = load_drafter(checkpoint)  # its config was checked against the plan by `check_resumable`
     else:
-        base = init_drafter(plan.drafter_config, plan.config.seed)
+        base = init_drafter(plan.drafter_config, plan.config.optimizer.seed)
     if nodes is not None:
         nodes.share_weights(base)
     replicas = []
@@ -129,17 +129,17 @@ def build_replicas(
             # elementwise work around the matmuls fuses; the module itself stays
             # uncompiled, so checkpoints keep plain parameter names.
             model.forward = torch.compile(model.forward, dynamic=False)
-        if plan.config.fp8 == "all":
+        if plan.config.parallel.fp8 == "all":
             use_fp8_linears(model)
-        optimizer = make_optimizer(model, plan.config.lr, plan.config.weight_decay,
-                                   (plan.config.adam_beta1, plan.config.adam_beta2))
-        scheduler = warmup_cosine(optimizer, config.steps, plan.config.warmup_ratio, plan.config.min_lr_ratio)
+        optimizer = make_optimizer(model, plan.config.optimizer.lr, plan.config.optimizer.weight_decay,
+                                   (plan.config.optimizer.adam_beta1, plan.config.optimizer.adam_beta2))
+        scheduler = warmup_cosine(optimizer, config.optimizer.steps, plan.config.optimizer.warmup_ratio, plan.config.optimizer.min_lr_ratio)
         if checkpoint is not None:
             restore_trainer(checkpoint, optimizer, scheduler)
         replicas.append(Replica(
             name=plan.name, rank=rank, device=device, drafter=model, optimizer=optimizer, scheduler=scheduler,
             frozen=frozen.on(device), objective=plan.objective, layer_ids=plan.drafter_config.target_layer_ids,
             attention_backend=backends[device], autocast_dtype=autocast_dtype(config, device),
-            clip_grad=plan.config.clip_grad,
+            clip_grad=plan.config.optimizer.clip_grad,
         ))
     return replicas

@@ -42,7 +42,7 @@ class ResumePoint:
 def run_target_identity(config: TrainConfig, supply: FeatureSupply | None = None) -> dict[str, str] | None:
     """The identity (`target.target_identity`) of the target this run trains against: --target,
     or the feature cache's target; None for a target given in memory (tests, benchmarks)."""
-    path = config.target or (str(supply.cache.target) if supply is not None and supply.cache is not None else "")
+    path = config.model.target or (str(supply.cache.target) if supply is not None and supply.cache is not None else "")
     return target_identity(path) if path and Path(path).exists() else None
 
 
@@ -52,16 +52,16 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
     settings, its data stream (`stream_identity`: step s must train the same batches) and its
     target (`run_target_identity`): a resume that changes any of them is refused (never
     silently ignored)."""
-    if not config.resume:
+    if not config.checkpoint.resume:
         return ResumePoint()
     # The newest checkpoint that loads and verifies; a damaged newer one is skipped with one line.
     found = {plan.name: resumable_checkpoint(plan.run_dir, log)[0] for plan in plans}
     states = {name: read_state(path) for name, path in found.items() if path is not None}
     if not states:
-        print(f"--resume: no complete checkpoint in {config.out}, starting from step 0", file=log)
+        print(f"--resume: no complete checkpoint in {config.checkpoint.out}, starting from step 0", file=log)
         return ResumePoint()
     if missing := [plan.name for plan in plans if plan.name not in states]:
-        raise ConfigError(f"cannot resume: {', '.join(missing)} has no complete checkpoint in {config.out} while "
+        raise ConfigError(f"cannot resume: {', '.join(missing)} has no complete checkpoint in {config.checkpoint.out} while "
                           f"{', '.join(states)} do; train into a new --out")
     unequal = len({state["step"] for state in states.values()}) != 1
     if unequal:
@@ -124,11 +124,11 @@ def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
     if changed:
         raise ConfigError(f"cannot resume {plan.run_dir}: its checkpoint {checkpoint.name} holds a different drafter "
                           f"({'; '.join(changed)}); resume with the run's settings, or start a new run in another --out")
-    saved_settings = state.get("train_config", {})
+    saved_settings, settings = state.get("train_config", {}), plan.config.flat_values()
     for key in FIXED_BY_CHECKPOINT:
-        if key in saved_settings and saved_settings[key] != getattr(plan.config, key):
+        if key in saved_settings and saved_settings[key] != settings[key]:
             raise ConfigError(
-                f"cannot resume {plan.run_dir}: --{key.replace('_', '-')} {getattr(plan.config, key)} differs from "
+                f"cannot resume {plan.run_dir}: --{key.replace('_', '-')} {settings[key]} differs from "
                 f"{saved_settings[key]} in its checkpoint {checkpoint.name}, whose optimizer state fixes it; resume "
                 f"without changing it, or start a new run in another --out")
 
@@ -146,13 +146,13 @@ def check_same_target(plan: DrafterPlan, checkpoint: Path, state: dict, target: 
     differs = [name for name in ("config_sha256", "weights_fingerprint") if saved.get(name) != target.get(name)]
     if differs:
         what = " and ".join("its config.json" if name == "config_sha256" else "its sampled weights" for name in differs)
-        raise ConfigError(f"cannot resume {plan.run_dir}: --target {plan.config.target or 'the feature cache target'} is not "
+        raise ConfigError(f"cannot resume {plan.run_dir}: --target {plan.config.model.target or 'the feature cache target'} is not "
                           f"the target its checkpoint {checkpoint.name} was trained against ({what} differ); resume "
                           "with that target, or start a new run in another --out")
 
 
 def step_range(config: TrainConfig, resume: ResumePoint, stop_at: int | None, log: TextIO) -> StepRange:
-    end = min(config.steps, stop_at) if stop_at is not None else config.steps
+    end = min(config.optimizer.steps, stop_at) if stop_at is not None else config.optimizer.steps
     if resume.start_step >= end:
-        print(f"nothing to do: already at step {resume.start_step} of {config.steps}", file=log)
+        print(f"nothing to do: already at step {resume.start_step} of {config.optimizer.steps}", file=log)
     return StepRange(resume.start_step, end)

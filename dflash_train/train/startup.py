@@ -45,21 +45,21 @@ class GraphChoice:
 
 def choose_cuda_graphs(config: TrainConfig, devices: list[torch.device]) -> GraphChoice:
     """What `--cuda-graphs` means for this layout (before any model loads)."""
-    if config.cuda_graphs == "off":
+    if config.parallel.cuda_graphs == "off":
         return GraphChoice(False, "off (--cuda-graphs off)")
     not_cuda = [d for d in devices if d.type != "cuda"]
     if not_cuda:
-        if config.cuda_graphs == "on":
+        if config.parallel.cuda_graphs == "on":
             raise ConfigError(f"--cuda-graphs on: CUDA graphs need CUDA devices, and {not_cuda[0]} is not one "
                               "(use --cuda-graphs auto or off)")
         return GraphChoice(False, f"off (auto: {not_cuda[0]} is not a CUDA device)")
-    fp8_modes = {c.fp8 for _, c in config.variant_configs()} if config.mode == "variants" else {config.fp8}
+    fp8_modes = {c.parallel.fp8 for _, c in config.variant_configs()} if config.parallel.mode == "variants" else {config.parallel.fp8}
     # auto means proven: --fp8 head trained the recipe graphed on an H200 (docs/PERF.md); --fp8 all
     # trained only a small model graphed, and its recipe-size run trained no step in its time box.
-    if "all" in fp8_modes and config.cuda_graphs == "auto":
+    if "all" in fp8_modes and config.parallel.cuda_graphs == "auto":
         return GraphChoice(False, "off (auto: --fp8 all has not trained a recipe-size drafter under CUDA graphs "
                                   "on a GPU yet; --cuda-graphs on tries it)")
-    return GraphChoice(True, f"{config.cuda_graphs}: captured per bucket in the warm-up, eager where refused")
+    return GraphChoice(True, f"{config.parallel.cuda_graphs}: captured per bucket in the warm-up, eager where refused")
 
 
 # --- attach ------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def choose_cuda_graphs(config: TrainConfig, devices: list[torch.device]) -> Grap
 def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths: list[int],
                 feature_dtype: torch.dtype, compiled: bool) -> None:
     """The replica's step (a replicas.Replica): graphed (choice enabled), or eager with its compiles up front."""
-    shapes = step_shapes(lengths, config.batch_size, replica.objective, len(replica.layer_ids) * replica.drafter.config.hidden_size,
+    shapes = step_shapes(lengths, config.optimizer.batch_size, replica.objective, len(replica.layer_ids) * replica.drafter.config.hidden_size,
                          feature_dtype, replica.frozen.head_weight.shape[0])
     thread = f"{replica.name}[{replica.rank}]"
     if choice.enabled:

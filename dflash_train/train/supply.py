@@ -54,27 +54,27 @@ def load_feature_supply(
 ) -> FeatureSupply:
     targets: list[Target] = [] if given is None else [given] if isinstance(given, Target) else list(given)
     cache = None
-    if config.features:
+    if config.data.features:
         from ..data.feature_cache import FeatureCache
 
-        if config.data:
-            raise ConfigError(f"pass --data or --features, not both: the feature cache {config.features} holds its own samples")
-        cache = FeatureCache(config.features)
+        if config.data.data:
+            raise ConfigError(f"pass --data or --features, not both: the feature cache {config.data.features} holds its own samples")
+        cache = FeatureCache(config.data.features)
         cached_thinking(config, cache)
         if not targets:
             # No target forward runs for training; its embedding, head and tokenizer are still
             # needed (one copy serves every target worker), and the in-training evaluator runs it whole.
-            path = config.target or cache.target
+            path = config.model.target or cache.target
             device = feature_target_device(config, layout)
-            use = "the in-training evaluator, embedding, head, tokenizer" if config.eval_every else "embedding, head, tokenizer"
-            print(f"loading target {path} on {device} ({use}; features from {config.features})", file=log)
+            use = "the in-training evaluator, embedding, head, tokenizer" if config.eval.eval_every else "embedding, head, tokenizer"
+            print(f"loading target {path} on {device} ({use}; features from {config.data.features})", file=log)
             drafters_on_cuda = any(d.type == "cuda" for d in layout.drafter_devices)
             targets.append(load_target(path, device, torch.bfloat16 if drafters_on_cuda else None))
         cache.check_target(targets[0])
         targets += targets[:1] * (len(layout.target_devices) - len(targets))
     for device in layout.target_devices[len(targets):]:
-        print(f"loading target {config.target} on {device}", file=log)
-        targets.append(load_target(config.target, device))
+        print(f"loading target {config.model.target} on {device}", file=log)
+        targets.append(load_target(config.model.target, device))
     return FeatureSupply(targets, cache)
 
 
@@ -83,7 +83,7 @@ def feature_target_device(config: TrainConfig, layout: Layout) -> torch.device:
     head are read, and copied to the drafters) unless --eval-every decodes with it, which on
     GPUs must not run on the CPU inside a drafter thread: then the first target device, or the
     first drafter device when the target devices are CPUs."""
-    if not config.eval_every:
+    if not config.eval.eval_every:
         return torch.device("cpu")
     for device in [*layout.target_devices, *layout.drafter_devices]:
         if device.type == "cuda":
@@ -95,9 +95,9 @@ def cached_thinking(config: TrainConfig, cache: Any) -> bool | None:
     """The thinking mode of a feature cache's rows, which the evaluator's prompts must share:
     --thinking auto takes it; another explicit value is refused."""
     cached = cache.header.get("enable_thinking")
-    if config.thinking != "auto" and THINKING[config.thinking] != cached:
+    if config.data.thinking != "auto" and THINKING[config.data.thinking] != cached:
         made = {value: name for name, value in THINKING.items()}[cached]
-        raise ConfigError(f"--thinking {config.thinking}: the feature cache {config.features} was rendered with "
+        raise ConfigError(f"--thinking {config.data.thinking}: the feature cache {config.data.features} was rendered with "
                           f"thinking {made}; the evaluator must render prompts as the training rows were "
                           f"(pass --thinking {made} or auto)")
     return cached
@@ -106,42 +106,42 @@ def cached_thinking(config: TrainConfig, cache: Any) -> bool | None:
 def evaluation_thinking(config: TrainConfig, supply: FeatureSupply) -> bool | None:
     if supply.cache is not None:
         return cached_thinking(config, supply.cache)
-    return THINKING[config.thinking]
+    return THINKING[config.data.thinking]
 
 
 def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> list:
     """The training rows: from the feature cache, or rendered from --data with the target's tokenizer."""
     if supply.cache is not None:
-        samples, stats = supply.cache.training_samples(config.max_seq_len, config.min_supervised_tokens)
+        samples, stats = supply.cache.training_samples(config.data.max_seq_len, config.data.min_supervised_tokens)
         print(stats.summary(), file=log)
         from ..data.readers import FROM_TOKEN_IDS
 
-        if config.token_ids == "ignore" and stats.answers.get(FROM_TOKEN_IDS):
-            raise ConfigError(f"--token-ids ignore: the feature cache {config.features} rendered "
+        if config.data.token_ids == "ignore" and stats.answers.get(FROM_TOKEN_IDS):
+            raise ConfigError(f"--token-ids ignore: the feature cache {config.data.features} rendered "
                               f"{stats.answers[FROM_TOKEN_IDS]} answers from their generated token ids; make one with "
                               "`dflash-train cache-features --token-ids ignore` to train on the re-tokenized text")
         if not samples:
-            raise ConfigError(f"no usable training rows in the feature cache {config.features} (see the reasons above)")
+            raise ConfigError(f"no usable training rows in the feature cache {config.data.features} (see the reasons above)")
         return samples
     from ..data.samples import load_training_samples
 
     tokenizer = supply.first.tokenizer
-    if not config.data:
+    if not config.data.data:
         raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
     if tokenizer is None:
-        raise ConfigError(f"{config.target}: no tokenizer next to the model; it is needed to render --data")
+        raise ConfigError(f"{config.model.target}: no tokenizer next to the model; it is needed to render --data")
     samples, stats = load_training_samples(
-        config.data, tokenizer, max_length=config.max_seq_len, min_supervised_tokens=config.min_supervised_tokens,
-        enable_thinking=THINKING[config.thinking], token_ids=config.token_ids,
+        config.data.data, tokenizer, max_length=config.data.max_seq_len, min_supervised_tokens=config.data.min_supervised_tokens,
+        enable_thinking=THINKING[config.data.thinking], token_ids=config.data.token_ids,
     )
     print(stats.summary(), file=log)
     if not samples:
-        raise ConfigError(f"no usable training rows in {', '.join(config.data)} (see the reasons above)")
+        raise ConfigError(f"no usable training rows in {', '.join(config.data.data)} (see the reasons above)")
     return samples
 
 
 def check_batch_size(config: TrainConfig, samples: Sequence[Any]) -> None:
-    if len(samples) < config.batch_size:
-        source = f"the feature cache {config.features}" if config.features else ", ".join(config.data) or "the given samples"
-        raise ConfigError(f"--batch-size {config.batch_size} is more than the {len(samples)} usable rows of {source}: "
+    if len(samples) < config.optimizer.batch_size:
+        source = f"the feature cache {config.data.features}" if config.data.features else ", ".join(config.data.data) or "the given samples"
+        raise ConfigError(f"--batch-size {config.optimizer.batch_size} is more than the {len(samples)} usable rows of {source}: "
                           f"pass --batch-size {len(samples)} or less, or more data")

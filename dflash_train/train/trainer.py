@@ -19,7 +19,6 @@ the nodes, gradients are all-reduced across them, every stop is agreed, and rank
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -58,24 +57,23 @@ def train(
     """Run training; returns the summary dict (also written to OUT/summary.json).
 
     `samples`/`target` (one Target, or one per target device) may be given directly (tests,
-    quickstart); otherwise they are read from config.data / config.target. `step_hook(worker,
+    quickstart); otherwise they are read from config.data.data / config.model.target. `step_hook(worker,
     step)` runs in each drafter thread after each step (tests use it to inspect replicas or
     inject faults). `stop_at` ends the run after that step as an interruption would (the LR
-    schedule still spans config.steps). `save_checkpoints=False` (benchmarks) writes no
+    schedule still spans config.optimizer.steps). `save_checkpoints=False` (benchmarks) writes no
     checkpoint at all. `sinks` receive every step record besides the run's own files.
     """
     log = log or sys.stdout
-    config.validate()
-    if not config.out:
+    if not config.checkpoint.out:
         raise ConfigError("no run folder: pass --out RUN_DIR")
-    out = Path(config.out)
+    out = Path(config.checkpoint.out)
     launch = detect_launch()
-    check_launch(config.mode, launch)
+    check_launch(config.parallel.mode, launch)
     layout = resolve_layout(config, launch)
     graphs = choose_cuda_graphs(config, [*layout.target_devices, *layout.drafter_devices])
-    tensorboard_enabled(config.tensorboard)  # --tensorboard on without the package fails before any model loads
-    with NodeGroup(launch, backend=gradient_backend(config.dist_backend, layout.drafter_devices),
-                   timeout=config.dist_timeout) as nodes, contextlib.ExitStack() as owned:
+    tensorboard_enabled(config.logging.tensorboard)  # --tensorboard on without the package fails before any model loads
+    with NodeGroup(launch, backend=gradient_backend(config.parallel.dist_backend, layout.drafter_devices),
+                   timeout=config.parallel.dist_timeout) as nodes, contextlib.ExitStack() as owned:
         if nodes.distributed:
             print(f"nodes: {nodes.describe()}", file=log)
             nodes.agree(settings_every_node_shares(config), "the settings")  # before anything loads or is written
@@ -87,11 +85,11 @@ def train(
         if samples is None:
             samples = load_samples(config, supply, log)
         check_batch_size(config, samples)
-        print(describe_target(supply.first, config.max_seq_len), file=log)
+        print(describe_target(supply.first, config.data.max_seq_len), file=log)
         describe_drafters(plans, config, supply.first, log)
         sources = supply.sources(layout, layer_union(plans), log)
-        stream = stream_identity(samples, seed=config.seed, batch_size=config.batch_size,
-                                 batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.max_seq_len)
+        stream = stream_identity(samples, seed=config.optimizer.seed, batch_size=config.optimizer.batch_size,
+                                 batches_per_step=step_share(config, plans, nodes)[0], max_seq_len=config.data.max_seq_len)
         identity = run_target_identity(config, supply)
         resume = agreed_resume_point(config, plans, nodes, stream, identity, log)
         steps = step_range(config, resume, stop_at, log)
@@ -142,8 +140,8 @@ def open_run_sinks(run: Run, extra: Sequence[Sink]) -> list[Sink]:
         return []
     config = run.config
     run_dirs = {plan.name: plan.run_dir for plan in run.plans}
-    own = open_sinks(run.folder, run_dirs, resumed_at=run.steps.start if config.resume else None,
-                     tensorboard=config.tensorboard)
+    own = open_sinks(run.folder, run_dirs, resumed_at=run.steps.start if config.checkpoint.resume else None,
+                     tensorboard=config.logging.tensorboard)
     if len(own) > 1:
         print(f"tensorboard: event files next to metrics.jsonl; watch with: tensorboard --logdir {run.folder}",
               file=run.log)
@@ -153,7 +151,7 @@ def open_run_sinks(run: Run, extra: Sequence[Sink]) -> list[Sink]:
 def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
     """What must be equal on every node, by flag: every setting but the per-node ones (paths,
     devices), and the target's identity (its files, wherever each node mounts them)."""
-    shared = {"--" + name.replace("_", "-"): value for name, value in dataclasses.asdict(config).items()
+    shared = {"--" + name.replace("_", "-"): value for name, value in config.flat_values().items()
               if name not in PER_NODE_SETTINGS}
     identity = run_target_identity(config)
     if identity is not None:
@@ -176,7 +174,7 @@ def layout_line(run: Run, pipeline: Pipeline) -> str:
         across = (f"; {nodes.world_size} nodes x {len(planner.share)} micro-batches = {planner.batches_per_step} per "
                   f"step, this node trains {planner.share.start}..{planner.share.stop - 1}")
     return (
-        f"pipeline: {config.mode}; target on {', '.join(str(t.device) for t in pipeline.targets)}; {drafters}\n"
-        f"data: {len(planner.samples)} samples, {planner.batches_per_epoch} batches/epoch of {config.batch_size}, "
-        f"buckets {planner.buckets}; steps {run.steps.start}->{config.steps}{across}"
+        f"pipeline: {config.parallel.mode}; target on {', '.join(str(t.device) for t in pipeline.targets)}; {drafters}\n"
+        f"data: {len(planner.samples)} samples, {planner.batches_per_epoch} batches/epoch of {config.optimizer.batch_size}, "
+        f"buckets {planner.buckets}; steps {run.steps.start}->{config.optimizer.steps}{across}"
     )
