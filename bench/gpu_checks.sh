@@ -28,8 +28,8 @@ quality_args() {
 for name in "$@"; do
     case "$name" in
         env) stage env 60 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.device_count(), torch.cuda.get_device_name(0))" ;;
-        tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_parity.py \
-            tests/test_pipeline.py tests/test_reference.py tests/test_compile_gate.py tests/test_training.py ;;
+        tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_core_attention.py tests/unit/test_core_drafter_parity.py \
+            tests/integration/test_train_workers.py tests/integration/test_export_hf_reference.py tests/integration/test_train_compile_gate.py tests/integration/test_train_trainer.py ;;
         gpu-tests) stage gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
         step) stage step 240 python3 bench/drafter_step.py --configs A,B,D --profile A --profile-dir "$OUT" --json "$OUT/step.json" ;;
         # FP8 (train --fp8): A in every mode with a profile of each, then B and D with every product in FP8.
@@ -77,7 +77,7 @@ for name in "$@"; do
         # Issue #17: --cuda-graphs. GPU tests, the bar recipe graphed vs eager (needs GGUF= and DATA=),
         # the step alone at A and D both ways, the small pipeline both ways, and a second start's warm-up.
         graphs-tests) stage graphs-tests ${GRAPHS_LIMIT:-290} python3 -m pytest -q -p no:cacheprovider -m gpu \
-            tests/test_step_graphs_gpu.py tests/test_training.py ;;
+            tests/gpu/test_train_step_graphs_gpu.py tests/integration/test_train_trainer.py ;;
         graphed-step) stage graphed-step ${GRAPHED_LIMIT:-290} python3 bench/graphed_step.py --gguf "$GGUF" --data "$DATA" \
             --steps ${GRAPHED_STEPS:-600} --run-timeout 120 --cache-dir /tmp/dflash-cache --json "$OUT/graphed_step.json" ;;
         step-graphs) stage step-graphs ${STEP_LIMIT:-290} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \

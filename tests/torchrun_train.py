@@ -1,4 +1,4 @@
-"""One node's process of a tiny CPU training run, started by torchrun from tests/test_multinode.py.
+"""One node's process of a tiny CPU training run, started by torchrun from tests/e2e/test_parallel_nodes.py.
 
     python -m torch.distributed.run ... tests/torchrun_train.py SPEC.json
 

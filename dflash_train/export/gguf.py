@@ -3,7 +3,7 @@
 
 The file is the one llama.cpp's own converter (release b11434, `convert_hf_to_gguf.py EXPORT
 --target-model-dir TARGET`, class `DFlashModel` in `conversion/qwen.py`) writes for our Hugging
-Face export; tests/test_export_gguf.py runs that converter and compares the two key by key,
+Face export; tests/integration/test_export_gguf.py runs that converter and compares the two key by key,
 tensor by tensor. What it holds:
 
 - architecture `dflash`; the drafter's dims under `dflash.*` as for any transformer (block count,

@@ -3,7 +3,7 @@
 Read in the released sources of the versions in ENGINES (the PyPI wheels of vLLM 0.33.0 and
 SGLang 0.5.23, the reference `dflash` 0.1.0, llama.cpp b11434's converter). Every rule's `source`
 cites where: "ENGINE VERSION path symbol", one per reader, `;`-separated
-(tests/test_export_rules.py checks that every rule has one). Re-read them when a version moves.
+(tests/integration/test_export_rules.py checks that every rule has one). Re-read them when a version moves.
 Both engines parse config.json through transformers' AutoConfig and fill anything missing with
 *their* defaults, and both skip or mis-map weights silently in places, so a folder that loads is
 not yet a folder that drafts. A rule passes only where every loader reads the same value we

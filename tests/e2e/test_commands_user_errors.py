@@ -1,0 +1,304 @@
+"""What the user can fix is one line naming the file or flag, exit 2, never a traceback: unreadable
+inputs (as root without CAP_DAC_OVERRIDE, through capsh), a damaged regenerate sidecar or output
+file, a damaged feature cache read by `train --features`, a full disk (a real tiny tmpfs in a user
+namespace) or a write past the process's file-size limit, and paths of the wrong kind. Real files, real processes, a tiny real model."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.cli import main
+from processes import hidden_copies, paused_cli
+from test_generate_endpoint_answers import ScriptedServer
+from test_parallel_nodes import _cli_target_and_data
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+CLI = [sys.executable, "-m", "dflash_train.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _cli_target_and_data(tmp_path_factory.mktemp("tiny"))
+
+
+def _last_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("dflash-train")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- unreadable inputs (D10) -------------------------------------------------------------------
+
+def _without_dac(tmp_path: Path) -> list[str] | None:
+    """A command prefix that runs as root without the capabilities that read any file; None where
+    it cannot be had (then a chmod 000 file is still readable, and the case cannot be made)."""
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    probe.chmod(0)
+    if os.geteuid() != 0:
+        prefix: list[str] = []
+    elif shutil.which("capsh"):
+        prefix = ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c"]
+    else:
+        return None
+    done = subprocess.run([*prefix, f"cat {probe}"] if prefix else ["cat", str(probe)], capture_output=True)
+    return prefix if done.returncode != 0 else None
+
+
+def test_unreadable_inputs_are_one_line_naming_the_file(tiny, tmp_path):
+    target, data = tiny
+    prefix = _without_dac(tmp_path)
+    if prefix is None:
+        pytest.skip("no way to make a file unreadable here (root with CAP_DAC_OVERRIDE and no capsh)")
+    unreadable = tmp_path / "unread.jsonl"
+    shutil.copy(data, unreadable)
+    unreadable.chmod(0)
+    config = tmp_path / "unread.toml"
+    config.write_text("lr = 1e-3\n")
+    config.chmod(0)
+    common = ["--target", str(target), "--device", "cpu"]
+    cases = {
+        "train --data (T01)": ["train", *common, "--data", str(unreadable), "--out", str(tmp_path / "t"), "--steps", "1"],
+        "cache-features --data (CF06)": ["cache-features", *common, "--data", str(unreadable), "--out", str(tmp_path / "c")],
+        "regenerate --prompts (G01)": ["regenerate", *common, "--prompts", str(unreadable), "--out", str(tmp_path / "g.jsonl")],
+        "train --config (CFG-unreadable)": ["train", "--config", str(config), "--out", str(tmp_path / "t2")],
+    }
+    for case, args in cases.items():
+        command = " ".join(map(str, [*CLI, *args]))
+        done = subprocess.run([*prefix, command] if prefix else command.split(), capture_output=True, text=True,
+                              env=ENV, cwd=tmp_path, timeout=300)
+        assert done.returncode == 2, (case, done.stderr[-2000:])
+        line = _last_line(done.stderr)
+        assert "permission denied" in line and ("unread.jsonl" in line or "unread.toml" in line), (case, line)
+
+
+# --- a damaged regenerate output (D11: G04, G05, G06) ----------------------------------------------
+
+@pytest.fixture
+def answered(tmp_path):
+    server = ScriptedServer()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Count to {i}."}) + "\n" for i in range(4)))
+    out = tmp_path / "rows.jsonl"
+    args = ["regenerate", "--endpoint", server.url, "--prompts", str(prompts), "--out", str(out), "--retries", "0"]
+    assert main(args) == 0
+    yield args, out, Path(f"{out}.regenerate.json")
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("truncated sidecar", "rows.jsonl.regenerate.json: damaged (not valid JSON"),
+    ("sidecar without settings", "rows.jsonl.regenerate.json: damaged (no settings recorded)"),
+    ("a byte that is not UTF-8 in a row", "rows.jsonl:2: not a row written by regenerate"),
+])
+def test_a_damaged_regenerate_output_is_one_line_naming_the_file(answered, capsys, damage, expected):
+    args, out, sidecar = answered
+    before = out.read_bytes()
+    if damage == "truncated sidecar":
+        sidecar.write_text(sidecar.read_text()[:20])
+    elif damage == "sidecar without settings":
+        sidecar.write_text(json.dumps({"target": "x"}))
+    else:
+        lines = before.split(b"\n")
+        assert b'"id": "' in lines[1]
+        lines[1] = lines[1].replace(b'"id": "', b'"id": "\xff', 1)
+        out.write_bytes(b"\n".join(lines))
+    capsys.readouterr()
+    assert main(args) == 2
+    assert expected in _last_line(capsys.readouterr().err)
+
+
+# --- a damaged feature cache under train --features (D11: CF11, CF13) -------------------------------
+
+@pytest.fixture(scope="module")
+def feature_cache(tiny, tmp_path_factory):
+    target, data = tiny
+    out = tmp_path_factory.mktemp("features") / "cache"
+    assert main(["cache-features", "--target", str(target), "--data", str(data), "--out", str(out), "--device", "cpu",
+                 "--max-seq-len", "128", "--num-layers", "1"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", ["shard-00000.json", "cache.json"])
+def test_train_features_with_a_broken_cache_file_names_it(tiny, feature_cache, tmp_path, capsys, name):
+    target, _ = tiny
+    cache = tmp_path / "cache"
+    shutil.copytree(feature_cache, cache)
+    broken = cache / name
+    broken.write_text(broken.read_text()[:14] + "\x01" + broken.read_text()[14:])  # a control character (CF11)
+    capsys.readouterr()
+    assert main(["train", "--target", str(target), "--features", str(cache), "--out", str(tmp_path / "run"),
+                 "--steps", "1", "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
+                 "--block-size", "4", "--device", "cpu"]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert f"{broken}: damaged (not valid JSON" in line, line
+
+
+# --- a full disk (D11: DF01, X17) --------------------------------------------------------------------
+
+def _tmpfs_prefix(tmp_path: Path, kib: int) -> tuple[Path, str]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount}"],
+                           capture_output=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a user namespace here: the full-disk path is untested on this machine")
+    return mount, f"mount -t tmpfs -o size={kib}k tmpfs {mount} && "
+
+
+def _in_namespace(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, env=ENV,
+                          cwd=tmp_path, timeout=300)
+
+
+def test_regenerate_on_a_full_disk_is_one_line_naming_the_output(tmp_path):
+    mount, mount_it = _tmpfs_prefix(tmp_path, 64)
+    server = ScriptedServer(content="word " * 2000, completion_tokens=60)  # 10 kB answers, 64 kB of disk
+    try:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Count to {i}."}) + "\n" for i in range(20)))
+        out = mount / "rows.jsonl"
+        done = _in_namespace(mount_it + " ".join(map(str, [*CLI, "regenerate", "--endpoint", server.url, "--prompts",
+                                                                prompts, "--out", out, "--max-new-tokens", "64",
+                                                                "--flush-seconds", "0", "--concurrency", "1"])), tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{out}: no space left on the device (ENOSPC)" in _last_line(done.stderr)
+
+
+def test_export_on_a_full_disk_is_one_line_naming_the_flag(tiny, tmp_path):
+    target, data = tiny
+    run = tmp_path / "run"
+    assert main(["train", "--target", str(target), "--data", str(data), "--out", str(run), "--steps", "1",
+                 "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
+                 "--block-size", "4", "--device", "cpu", "--export-dtype", ""]) == 0
+    mount, mount_it = _tmpfs_prefix(tmp_path, 64)
+    done = _in_namespace(mount_it + " ".join(map(str, [*CLI, "export", run, "--out", mount / "export",
+                                                        "--dtype", "float32"])), tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = _last_line(done.stderr)
+    assert f"--out {mount / 'export'}" in line and ("No space left" in line or "no space left" in line), line
+
+
+def _file_size_limit(size: int):
+    """A subprocess's preexec_fn: no file it writes may grow past `size` bytes. The kernel fails such a
+    write with EFBIG (SIGXFSZ, which would kill the process instead, is ignored), like a full disk."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    return limit
+
+
+@pytest.fixture(scope="module")
+def prompt_set_cached():
+    """The default prompt set built (or read) once into the cache folder: the commands below then
+    only read it (building it under a file-size limit would fail on the cache, not on --out)."""
+    assert main(["prompts", "--limit", "1"]) == 0
+
+
+@pytest.mark.parametrize("disk", ["a full tmpfs", "a file-size limit"])
+def test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag(disk, tmp_path, prompt_set_cached):
+    """X18: `prompts --out` whose write fails midway (400 prompts, about 300 kB, into 64 KiB):
+    one line naming --out, the file and the OS error, exit 2; the folder holds the user's file as
+    it was and nothing else (no partial file, no hidden temporary copy, no lock file, not the
+    folders `new/dir/` it made for --out)."""
+    listing = "--- the folder after the run:"
+    if disk == "a full tmpfs":
+        folder, mount_it = _tmpfs_prefix(tmp_path, 64)
+        out, expected = folder / "new" / "dir" / "prompts.jsonl", "no space left on the device (ENOSPC)"
+        prompts = " ".join(map(str, [*CLI, "prompts", "--out", out, "--limit", "400"]))
+        # The tmpfs lives as long as the namespace: look at what is left from inside it.
+        done = _in_namespace(f"{mount_it} echo mine > {folder}/notes.txt && {prompts}; code=$?; echo '{listing}'; "
+                             f"ls -A {folder}; cat {folder}/notes.txt; exit $code", tmp_path)
+    else:
+        folder = tmp_path / "disk"
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine\n")
+        out, expected = folder / "new" / "dir" / "prompts.jsonl", "file too large for this file system or limit (EFBIG)"
+        done = subprocess.run([*CLI, "prompts", "--out", str(out), "--limit", "400"], capture_output=True, text=True,
+                              env=ENV, cwd=tmp_path, timeout=300, preexec_fn=_file_size_limit(64 * 1024), check=False)
+        done.stdout += f"{listing}\n" + "".join(f"{p.name}\n" for p in sorted(folder.iterdir()))
+        done.stdout += (folder / "notes.txt").read_text()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert _last_line(done.stderr) == f"dflash-train prompts: --out {out}: cannot write it: {expected}; nothing was written there"
+    assert done.stdout.split(listing)[1].split() == ["notes.txt", "mine"]
+
+
+def test_prompts_killed_while_writing_its_out_is_cleaned_by_the_next(tmp_path, prompt_set_cached):
+    """`prompts --out F` killed (-9) as its file was about to take its name leaves a hidden copy
+    `.F.XXXXXXXX.tmp`; the next `prompts --out F` removes it, says so, and writes F."""
+    out = tmp_path / "prompts.jsonl"
+    args = ["prompts", "--out", str(out), "--limit", "3"]
+    with paused_cli(args, "before_final_link") as killed:
+        killed.kill()
+    hidden_copy = hidden_copies(tmp_path, "prompts.jsonl")
+    assert len(hidden_copy) == 1 and not out.exists(), sorted(p.name for p in tmp_path.iterdir())
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"removed {tmp_path / hidden_copy[0]}: the unfinished copy a killed write left" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+    assert len(out.read_text().splitlines()) == 3
+
+
+# Two SmolLM2 loads (~40 s on two cores): slow. The default suite keeps the guarantee through the
+# same NewFileOutput in test_prompts_killed_while_writing_its_out_is_cleaned_by_the_next and
+# test_prompts_out_on_a_full_disk_leaves_nothing_and_names_the_flag.
+@pytest.mark.slow
+def test_self_prompts_cleans_what_a_killed_one_left_and_names_out_on_a_full_disk(smollm2_dir, tmp_path,
+                                                                                  prompt_set_cached):
+    """`self-prompts --out F` killed (-9) as F was about to take its name leaves a hidden copy; the
+    next run removes it and says so. That run's own write fails (its process may write no file past
+    64 bytes: a real RLIMIT_FSIZE, like a full disk): one line naming --out, F and the OS error,
+    exit 2, and the folder is left as the user had it (no copy, no lock)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    out = folder / "requests.jsonl"
+    args = ["self-prompts", "--target", str(smollm2_dir), "--count", "1", "--out", str(out), "--max-new-tokens", "40",
+            "--batch-size", "1", "--device", "cpu"]
+    with paused_cli(args, "before_final_link") as killed:
+        killed.kill()
+    hidden_copy = hidden_copies(folder, out.name)
+    assert len(hidden_copy) == 1 and not out.exists(), sorted(p.name for p in folder.iterdir())
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300,
+                          preexec_fn=_file_size_limit(64), check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"removed {folder / hidden_copy[0]}: the unfinished copy a killed write left" in done.stdout
+    assert _last_line(done.stderr) == (f"dflash-train self-prompts: --out {out}: cannot write it: file too large for "
+                                       "this file system or limit (EFBIG); nothing was written there")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and (folder / "notes.txt").read_text() == "mine\n"
+
+
+# --- paths of the wrong kind (D11: CF01, P09, Q02, X13, EM09) --------------------------------------------
+
+def test_paths_of_the_wrong_kind_are_refused_at_start(tiny, tmp_path, capsys, monkeypatch):
+    target, data = tiny
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        "cache-features --out the data file": (["cache-features", "--target", str(target), "--data", str(data),
+                                                "--out", str(data)], f"--out {data} is a file"),
+        "prompts --out below a file": (["prompts", "--out", str(a_file / "p.jsonl")], f"{a_file} is a file, not a folder"),
+        "quickstart --out a file": (["quickstart", "--out", str(a_file)], f"--out {a_file} is a file"),
+        "export --out .": (["export", str(tmp_path), "--out", ".", "--force"], "--out . is the current folder"),
+        "eval-merge a folder": (["eval-merge", str(tmp_path)], f"{tmp_path}: a folder"),
+    }
+    for case, (args, expected) in cases.items():
+        assert main(args) == 2, case
+        assert expected in _last_line(capsys.readouterr().err), case
+    assert a_file.read_text() == "mine" and data.is_file()

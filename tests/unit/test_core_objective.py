@@ -1,0 +1,205 @@
+"""Anchors, labels, weights, D-PACE, chunked frozen-head CE, metrics."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_train.core.objective import (
+    ObjectiveConfig,
+    block_labels,
+    block_metrics,
+    block_token_ids,
+    decay_weights,
+    default_gamma,
+    dpace_weights,
+    draw_anchors,
+    frozen_head_cross_entropy,
+    fused_head_unsupported,
+    summarize_metrics,
+    valid_anchor_positions,
+    weighted_loss,
+)
+
+
+def test_valid_anchor_needs_p_and_p_plus_one_supervised():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 0, 1, 1], dtype=torch.bool)
+    assert valid_anchor_positions(mask).tolist() == [1, 2, 7]  # 8 has no p + 1; 5 is followed by 0
+
+
+def test_anchors_deterministic_sorted_padded_and_independent_of_batching():
+    mask = torch.zeros(50, dtype=torch.bool)
+    mask[10:40] = True
+    a1, v1 = draw_anchors(mask, 8, seed=3, sample_id=17, epoch=2)
+    a2, v2 = draw_anchors(mask.clone(), 8, seed=3, sample_id=17, epoch=2)
+    assert torch.equal(a1, a2) and v1.all()
+    assert torch.equal(a1, torch.sort(a1)[0])
+    assert all(mask[p] and mask[p + 1] for p in a1.tolist())
+    a3, _ = draw_anchors(mask, 8, seed=3, sample_id=17, epoch=3)
+    assert not torch.equal(a1, a3), "a new epoch redraws"
+    short = torch.zeros(50, dtype=torch.bool)
+    short[5:9] = True  # valid anchors: 5, 6, 7
+    a4, v4 = draw_anchors(short, 8, seed=0, sample_id=1, epoch=0)
+    assert a4[:3].tolist() == [5, 6, 7] and v4.tolist() == [True] * 3 + [False] * 5 and a4[3:].eq(0).all()
+
+
+def test_labels_are_same_position_and_slot_zero_is_never_scored():
+    ids = torch.arange(100, 120)[None]
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    mask[0, 15] = False
+    labels, valid = block_labels(ids, mask, torch.tensor([[3, 13]]), torch.tensor([[True, True]]), 4)
+    assert labels[0, 0].tolist() == [103, 104, 105, 106]  # slot k of anchor a -> token a + k (not a + k + 1)
+    assert valid[0, 0].tolist() == [False, True, True, True]
+    assert valid[0, 1].tolist() == [False, True, False, True]  # 15 unsupervised
+    labels, valid = block_labels(ids, mask, torch.tensor([[18]]), torch.tensor([[True]]), 4)
+    assert valid[0, 0].tolist() == [False, True, False, False]  # 20, 21 are past the end
+
+
+def test_block_inputs_anchor_then_mask():
+    ids = torch.arange(10)[None] + 50
+    assert block_token_ids(ids, torch.tensor([[2, 6]]), 3, 9).tolist() == [[[52, 9, 9], [56, 9, 9]]]
+
+
+def test_decay_weights_and_paper_gammas():
+    w = decay_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+def test_loss_normalised_over_the_global_batch():
+    """Two micro-batches each normalised by the global Σw add up to the loss of the joint batch."""
+    torch.manual_seed(0)
+    ce = torch.rand(4, 3, 5)
+    valid = torch.rand(4, 3, 5) > 0.3
+    valid[..., 0] = False
+    objective = ObjectiveConfig(block_size=5, num_anchors=3)
+    total = objective.normalizer(valid)
+    whole = weighted_loss(ce, valid, objective, total)
+    parts = weighted_loss(ce[:2], valid[:2], objective, total) + weighted_loss(ce[2:], valid[2:], objective, total)
+    torch.testing.assert_close(parts, whole)
+    w = decay_weights(5, objective.gamma) * valid
+    torch.testing.assert_close(whole, (w * ce).sum() / w.sum())
+    # per-micro-batch normalisation would differ: the test can tell the two apart
+    local = weighted_loss(ce[:2], valid[:2], objective, objective.normalizer(valid[:2]))
+    local = local + weighted_loss(ce[2:], valid[2:], objective, objective.normalizer(valid[2:]))
+    assert not torch.allclose(local, whole)
+
+
+def test_dpace_weights_match_the_definition():
+    torch.manual_seed(1)
+    q = torch.rand(2, 3, 6, dtype=torch.float64)
+    valid = torch.rand(2, 3, 6) > 0.2
+    valid[..., 0] = False
+    alpha = 0.4
+    got = dpace_weights(q, valid, alpha)
+    for b in range(2):
+        for n in range(3):
+            prefix, p = [], 1.0
+            for k in range(6):
+                p *= (1 - alpha) * float(q[b, n, k]) + alpha if valid[b, n, k] else 1.0
+                prefix.append(p)
+            for k in range(6):
+                want = sum(prefix[m] for m in range(k, 6) if valid[b, n, m]) if valid[b, n, k] else 0.0
+                assert math.isclose(float(got[b, n, k]), want, rel_tol=1e-12, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_chunked_frozen_head_ce_matches_full_ce_and_its_gradient(softcap):
+    torch.manual_seed(2)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 16, dtype=torch.float64)
+    labels = torch.randint(0, 50, (37,))
+    row_weights = torch.rand(37, dtype=torch.float64)
+    ce, correct = frozen_head_cross_entropy(hidden, head, labels, chunk_rows=5, softcap=softcap)
+    (grad,) = torch.autograd.grad((ce * row_weights).sum(), hidden)
+    logits = hidden @ head.t()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    reference = F.cross_entropy(logits, labels, reduction="none")
+    (reference_grad,) = torch.autograd.grad((reference * row_weights).sum(), hidden)
+    torch.testing.assert_close(ce.double(), reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-6)  # logits are float32
+    assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+def test_the_fused_head_kernel_is_refused_off_cuda_and_the_cpu_keeps_the_reference():
+    """The fused softmax kernel is Triton on CUDA only: a CPU device gets the reason, so `train`
+    keeps the eager or compiled chunk there (its equality with the reference is a GPU test:
+    tests/gpu/test_core_head_kernel_gpu.py)."""
+    assert fused_head_unsupported(torch.device("cpu")) == "not a CUDA device (cpu)"
+    assert fused_head_unsupported("cpu", 30.0) == "not a CUDA device (cpu)"
+
+
+def test_compiled_head_chunk_matches_eager_and_compiles_once_for_any_row_count():
+    """The compiled chunk pads the last chunk to a fixed shape: same CE, correctness and
+    gradient as the eager reference, and one graph for every row count."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    head = torch.randn(300, 24)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for rows in (37, 70, 5):
+        hidden = torch.randn(rows, 24, requires_grad=True)
+        labels = torch.randint(0, 300, (rows,))
+        row_weights = torch.rand(rows)
+        results = {}
+        for compiled in (False, True):
+            ce, correct = frozen_head_cross_entropy(hidden, head, labels, chunk_rows=16, softcap=6.0, compiled=compiled)
+            (grad,) = torch.autograd.grad((ce * row_weights).sum(), hidden)
+            results[compiled] = ce, correct, grad
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(results[True][1], results[False][1])
+        torch.testing.assert_close(results[True][2], results[False][2], rtol=1e-4, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * 3, graphs
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_chunked_ce_peak_tensor_does_not_grow_with_rows_times_vocab():
+    vocab, hidden_size, chunk = 4000, 32, 64
+    head = torch.randn(vocab, hidden_size)
+    sizes = {}
+    for rows in (256, 2048):
+        hidden = torch.randn(rows, hidden_size, requires_grad=True)
+        labels = torch.randint(0, vocab, (rows,))
+        with _LargestTensor() as probe:
+            ce, _ = frozen_head_cross_entropy(hidden, head, labels, chunk_rows=chunk)
+            ce.sum().backward()
+        sizes[rows] = probe.largest
+    assert sizes[256] == sizes[2048] == chunk * vocab  # one chunk of logits, whatever the row count
+    assert sizes[2048] < 2048 * vocab / 8
+
+
+def test_metrics_per_position_accuracy_and_simulated_tau():
+    valid = torch.ones(1, 2, 5, dtype=torch.bool)
+    valid[..., 0] = False
+    correct = torch.tensor([[[0, 1, 1, 0, 1], [0, 1, 1, 1, 1]]], dtype=torch.bool)
+    sums = block_metrics(correct, valid, torch.tensor([[True, True]]))
+    summary = summarize_metrics(sums)
+    assert summary["position_accuracy"] == [1.0, 1.0, 0.5, 1.0]
+    assert summary["tau_sim"] == 1 + (2 + 4) / 2  # leading correct runs: 2 and 4
+
+
+def test_objective_config_errors():
+    with pytest.raises(ValueError, match="loss"):
+        ObjectiveConfig(block_size=4, num_anchors=2, loss="mse")
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        ObjectiveConfig(block_size=4, num_anchors=2, dpace_alpha=1.5)
