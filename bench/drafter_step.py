@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_train.target.model import default_dtype  # noqa: E402
 
 from dflash_train.config import FP8_CHOICES  # noqa: E402
-from dflash_train.core.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.core.fp8 import use_fp8_linears  # noqa: E402
+from dflash_train.core.drafter import DrafterConfig  # noqa: E402
 from dflash_train.core.objective import fused_head_unsupported  # noqa: E402
 from dflash_train.core.step import (  # noqa: E402
     FrozenTargetParts,
@@ -44,7 +43,7 @@ from dflash_train.core.step import (  # noqa: E402
     make_optimizer,
     warmup_cosine,
 )
-from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
+from dflash_train.train.synthetic import TINY, drafter_config, make_batch, random_drafter  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.11)
@@ -70,19 +69,6 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
     pairs = float(((anchors.float() + B) * B * anchor_valid.float()).sum())
     return (6 * p_layers * tq + 6 * p_kv * batch * seq + 4 * p_fc * batch * seq + 4 * H * config.vocab_size * tq
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
-
-
-def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = "off") -> DFlashDrafter:
-    """A drafter with random weights (N(0, 0.02), norms at 1) drawn on `device`, its forward
-    compiled and its linears in FP8 (`--fp8 all`) as asked."""
-    drafter = DFlashDrafter(config).to(device)
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    if compiled:
-        drafter.forward = torch.compile(drafter.forward, dynamic=False)
-    if fp8 == "all":
-        use_fp8_linears(drafter)
-    return drafter
 
 
 def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):

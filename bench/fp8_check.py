@@ -21,11 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drafter_step import random_drafter  # noqa: E402
 
 from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.core.step import FrozenTargetParts, drafter_loss, make_optimizer  # noqa: E402
-from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
+from dflash_train.train.synthetic import TINY, drafter_config, make_batch, random_drafter  # noqa: E402
 
 SMOLLM2 = dict(hidden=576, layers=5, heads=9, kv_heads=3, head_dim=64, mlp=1536, vocab=49152, target_layers=30,
                layer_ids=[1, 8, 14, 20, 27])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.drafter import DrafterConfig
+from ..core.drafter import DFlashDrafter, DrafterConfig
+from ..core.fp8 import use_fp8_linears
 from ..core.objective import ObjectiveConfig, block_labels, draw_anchors
 from ..core.step import DrafterBatch
 
@@ -22,6 +23,19 @@ def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
         target_layer_ids=dims["layer_ids"],
         num_target_layers=dims["target_layers"], mask_token_id=dims["vocab"] - 1,
     )
+
+
+def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = "off") -> DFlashDrafter:
+    """A drafter with random weights (N(0, 0.02), norms at 1) drawn on `device` from torch's global
+    generator, its forward compiled and its linears in FP8 (`--fp8 all`) as asked."""
+    drafter = DFlashDrafter(config).to(device)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    if compiled:
+        drafter.forward = torch.compile(drafter.forward, dynamic=False)
+    if fp8 == "all":
+        use_fp8_linears(drafter)
+    return drafter
 
 
 def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0,

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_DATA = REPO / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"
@@ -100,26 +99,9 @@ def test_static_decode_speed_records_every_number_the_gpu_run_records(tmp_path):
 
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
-    """A tiny Llama chat target (a character tokenizer with a ChatML template) and a random drafter export."""
-    import transformers
-    from test_decode_loop import char_tokenizer, random_drafter
+    from test_decode_loop import write_chat_pair
 
-    from dflash_train.export.hf import export_model
-    from dflash_train.target.model import Target
-
-    root = tmp_path_factory.mktemp("chat")
-    tokenizer = char_tokenizer()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    drafter = random_drafter(Target(model), layer_ids=(0, 2), mask_token_id=tokenizer.mask_token_id)
-    export_model(drafter, root / "drafter", dtype=torch.float32)
-    return root
+    return write_chat_pair(tmp_path_factory.mktemp("chat"))
 
 
 def test_spec_decode_compares_ours_with_target_only_and_the_reference(chat_pair, tmp_path):

@@ -323,7 +323,7 @@ def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
     gives the eager FP8 gradient, and fits one batch about as fast as bf16 does."""
     from dflash_train.core.drafter import DFlashDrafter
     from dflash_train.core.step import FrozenTargetParts, drafter_loss, make_optimizer
-    from dflash_train.train.synthetic import TINY, drafter_config, make_batch
+    from dflash_train.train.synthetic import TINY, drafter_config, make_batch, random_drafter
 
     device = torch.device("cuda")
     dims = dict(TINY, hidden=256, mlp=512, heads=4, kv_heads=2, head_dim=64, vocab=4096)
@@ -335,17 +335,9 @@ def test_gpu_compiled_fp8_step_matches_eager_and_fits_like_bf16():
     batch, objective, _ = make_batch(config, 2, 512, 64, device, torch.bfloat16)
 
     def build(mode: str, compiled: bool) -> DFlashDrafter:
-        """The same random drafter (N(0, 0.02), norms at 1) every call, its forward compiled and
-        its linears in FP8 (`--fp8 all`) as asked."""
+        """The same random drafter every call."""
         torch.manual_seed(0)
-        model = DFlashDrafter(config).to(device)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        if compiled:
-            model.forward = torch.compile(model.forward, dynamic=False)
-        if mode == "all":
-            use_fp8_linears(model)
-        return model
+        return random_drafter(config, device, compiled=compiled, fp8=mode)
 
     def fit(model, mode: str, compiled: bool, steps: int):
         objective.fp8_head, objective.compiled_head = mode != "off", compiled

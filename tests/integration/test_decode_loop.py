@@ -839,10 +839,15 @@ def char_tokenizer():
 
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
+    return write_chat_pair(tmp_path_factory.mktemp("chat"))
+
+
+def write_chat_pair(root):
+    """A tiny Llama chat target (a character tokenizer with a ChatML template) and a random drafter
+    export, as `root/target` and `root/drafter`."""
     import transformers
     from dflash_train.target.model import Target
 
-    root = tmp_path_factory.mktemp("chat")
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
