@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -74,7 +75,7 @@ def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths:
         replica.graphed = GraphedStep(name=thread, step=replica.step, shapes=shapes)
         replica.prepare = replica.graphed.prepare
     elif compiled:
-        replica.prepare = lambda say: warm_compile(replica.step, shapes, say)
+        replica.prepare = functools.partial(warm_compile, replica.step, shapes)
 
 
 def graphed_sources(sources: list[Any], choice: GraphChoice, lengths: list[int], batch_size: int,
