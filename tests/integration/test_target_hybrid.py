@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_train.target.model import Target, load_target
-from dflash_train.target.probe import feature_forward_unsupported, float32_replica
+from dflash_train.target.linear_attention import LinearStates
+from dflash_train.target.probe import feature_forward_unsupported, float32_replica, static_unsupported
 from dflash_train.target.walk import FeatureForward
-from test_generate_engine import by_id, hf_generate, make_jobs
-from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
+from test_generate_engine import by_id, early_stop_token, hf_generate, make_jobs
+from tiny import HYBRID_FAMILIES, NEW_FAMILIES, tiny_hf_model, tiny_target
 
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
@@ -28,7 +29,7 @@ from dflash_train.decode.families import describe_target
 from dflash_train.decode.loop import describe_decoder, generate
 from dflash_train.decode.recurrent import StateSnapshot
 from dflash_train.eval.in_training import InTrainingEvaluator
-from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine, generate_batch
+from dflash_train.generate.engine import BatchState, EagerBatchEngine, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.generate.regenerate import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +38,16 @@ VOCAB, MASK = 48, 47
 
 
 def family_target(family: str, seed: int = 0) -> Target:
-    return tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed)
+    """A hybrid's linear-attention layers get a slow decay: at random init their recurrent states
+    forget within a token or two (decay rates up to 16), so a wrong state would hardly show."""
+    target = tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in target.layers:
+            linear = getattr(layer, "linear_attn", None)
+            if linear is not None:
+                linear.A_log.copy_(torch.empty(linear.A_log.shape).uniform_(0.01, 0.2, generator=generator).log())
+    return target
 
 
 def naive_greedy(model, prompt: list[int], count: int, stops=()) -> list[int]:
@@ -108,6 +118,8 @@ def test_each_family_loads_from_a_folder_and_captures_the_chosen_layers(family, 
             assert torch.equal(FeatureForward(target, layer_ids)(ids), target.features(ids, layer_ids))
     line = describe_target(target, 21)
     assert line.startswith(f"target: {family} (") and "capture:" in line and "regenerate:" in line
+    if family in HYBRID_FAMILIES:
+        assert "regenerate: static batched generator (linear-attention states per slot)" in line, line
 
 
 def test_a_qwen3_5_image_text_folder_loads_as_its_language_model(tmp_path):
@@ -144,6 +156,15 @@ def test_the_behaviour_probes_run_one_layer_of_each_kind():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=64,
         num_experts_per_tok=6, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     assert float32_replica(many, torch.device("cpu")).config.num_experts == 6
+
+
+def test_the_static_probe_passes_hybrids_and_catches_states_not_rolled_back(monkeypatch):
+    """The static forward's probe runs a verify step kept in part on a hybrid replica: with the
+    commit doing nothing (states left where they were before the block), it refuses the target."""
+    assert static_unsupported(family_target("qwen3_next"), 512) is None
+    monkeypatch.setattr(LinearStates, "commit", lambda self, counts, length: None)
+    reason = static_unsupported(family_target("qwen3_5_text", seed=4), 512)  # a new model: verdicts are cached per model
+    assert reason is not None and "partly kept verify step" in reason, reason
 
 
 # --- lossless speculative decoding ---------------------------------------------------------------
@@ -244,26 +265,63 @@ def test_in_training_evaluator_on_a_hybrid_decodes_through_the_rollback():
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
-    """Hybrids and gpt-oss go to the Hugging Face batches (left padding, rows leaving the batch
-    with their recurrent states), Qwen3-MoE to the static generator (slots refilled)."""
+    """Hybrids and Qwen3-MoE go to the static generator (slots refilled: a hybrid's linear-attention
+    states start from zero in a refilled slot), gpt-oss (a 16-token sliding window) to the Hugging
+    Face batches (left padding, rows leaving the batch as they stop). 9 prompts of 1..70 tokens
+    (70: a prefill of two 64-token chunks) through 3 slots; rows stop early or hit the cap."""
     target = family_target(family)
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (3, 11, 6, 1, 8)]
+    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (3, 11, 6, 1, 8, 70, 2, 15, 5)]
     max_new = 12
     free = [hf_generate(target, p, max_new, stop=MASK).tokens for p in prompts]
     stop = free[0][4]  # row 0 stops mid-answer; others may or may not
     settings = GenerationSettings(max_new_tokens=max_new)
-    if family == "qwen3_moe":
-        engine = StaticBatchEngine(target, settings, [stop], slots=2)
-    else:
+    engine = local_engine(_with_tokenizer(target), settings, batch_size=3, max_prompt_tokens=70, log=io.StringIO())
+    if family == "gpt_oss":
+        assert isinstance(engine, EagerBatchEngine) and "sliding window" in engine.description
         engine = EagerBatchEngine(target, settings, [stop], batch_size=4)
+    else:
+        assert isinstance(engine, StaticBatchEngine)
+        assert ("linear-attention states per slot" in engine.description) == (family in HYBRID_FAMILIES)
+        # bucketed prefills: padded to (power-of-two rows, multiple-of-64 width), the padding rows'
+        # states written to a scratch row no step reads (what CUDA graphs replay), here eagerly.
+        engine = StaticBatchEngine(target, settings, [stop], slots=3, bucket_prefills=family == "qwen3_5_moe_text")
     got = by_id(engine.generated(make_jobs(prompts)))
     expected = {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
     assert got == expected
     assert got["row0"].finish_reason == "stop" and any(g.finish_reason == "length" for g in got.values())
-    if family != "qwen3_moe":  # one batch, rows leaving it as they stop (the engine would retry a failed batch row by row)
+    if family == "gpt_oss":  # one batch, rows leaving it as they stop (the engine would retry a failed batch row by row)
         together = generate_batch(target.model, prompts, max_new_tokens=max_new, stop_ids=[stop], pad_id=0)
         assert {f"row{i}": g for i, g in enumerate(together)} == expected
+    else:
+        assert engine.stats.prefills >= 3  # slots were refilled
+
+
+def test_a_hybrid_row_moved_to_another_slot_takes_its_states_along():
+    """The tail of a run packs busy rows into the lowest slots (`BatchState.move`): a row moved
+    mid-answer onto a slot another prompt used goes on from its own linear-attention states."""
+    target = family_target("qwen3_5_text")
+    generator = torch.Generator().manual_seed(5)
+    mover, other = (torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (9, 14))
+    max_new, never = 20, VOCAB  # a stop token outside the vocabulary: both rows run to the cap
+    state = BatchState(target, 4, 512, GenerationSettings(max_new_tokens=max_new), [never], graphs=False)
+    state.admit([0, 3], [other, mover], [0, 1])
+    for _ in range(6):
+        state.step(256, 4)
+    state.move([3], [0])  # over the other prompt's states
+    state.finished[3] = True
+    for _ in range(max_new):
+        state.step(256, 1)
+    emitted = int(state.emitted[0])
+    assert emitted == max_new
+    assert state.generated[0, :emitted].tolist() == hf_generate(target, mover, max_new, stop=never).tokens
+
+
+def _with_tokenizer(target: Target) -> Target:
+    """The target with a stand-in tokenizer: `local_engine` reads its stop tokens from one."""
+    from types import SimpleNamespace
+
+    return Target(target.model, SimpleNamespace(eos_token_id=MASK, pad_token_id=None))
 
 
 # --- train --------------------------------------------------------------------------------------
