@@ -11,7 +11,6 @@ from collections import Counter
 from ..target.model import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
 from ..target.probe import feature_forward_unsupported, static_unsupported
 from .hf import rollback_unsupported
-from .loop import static_refusal
 from .recurrent import has_recurrent_layers
 from .static import cache_capacity
 
@@ -33,17 +32,19 @@ def describe_target(target: Target, tokens: int) -> str:
     capture_refusal = feature_forward_unsupported(target, tokens)
     capture = ("capture: the graph-capturable feature forward" if capture_refusal is None
                else f"capture: the Hugging Face forward stopped at the last needed layer ({capture_refusal})")
-    static_refused = static_unsupported(target, cache_capacity(tokens))
-    if static_refused is None:
+    static_refusal = static_unsupported(target, cache_capacity(tokens))
+    recurrent = has_recurrent_layers(config)
+    if static_refusal is None:
+        decode = "decode: static decoder"
         regenerate = "regenerate: static batched generator"
-        if has_recurrent_layers(config):
+        if recurrent:
+            decode += ", linear-attention states advanced by the kept tokens of each verify step"
             regenerate += " (linear-attention states per slot)"
     else:
+        decode = f"decode: Hugging Face, eager (static: {static_refusal})"
         regenerate = "regenerate: Hugging Face eager batches"
-    decoder_refusal = static_refusal(target, None, cache_capacity(tokens))
-    decode = "decode: static decoder" if decoder_refusal is None else f"decode: Hugging Face, eager (static: {decoder_refusal})"
-    if has_recurrent_layers(config):
-        rollback = rollback_unsupported(target)
-        decode += (", recurrent states rolled back after a rejection" if rollback is None
-                   else f", speculative decoding refused: {rollback}")
+        if recurrent:
+            rollback = rollback_unsupported(target)
+            decode += (", recurrent states rolled back after a rejection" if rollback is None
+                       else f", speculative decoding refused: {rollback}")
     return f"target: {text_config(config).model_type} ({family_kind(target)}{layers}): {capture}; {decode}; {regenerate}"

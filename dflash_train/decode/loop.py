@@ -40,7 +40,6 @@ from ..core.drafter import DFlashDrafter, unwrap_drafter
 from ..target.model import Target
 from ..target.probe import static_unsupported
 from .hf import HFDecoder, rollback_note
-from .recurrent import has_recurrent_layers
 from .static import StaticDecoder, cache_capacity, static_state
 
 
@@ -143,8 +142,6 @@ def static_refusal(target: Target, drafter: DFlashDrafter | None, capacity: int)
             return f"{type(drafter).__name__} overrides draft()"
         if drafter.fc.weight.device != target.device:
             return f"the drafter is on {drafter.fc.weight.device}, the target on {target.device}"
-    if has_recurrent_layers(target.model.config):
-        return "its linear-attention layers' recurrent states are not rolled back after a rejection by the static decoder"
     return static_unsupported(target, capacity)
 
 

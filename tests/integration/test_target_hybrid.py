@@ -38,9 +38,12 @@ VOCAB, MASK = 48, 47
 
 
 def family_target(family: str, seed: int = 0) -> Target:
+    return slow_decay(tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed), seed)
+
+
+def slow_decay(target: Target, seed: int = 0) -> Target:
     """A hybrid's linear-attention layers get a slow decay: at random init their recurrent states
     forget within a token or two (decay rates up to 16), so a wrong state would hardly show."""
-    target = tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in target.layers:
@@ -120,6 +123,7 @@ def test_each_family_loads_from_a_folder_and_captures_the_chosen_layers(family, 
     assert line.startswith(f"target: {family} (") and "capture:" in line and "regenerate:" in line
     if family in HYBRID_FAMILIES:
         assert "regenerate: static batched generator (linear-attention states per slot)" in line, line
+        assert "decode: static decoder, linear-attention states advanced by the kept tokens" in line, line
 
 
 def test_a_qwen3_5_image_text_folder_loads_as_its_language_model(tmp_path):
@@ -202,38 +206,46 @@ def test_crop_alone_is_lossy_on_a_hybrid_and_the_rollback_probe_says_so(monkeypa
         generate(lossy, DFlashDrafter(config).eval(), [1, 2, 3], 8, decoder="hf")
 
 
-def test_the_static_decoder_runs_moe_losslessly_and_refuses_hybrids():
-    from test_decode_loop import fit_drafter
+@pytest.mark.parametrize("family", ["qwen3_moe", *HYBRID_FAMILIES])
+def test_the_static_decoder_equals_target_only_decoding(family):
+    """The static decoder (what `eval` and the in-training evaluator pick on these targets): a
+    hybrid's verify step leaves its linear-attention states pending and the kept tokens advance
+    them, so greedy output is target-only decoding's. Drafters fitted a little (accepting often,
+    not always) and a random one (rejecting mostly at once), full blocks, early stops, the cap."""
+    from test_decode_loop import fit_drafter, random_drafter
 
-    moe = family_target("qwen3_moe")
-    config = DrafterConfig.from_target(moe.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
+    target = family_target(family)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
+    fitted = DFlashDrafter(config)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, MASK, (6,), generator=generator).tolist() for _ in range(4)]
-    greedy = [naive_greedy(moe.model, p, 30) for p in prompts]
-    fit_drafter(moe, drafter, [p + g for p, g in zip(prompts, greedy)], 6, steps=40)  # accepts often, not always
-    assert describe_decoder(moe, drafter, 64, "auto").startswith("decoder: static")
+    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (6, 6, 6, 9, 3)]
+    greedy = [naive_greedy(target.model, p, 30) for p in prompts]
+    fit_drafter(target, fitted, [p + g for p, g in zip(prompts[:3], greedy[:3])], 6, steps=20)  # not the last two
+    untrained = random_drafter(target, block_size=4, layer_ids=(0, 3), mask_token_id=MASK, std=0.2)
+    assert describe_decoder(target, fitted, 64, "auto").startswith("decoder: static")
     lengths = []
     for prompt, expected in zip(prompts, greedy):
-        for max_new, stops in ((30, ()), (13, [expected[9]])):
-            result = generate(moe, drafter, prompt, max_new, stops, decoder="static")
-            assert result.decoder == "static"
-            assert result.tokens == naive_greedy(moe.model, prompt, max_new, stops)
-            lengths += result.acceptance_lengths
-    assert {1, 2, 4} <= set(lengths)
-    hybrid = family_target("qwen3_next")
-    line = describe_decoder(hybrid, drafter, 64, "auto")
-    assert line.startswith("decoder: hf") and "recurrent state" in line and "rolled back" in line
+        assert generate(target, None, prompt, 30, decoder="static").tokens == expected
+        for drafter in (fitted, untrained):
+            for max_new, stop in ((30, None), (13, expected[9]), (2, None)):
+                result = generate(target, drafter, prompt, max_new, [stop] if stop is not None else (), decoder="static")
+                assert result.decoder == "static"
+                want = expected[:max_new]
+                assert result.tokens == (want[: want.index(stop) + 1] if stop in want else want), (max_new, stop)
+                lengths += result.acceptance_lengths
+    assert {1, 2, 3, 4} <= set(lengths)  # rejected at every block position, and full blocks
 
 
-def test_sampling_on_a_hybrid_is_exact_rejection_sampling():
+@pytest.mark.parametrize("decoder", ["hf", "static"])
+def test_sampling_on_a_hybrid_is_exact_rejection_sampling(decoder):
     """T = 1 on a hybrid: each new position's token frequencies match the target's own marginals
-    (enumerated), with a drafter far from the target so rejections and rollbacks are frequent."""
+    (enumerated), with a drafter far from the target so rejections and rollbacks are frequent
+    (static: the kept tokens advance the pending linear-attention states through `keep`)."""
     from test_decode_loop import chi_square_p_value, exact_marginals, random_drafter
 
     vocab, count = 12, 3
-    target = tiny_target("qwen3_5_text", vocab=vocab, hidden=32, layers=2, head_scale=10)
+    target = slow_decay(tiny_target("qwen3_5_text", vocab=vocab, hidden=32, layers=2, head_scale=10))
     drafter = random_drafter(target, block_size=3, layer_ids=(0, 1), mask_token_id=vocab - 1, std=1.0)
     prompt = [1, 5, 3, 7, 2]
     marginals = exact_marginals(target.model, prompt, count, vocab)
@@ -241,24 +253,36 @@ def test_sampling_on_a_hybrid_is_exact_rejection_sampling():
     generator = torch.Generator().manual_seed(0)
     tokens, lengths = [], []
     for _ in range(300):
-        result = generate(target, drafter, prompt, count, temperature=1.0, generator=generator, decoder="hf")
+        result = generate(target, drafter, prompt, count, temperature=1.0, generator=generator, decoder=decoder)
+        assert result.decoder == decoder
         tokens.append(result.tokens)
         lengths += result.acceptance_lengths
     tokens = torch.tensor(tokens)
     assert {1, 2} <= set(lengths)
     for i in range(count):
         assert chi_square_p_value(torch.bincount(tokens[:, i], minlength=vocab), marginals[i]) > 1e-3, i
+    if decoder == "static":  # longer answers draw as the HF decoder's, seed for seed (the same draws)
+        for seed in range(12):
+            runs = [generate(target, drafter, prompt, 16, temperature=1.0, decoder=name,
+                             generator=torch.Generator().manual_seed(seed)) for name in ("hf", "static")]
+            assert runs[0].tokens == runs[1].tokens and runs[0].acceptance_lengths == runs[1].acceptance_lengths, seed
 
 
-def test_in_training_evaluator_on_a_hybrid_decodes_through_the_rollback():
+def test_in_training_evaluator_on_a_hybrid_picks_the_static_decoder_for_a_plain_drafter():
     target = family_target("qwen3_5_moe_text")
     config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[1, 3])
     prompts = [[3, 9, 27], [40, 1, 5, 6]]
     greedy = [naive_greedy(target.model, p, 20) for p in prompts]
     drafter = PlannedDrafter(config, target, prompts[0] + greedy[0], seed=0).eval()
     metrics = InTrainingEvaluator(target, prompts[:1], max_new_tokens=20).measure(drafter)
-    assert metrics["decoder"] == "hf" and metrics["tokens"] == 20 and metrics["tau"] > 1.5
+    assert metrics["decoder"] == "hf" and metrics["tokens"] == 20 and metrics["tau"] > 1.5  # it overrides draft()
     assert generate(target, drafter, prompts[0], 20).tokens == greedy[0]
+    # A plain drafter (what training measures) gets the static decoder, as `eval --decoder static` does.
+    plain = DFlashDrafter(config).eval()
+    metrics = InTrainingEvaluator(target, prompts, max_new_tokens=20).measure(plain)
+    assert metrics["decoder"] == "static" and metrics["tokens"] == 40
+    assert describe_decoder(target, plain, 64, "static").startswith("decoder: static")
+    assert [generate(target, plain, p, 20, decoder="static").tokens for p in prompts] == greedy
 
 
 # --- regenerate ------------------------------------------------------------------------------------
