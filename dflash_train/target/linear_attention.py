@@ -264,6 +264,16 @@ class LinearStates:
                 kept[index][:batch, :, :length].copy_(value_)
             core, _ = delta_rule(query, key, value, decay, beta, recurrent)
             return layer.output(core, z, x.dtype)
+        if length == 1 and rows is None and not fresh and lengths is None:
+            # A decode step: the state is updated where it lies (a batched generator's slots hold
+            # a few MB each at real shapes; a copy would double the step's state traffic).
+            state = self.recurrent[index][:batch]
+            state.mul_(decay[..., None].exp())
+            correction = beta[..., None] * (value - key @ state)  # [b, H, 1, d_v]
+            state.view(-1, *state.shape[2:]).baddbmm_(key.reshape(-1, layer.key_dim, 1),
+                                                      correction.reshape(-1, 1, layer.value_dim))
+            self.conv[index][:batch].copy_(window[:, :, 1:])
+            return layer.output(query @ state, z, x.dtype)
         if lengths is not None:
             real = (torch.arange(length, device=x.device) < lengths.reshape(-1, 1))[:, None]  # [b, 1, T]
             decay, beta = decay * real, beta * real
