@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from dflash_train.target.model import Target
-from tiny import NEW_FAMILIES, pattern_samples, tiny_hf_model
+from tiny import NEW_FAMILIES, pattern_samples, slow_decay, tiny_hf_model
 
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
@@ -122,32 +122,3 @@ def test_graphed_batched_generator_on_a_hybrid_equals_hugging_face_generate(fami
             eager = StaticBatchEngine(target, settings, [stop], slots=16, graphs=False, bucket_prefills=True,
                                       attention=graphed.state.attention)
             assert by_id(eager.generated(make_jobs(prompts))) == got
-
-
-def slow_decay(target: Target) -> Target:
-    """Linear-attention states that remember (random init forgets within a token or two)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in target.layers:
-            linear = getattr(layer, "linear_attn", None)
-            if linear is not None:
-                decay = torch.empty(linear.A_log.shape).uniform_(0.01, 0.2, generator=generator).log()
-                linear.A_log.copy_(decay.to(linear.A_log.device, linear.A_log.dtype))
-    return target
-
-
-def test_static_decoder_graphs_on_qwen3_moe_give_the_eager_tokens():
-    target = cuda_target("qwen3_moe", torch.float32)
-    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=95, target_layer_ids=LAYERS)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config).to(DEVICE).eval()
-    prompt = [5, 17, 3, 60, 2, 9, 41, 8]
-    runner = make_decoder(target, drafter, len(prompt) + 40)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        runner.prepare()
-    captured = [name for name, step in runner.state.greedy_steps.items() if step.graph is not None]
-    print(f"qwen3_moe static greedy steps captured: {captured}; warnings: {[str(w.message)[:160] for w in caught]}")
-    static = generate(target, drafter, prompt, 40, decoder="static")
-    assert static.decoder == "static"
-    assert static.tokens == generate(target, None, prompt, 40, decoder="hf").tokens

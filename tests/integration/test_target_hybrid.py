@@ -20,7 +20,7 @@ from dflash_train.target.linear_attention import LinearStates
 from dflash_train.target.probe import feature_forward_unsupported, float32_replica, static_unsupported
 from dflash_train.target.walk import FeatureForward
 from test_generate_engine import by_id, early_stop_token, hf_generate, make_jobs
-from tiny import HYBRID_FAMILIES, NEW_FAMILIES, tiny_hf_model, tiny_target
+from tiny import HYBRID_FAMILIES, NEW_FAMILIES, slow_decay, tiny_hf_model, tiny_target
 
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
@@ -39,18 +39,6 @@ VOCAB, MASK = 48, 47
 
 def family_target(family: str, seed: int = 0) -> Target:
     return slow_decay(tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed), seed)
-
-
-def slow_decay(target: Target, seed: int = 0) -> Target:
-    """A hybrid's linear-attention layers get a slow decay: at random init their recurrent states
-    forget within a token or two (decay rates up to 16), so a wrong state would hardly show."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in target.layers:
-            linear = getattr(layer, "linear_attn", None)
-            if linear is not None:
-                linear.A_log.copy_(torch.empty(linear.A_log.shape).uniform_(0.01, 0.2, generator=generator).log())
-    return target
 
 
 def naive_greedy(model, prompt: list[int], count: int, stops=()) -> list[int]:
