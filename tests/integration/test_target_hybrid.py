@@ -307,6 +307,11 @@ def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
         assert {f"row{i}": g for i, g in enumerate(together)} == expected
     else:
         assert engine.stats.prefills >= 3  # slots were refilled
+    if family in HYBRID_FAMILIES:  # sampled rows draw as the Hugging Face batches draw, seed for seed
+        sampling = GenerationSettings(max_new_tokens=max_new, temperature=1.0, top_p=0.9)
+        jobs = make_jobs(prompts, seed=3)
+        sampled = by_id(StaticBatchEngine(target, sampling, [stop], slots=3).generated(jobs))
+        assert sampled == by_id(EagerBatchEngine(target, sampling, [stop], batch_size=4).generated(jobs))
 
 
 def test_a_hybrid_row_moved_to_another_slot_takes_its_states_along():
