@@ -259,9 +259,9 @@ class LinearStates:
             self.before_conv[index][:batch].copy_(conv)
             self.before_recurrent[index][:batch].copy_(recurrent)
             self.pending_inputs[index][:batch, :, :length].copy_(mixed)
-            for kept, value_ in ((self.pending_keys, key), (self.pending_values, value),
-                                 (self.pending_decay, decay), (self.pending_beta, beta)):
-                kept[index][:batch, :, :length].copy_(value_)
+            for buffer, computed in ((self.pending_keys, key), (self.pending_values, value),
+                                     (self.pending_decay, decay), (self.pending_beta, beta)):
+                buffer[index][:batch, :, :length].copy_(computed)
             core, _ = delta_rule(query, key, value, decay, beta, recurrent)
             return layer.output(core, z, x.dtype)
         if length == 1 and rows is None and not fresh and lengths is None:
