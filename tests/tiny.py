@@ -73,6 +73,19 @@ def tiny_target(family: str = "llama", head_scale: float = 1.0, **kw) -> Target:
     return Target(model)
 
 
+def slow_decay(target: Target, seed: int = 0) -> Target:
+    """A hybrid's linear-attention layers with a slow decay: at random init their recurrent states
+    forget within a token or two (decay rates up to 16), so a wrong state would hardly show."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in target.layers:
+            linear = getattr(layer, "linear_attn", None)
+            if linear is not None:
+                rates = torch.empty(linear.A_log.shape).uniform_(0.01, 0.2, generator=generator)
+                linear.A_log.copy_(rates.log().to(linear.A_log.device, linear.A_log.dtype))
+    return target
+
+
 @dataclass
 class Sample:
     sample_id: int

@@ -33,13 +33,18 @@ def describe_target(target: Target, tokens: int) -> str:
     capture = ("capture: the graph-capturable feature forward" if capture_refusal is None
                else f"capture: the Hugging Face forward stopped at the last needed layer ({capture_refusal})")
     static_refusal = static_unsupported(target, cache_capacity(tokens))
+    recurrent = has_recurrent_layers(config)
     if static_refusal is None:
-        decode, regenerate = "decode: static decoder", "regenerate: static batched generator"
+        decode = "decode: static decoder"
+        regenerate = "regenerate: static batched generator"
+        if recurrent:
+            decode += ", linear-attention states advanced by the kept tokens of each verify step"
+            regenerate += " (linear-attention states per slot)"
     else:
         decode = f"decode: Hugging Face, eager (static: {static_refusal})"
         regenerate = "regenerate: Hugging Face eager batches"
-    if has_recurrent_layers(config):
-        rollback = rollback_unsupported(target)
-        decode += (", recurrent states rolled back after a rejection" if rollback is None
-                   else f", speculative decoding refused: {rollback}")
+        if recurrent:
+            rollback = rollback_unsupported(target)
+            decode += (", recurrent states rolled back after a rejection" if rollback is None
+                       else f", speculative decoding refused: {rollback}")
     return f"target: {text_config(config).model_type} ({family_kind(target)}{layers}): {capture}; {decode}; {regenerate}"

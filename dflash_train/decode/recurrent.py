@@ -12,6 +12,8 @@ The HF decoder therefore snapshots these states before a verify step and, when t
 fewer tokens than it verified, puts them back, crops the attention layers to where the step
 started, and runs the kept tokens through the target again (`HFDecoder.keep`). The snapshot is a
 copy of each linear-attention layer's states (a few MB per layer; keys and values are not copied).
+The static decoder and the batched generator hold these states themselves, per cache row, and
+never advance them by a rejected draft (target/linear_attention.py, decode/static.py).
 
 The states are found by what the cache holds (a layer's `conv_states` / `recurrent_states`
 tables, as transformers 5.x lays them out); `rollback_unsupported` checks on a float32 replica

@@ -21,9 +21,26 @@ The same functions run without graphs on CPU and for odd shapes (the prefill, a 
 block), so the fast CPU suite checks all of the logic; only capture and replay need a GPU.
 
 The target's forward over the caches is `target.static_cache.StaticTarget` (the layer walk of
-target/walk.py); which targets it runs (the Llama/Qwen block, no recurrent layers, no sliding
-window shorter than the cache) is the walk's probe, `target.probe.static_unsupported`: a target it
-refuses decodes through Hugging Face eagerly instead. Captured steps are `capture.CapturedStep`.
+target/walk.py); which targets it runs (the Llama/Qwen block, a hybrid's Gated DeltaNet layers in
+a layout it knows, no sliding window shorter than the cache) is the walk's probe,
+`target.probe.static_unsupported`: a target it refuses decodes through Hugging Face eagerly
+instead. Captured steps are `capture.CapturedStep`.
+
+Hybrid targets. A linear-attention layer's convolution window and recurrent state hold no
+positions that masking could hide: a verify step must not leave them advanced by drafts the
+target then rejects. The verify step leaves them as they were and keeps what its block computed
+(each position's k, v, decay, β and the block's convolution inputs); once the accepted count is
+known, `commit` advances them by exactly the kept tokens, from that record, without running the
+layers' projections again (`target.linear_attention`). Why this design: re-running the kept
+tokens (what the HF decoder does) costs a second target forward per rejected step; keeping a
+state per block position costs B states per layer (~2 MB each at 9B-like shapes) written every
+step. The commit is a few small products per layer, and its count is a device tensor, so the
+greedy step stays one CUDA graph: draft, verify, agreement and commit, with no host round trip.
+`keep` commits again only when it keeps fewer tokens than the graph did (a stop token, the cap),
+from the states saved before the step, so running a commit twice is harmless; the T > 0 path
+commits in `keep`, one captured step per block length. A step that advances the states in
+place (the target-only step, the greedy step) names them in `restore`, so a capture's checking
+replay starts from the states its warm-up started from.
 """
 
 from __future__ import annotations
@@ -185,7 +202,15 @@ class StaticState:
         # outlive its eviction (and hold its caches and graph pools) until a collector pass.
         me = weakref.proxy(self)
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None)
+        self.target = StaticTarget(target, capacity, list(drafter.config.target_layer_ids) if drafter else None,
+                                   pending_tokens=drafter.config.block_size if drafter else 0)
+        # A hybrid's linear-attention states: a verify step leaves them pending until the kept
+        # tokens are known (`commit`); steps that advance them restore them before their checking
+        # replay (capture.CapturedStep). A dense target has none: () and False change nothing.
+        self.hybrid = self.target.linear is not None
+        states = self.target.state_tensors()
+        self.kept = torch.ones(1, dtype=torch.long, device=device)  # block tokens a commit keeps
+        self.commit_steps: dict[int, CapturedStep[None]] = {}
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.prompt_ids = torch.zeros(1, capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.ones((), dtype=torch.long, device=device)
@@ -193,8 +218,9 @@ class StaticState:
         # The prefill graphs share one memory pool (one per width would hold a full forward's
         # activations each): a prefill's logits are read before any other prefill replays.
         self.prefill_pool = GraphPool() if device.type == "cuda" else None
-        self.next_token = CapturedStep(lambda: me.target.single(me.token, me.start, features=False)[0], device, "target-only")
-        self.next_greedy = CapturedStep(lambda: me._next_greedy(), device, "target-only greedy")
+        self.next_token = CapturedStep(lambda: me.target.single(me.token, me.start, features=False)[0], device, "target-only",
+                                       restore=states)
+        self.next_greedy = CapturedStep(lambda: me._next_greedy(), device, "target-only greedy", restore=states)
         self.drafter = None
         if drafter is not None:
             block = drafter.config.block_size
@@ -207,7 +233,7 @@ class StaticState:
                 lambda: me.drafter.step(me.new_features, me.count, me.start, me.block), device, "draft"
             )
             self.verify_ids = torch.zeros(1, block, dtype=torch.long, device=device)
-            self.verify = CapturedStep(lambda: me.target.single(me.verify_ids, me.start), device, "verify")
+            self.verify = CapturedStep(lambda: me.target.single(me.verify_ids, me.start, pending=me.hybrid), device, "verify")
             self.greedy_steps: dict[int, CapturedStep[torch.Tensor]] = {}
 
     def capture_all(self) -> None:
@@ -238,9 +264,11 @@ class StaticState:
 
     def _prefill(self, width: int) -> torch.Tensor:
         # Padding past the prompt sits at positions ≥ its length: the prompt's own queries never
-        # see it (causal), and later steps mask it until verified tokens overwrite it.
+        # see it (causal), and later steps mask it until verified tokens overwrite it. A hybrid's
+        # linear-attention states start from zero and take the prompt's real tokens only.
         logits, features = self.target.single(self.prompt_ids[:, :width], self.start.new_zeros(()),
-                                              features=self.drafter is not None, logits_at=self.prompt_length - 1)
+                                              features=self.drafter is not None, logits_at=self.prompt_length - 1,
+                                              fresh=True, lengths=self.prompt_length.view(1))
         if self.drafter is not None:
             self.drafter.add_context(features, torch.arange(width, device=self.device))
         return logits[0]
@@ -253,7 +281,8 @@ class StaticState:
         if length not in self.greedy_steps:
             me = weakref.proxy(self)  # not self: see __init__
             self.greedy_steps[length] = CapturedStep(
-                lambda: me._greedy(length), self.device, f"greedy {length}-token block", restore=(self.new_features,)
+                lambda: me._greedy(length), self.device, f"greedy {length}-token block",
+                restore=(self.new_features,) + self.target.state_tensors(),
             )
         return self.greedy_steps[length]
 
@@ -263,9 +292,22 @@ class StaticState:
         drafts = self.drafter.greedy_drafts(self.new_features, self.count, self.start, block)
         ids[0, :1].copy_(self.bonus)
         ids[0, 1:].copy_(drafts)
-        logits, features = self.target.single(ids, self.start)
+        logits, features = self.target.single(ids, self.start, pending=self.hybrid)
         self.new_features[:, :length].copy_(features)  # the next step's context: its first `count` rows are kept
-        return agreement(ids, logits)
+        result = agreement(ids, logits)
+        if self.hybrid:  # the bonus and the accepted drafts, on the device: no host round trip
+            self.target.commit((result[0] + 1).view(1), length)
+        return result
+
+    def commit(self, length: int) -> CapturedStep[None]:
+        """Advance the linear-attention states by the first `kept` tokens of the pending
+        `length`-token verify step (a hybrid target; reads the states saved before it, so
+        running it again gives the same states)."""
+        if length not in self.commit_steps:
+            me = weakref.proxy(self)  # not self: see __init__
+            self.commit_steps[length] = CapturedStep(lambda: me.target.commit(me.kept, length), self.device,
+                                                     f"commit of a {length}-token block")
+        return self.commit_steps[length]
 
 
 def agreement(block: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -363,6 +405,9 @@ class StaticDecoder:
 
     def __init__(self, state: StaticState, block_size: int):
         self.state, self.block_size = state, block_size
+        # A hybrid's verify step not yet settled by `keep`: (its start, its length, the tokens the
+        # step's graph already committed or None).
+        self.pending: tuple[int, int, int | None] | None = None
 
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt through the target and, with a drafter, into the drafter's context cache
@@ -370,6 +415,7 @@ class StaticDecoder:
         so the first step is a whole-step one too)."""
         state = self.state
         length = prompt.shape[1]
+        self.pending = None
         state.prompt_ids[:, :length].copy_(prompt)
         state.prompt_length.fill_(length)
         logits = state.prefill(prefill_width(length, state.capacity))()
@@ -409,15 +455,20 @@ class StaticDecoder:
         return selector.select(hidden[None], logits[None], bonus, 0.0)[0][0]
 
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over `block` at `start`. A hybrid's linear-attention states are left
+        pending when the block has several tokens (`keep` advances them by the kept ones)."""
         state = self.state
         state.start.fill_(start)
-        if features and block.shape[1] == self.block_size:
+        length = block.shape[1]
+        pending = state.hybrid and length > 1
+        self.pending = (start, length, None) if pending else None
+        if features and length == self.block_size:
             state.verify_ids.copy_(block)
             return state.verify()
-        if not features and block.shape[1] == 1:
+        if not features and length == 1:
             state.token.copy_(block)
             return state.next_token(), None
-        return state.target.single(block, state.start, features=features)
+        return state.target.single(block, state.start, features=features, pending=pending)
 
     def greedy(
         self, features: torch.Tensor | None, start: int, bonus: torch.Tensor, length: int
@@ -426,6 +477,7 @@ class StaticDecoder:
         if state.drafter is None and length == 1:
             state.start.fill_(start)
             state.token.copy_(bonus[None])
+            self.pending = None
             return state.next_greedy().tolist(), None
         # One graph for the whole step when the new context rows are the last step's verified
         # ones (views of `new_features`) or none (the first step: the prefill wrote the prompt's);
@@ -434,13 +486,25 @@ class StaticDecoder:
             state.start.fill_(start)
             state.count.fill_(features.shape[1])
             state.bonus.copy_(bonus)
-            return state.greedy(length)().tolist(), state.new_features
+            host = state.greedy(length)().tolist()
+            # The graph committed the bonus and the accepted drafts; `keep` may keep fewer.
+            self.pending = (start, length, host[0] + 1) if state.hybrid else None
+            return host, state.new_features
         host, step_features = greedy_by_parts(self, features, start, bonus, length)
         state.new_features[:, :length].copy_(step_features)
         return host, state.new_features
 
     def keep(self, length: int) -> None:
-        """Nothing to crop: positions ≥ length are masked until verified tokens overwrite them."""
+        """Nothing to crop: positions ≥ length are masked until verified tokens overwrite them.
+        A hybrid's linear-attention states after a verify step are advanced by exactly the kept
+        tokens (those before `length`), unless the step's graph committed that many already."""
+        if self.pending is None:
+            return
+        start, verified, committed = self.pending
+        self.pending = None
+        if length - start != committed:
+            self.state.kept.fill_(length - start)
+            self.state.commit(verified)()
 
     def prepare(self) -> None:
         """Capture every greedy step's graph before anything is timed (see StaticState.capture_all)."""

@@ -33,7 +33,10 @@ phase of their own with fewer slots. A CUDA out-of-memory error halves the slots
 line) and the rows in flight start again.
 
 Which targets. `local_engine` asks the layer walk's probe (`target.probe.static_unsupported`,
-which also checks the batched path); a target it refuses is answered by `EagerBatchEngine`
+which also checks the batched path). A hybrid target's linear-attention layers keep their
+convolution window and recurrent state per slot (`target.linear_attention.LinearStates`): a
+prefill starts a slot's states from zero and advances them by its prompt's real tokens only, a
+step by one token, a moved row takes them along. A target the probe refuses is answered by `EagerBatchEngine`
 (`generate_batch`: Hugging Face forwards with a DynamicCache, rows leaving the batch as they
 finish), which says so in its description line.
 """
@@ -201,6 +204,7 @@ class BatchState:
         self.generated = torch.zeros(slots, self.max_new, **long)
         self.stops = torch.tensor(list(stop_ids), **long)
         self.steps: dict[int, CapturedStep[None]] = {}
+        self.idle = False  # True while capture_steps runs: no slot holds a prompt
 
     def admit(self, slots: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
         """Prefill `prompts` (right-padded) into cache rows `slots` and take each one's first token."""
@@ -277,11 +281,15 @@ class BatchState:
         stale cache positions of empty slots only."""
         if self.pool is None:
             return 0
-        chosen = self._choose_attention() if self.choose_attention else 0
-        spans = list(range(ATTENTION_STEP, self.capacity, ATTENTION_STEP)) + [self.capacity]
-        new = [span for span in spans if (self.slots, span) not in self.steps]
-        for span in new:
-            self.step(span, self.slots)
+        self.idle = True
+        try:
+            chosen = self._choose_attention() if self.choose_attention else 0
+            spans = list(range(ATTENTION_STEP, self.capacity, ATTENTION_STEP)) + [self.capacity]
+            new = [span for span in spans if (self.slots, span) not in self.steps]
+            for span in new:
+                self.step(span, self.slots)
+        finally:
+            self.idle = False
         self.finished.fill_(True)
         return chosen + len(new)
 
@@ -314,9 +322,13 @@ class BatchState:
         # caches and the graphs' memory pools alive after the engine lets go of the state, until
         # a garbage-collector pass (an out-of-memory retry at half the slots would fail again).
         state = weakref.proxy(self)
+        # A hybrid's linear-attention states advance with every step: a capture made while rows
+        # decode (a tail shape) puts their rows back before its checking replay, or the replay
+        # would advance them twice. Up front no slot holds a prompt: nothing to keep, no copy.
+        states = () if self.idle else tuple(t[:, :rows] for t in self.model.state_tensors())
         return CapturedStep(
             lambda: state._step(span, rows), self.device, f"batched decode ({rows} rows, {span} positions)",
-            restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated),
+            restore=(self.tokens, self.positions, self.emitted, self.finished, self.generated) + states,
             graphs=self.graphs, pool=self.pool,
         )
 
@@ -423,13 +435,15 @@ class StaticBatchEngine:
         self.stops = set(self.stop_ids)
         self.vocab_rows = target.embed_weight.shape[0]
         self.bytes_per_position = StaticTarget.bytes_per_position(target)
+        self.bytes_per_row = StaticTarget.bytes_per_row(target)  # a hybrid's linear-attention states
         self.state: BatchState | None = None
         self.budget = memory_budget  # bytes the caches may take; None = 3/4 of free CUDA memory, no limit on CPU
         self.out_of_memory = 0  # times the slots were halved
         graph_note = "CUDA graphs per (rows, attention span)" if self.device.type == "cuda" and graphs else "no CUDA graphs"
         self.setup_failures = SETUP_FAILURES
+        states = ", linear-attention states per slot (reset on refill)" if self.bytes_per_row else ""
         self.description = (f"engine: static batched generator, {slots} slots, continuous batching, {graph_note}, "
-                            f"finished rows read every {read_every} steps")
+                            f"finished rows read every {read_every} steps{states}")
 
     def answers(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, Answer | BaseException]]:
         return _as_answers(self.target.tokenizer, self.generated(jobs))
@@ -487,8 +501,10 @@ class StaticBatchEngine:
         return 1 if prefills_bucketed(self.device, self.graphs, self.bucket_prefills) else 0
 
     def _slot_bytes(self, capacity: int) -> int:
-        # The cache row, its answer buffer, and room for the step's logits and sampling buffers.
-        return capacity * self.bytes_per_position + 8 * self.settings.max_new_tokens + 16 * self.vocab_rows
+        # The cache row, its linear-attention states, its answer buffer, and room for the step's
+        # logits and sampling buffers.
+        return (capacity * self.bytes_per_position + self.bytes_per_row + 8 * self.settings.max_new_tokens
+                + 16 * self.vocab_rows)
 
     def _next_phase(self, queue: deque) -> tuple[int, int, int]:
         """(slots, capacity, how many of the waiting jobs) for the next phase: all of them unless

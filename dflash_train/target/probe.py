@@ -14,9 +14,11 @@ CPU no CUDA random numbers are drawn (another thread may be capturing a CUDA gra
 - `static_unsupported(target, capacity)`: `StaticTarget` must give the Hugging Face forward's
   logits and hidden states, prefilled in two chunks through its cache, and the batched
   generator's path (prompts started in swapped cache rows, then a step at each row's own
-  position). Recurrent layers (a hybrid's Gated DeltaNet), a block other than Llama/Qwen's
-  (Gemma's rotary signature and scaled embeddings, a custom forward), or a sliding window shorter
-  than the cache decode through Hugging Face instead.
+  position); for a hybrid also a verify step whose block is then kept in part (the
+  linear-attention states advanced by exactly the kept tokens). Linear-attention layers laid out
+  in a way `target.linear_attention` does not know, a block other than Llama/Qwen's (Gemma's
+  rotary signature and scaled embeddings, a custom forward), or a sliding window shorter than the
+  cache decode through Hugging Face instead.
 
 Both verdicts come from one probe run, cached per model and forgotten with it (`ProbeVerdicts`).
 """
@@ -32,6 +34,7 @@ from typing import Callable, Generic, TypeVar
 import torch
 from torch import nn
 
+from .linear_attention import linear_attention_module, linear_layer_unsupported
 from .model import Target, hidden_state_index
 from .static_cache import StaticTarget
 from .walk import FeatureForward
@@ -136,14 +139,23 @@ def _features_structure(target: Target) -> str | None:
 
 def _static_structure(target: Target) -> str | None:
     body = getattr(target.model, "model", None)
-    stateful = sorted({str(kind) for layer, kind in zip(target.layers, getattr(target.model.config, "layer_types", None) or ())
-                       if getattr(layer, "self_attn", None) is None})
-    if stateful:  # a hybrid: its linear-attention layers fold every token into a recurrent state
-        return f"its {', '.join(stateful)} layers keep a recurrent state, which the static caches do not hold"
-    attn = getattr(target.layers[0], "self_attn", None)
+    kinds = getattr(target.model.config, "layer_types", None) or [""] * len(target.layers)
+    linear = [m for m in (linear_attention_module(layer) for layer in target.layers) if m is not None]
+    stateful = sorted({str(kind) for layer, kind in zip(target.layers, kinds)
+                       if getattr(layer, "self_attn", None) is None and linear_attention_module(layer) is None})
+    if stateful:  # state the static forward does not know how to hold (an SSM, ...)
+        return f"its {', '.join(stateful)} layers keep a state the static caches do not hold"
+    for module in linear[:1]:  # one class and config for all of them
+        refusal = linear_layer_unsupported(module)
+        if refusal is not None:
+            return refusal
+    attention = [layer for layer in target.layers if linear_attention_module(layer) is None]
+    if not attention:
+        return "it has no attention layer"
+    attn = getattr(attention[0], "self_attn", None)
     needed = [(body, "embed_tokens"), (body, "rotary_emb"), (body, "norm"), (target.model, "lm_head")]
     needed += [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")]
-    needed += [(target.layers[0], n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")]
+    needed += [(attention[0], n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")]
     missing = [name for owner, name in needed if getattr(owner, name, None) is None]
     if missing:
         return f"{type(target.model).__name__} lacks {', '.join(missing)}"
@@ -172,13 +184,21 @@ def _static_differ(replica: Target) -> str | None:
     layers = len(replica.layers)
     ids = (torch.arange(12) * 7919 % 512)[None]
     other = (torch.arange(8) * 104729 % 512)[None]
+    hybrid = any(linear_attention_module(layer) is not None for layer in replica.layers)
     with torch.no_grad():
         reference = replica.model(ids, output_hidden_states=True, use_cache=False)
         other_reference = replica.model(other, use_cache=False).logits[0]
         try:
-            ours = StaticTarget(replica, 16, list(range(layers)))
+            ours = StaticTarget(replica, 16, list(range(layers)), pending_tokens=4 if hybrid else 0)
             first = ours.single(ids[:, :7], torch.tensor(0))
             second = ours.single(ids[:, 7:], torch.tensor(7))
+            if hybrid:
+                # The prompt again from zero states, a verify step of 4 tokens of which 2 are
+                # kept, then the rest from there: the states must hold exactly the kept tokens.
+                ours.single(ids[:, :7], torch.tensor(0), features=False, fresh=True)
+                verified = ours.single(ids[:, 7:11], torch.tensor(7), features=False, pending=True)[0]
+                ours.commit(torch.tensor([2]), 4)
+                after = ours.single(ids[:, 9:], torch.tensor(9), features=False)[0]
             # The batched generator's path: two prompts of other lengths started in swapped cache
             # rows (right-padded), then one step each at its own position.
             batched = StaticTarget(replica, 16, batch=2)
@@ -193,8 +213,12 @@ def _static_differ(replica: Target) -> str | None:
     expected_states = torch.cat([reference.hidden_states[hidden_state_index(k)] for k in range(layers)], dim=-1)
     rows = torch.stack([started[0], started[1], stepped[0], stepped[1]])
     expected_rows = torch.stack([reference.logits[0, 9], other_reference[5], other_reference[6], reference.logits[0, 10]])
-    for name, got, expected in (("logits", logits, reference.logits[0]), ("hidden states", states, expected_states),
-                                ("batched logits", rows, expected_rows)):
+    checks = [("logits", logits, reference.logits[0]), ("hidden states", states, expected_states),
+              ("batched logits", rows, expected_rows)]
+    if hybrid:
+        checks.append(("logits after a partly kept verify step", torch.cat([verified, after]),
+                       torch.cat([reference.logits[0, 7:11], reference.logits[0, 9:]])))
+    for name, got, expected in checks:
         error = _relative_error(got, expected)
         if not error <= 1e-4:
             return f"its {name} differ from the Hugging Face forward's (relative error {error:.1e} in float32)"

@@ -5,7 +5,10 @@ It is `target.walk.LayerWalk` with each layer's attention over the caches: the m
 submodules run (norms, projections, MLP, rotary embedding), so bias terms, q/k norms and scaled
 RoPE variants are the model's; only the attention over the cache is ours (`ATTENTION`: SDPA or
 two batched matrix products), and the layer norms where their class computes
-`weight · rms_norm(x)` (`fused_norm`). Which models it runs is `target.probe.static_unsupported`.
+`weight · rms_norm(x)` (`fused_norm`). A hybrid's linear-attention (Gated DeltaNet) layers run
+over per-row convolution and recurrent states (`target.linear_attention.LinearStates`); its full
+attention layers may gate their output (Qwen3.5, Qwen3-Next: a query projection of twice the
+width) and rotate part of each head. Which models it runs is `target.probe.static_unsupported`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear_attention import LinearStates, linear_attention_module
 from .model import Target, apply_rope
 from .walk import LayerWalk
 
@@ -134,10 +138,17 @@ class StaticTarget:
     prompt's end: masked, and overwritten by the row's next tokens before they can be seen.
 
     Each layer is the model's block with its attention over the cache (module doc).
+
+    A hybrid's linear-attention layers keep their states per cache row (`self.linear`): a forward
+    advances rows 0..b−1 by all their new tokens, or by the first `lengths[r]` (a right-padded
+    prompt), from zero states with `fresh` (a new prompt); `prefill_rows` starts its rows from zero
+    states. With `pending` (a verify step) the states stay as they were until `commit(counts,
+    length)` advances each row by exactly its kept block tokens. A dense target has none of these
+    states, and the options change nothing for it.
     """
 
     def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", pending_tokens: int = 0):
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
         self.attend_cache = ATTENTION[attention]
@@ -146,16 +157,36 @@ class StaticTarget:
         self.post_attention_norms = [fused_norm(layer.post_attention_layernorm) for layer in self.layers]
         self.walk = LayerWalk(target, final_norm=fused_norm(target.model.model.norm))
         self.layer_ids = list(layer_ids or [])
-        attn = self.layers[0].self_attn
+        mixers = [linear_attention_module(layer) for layer in self.layers]
+        attention_layers = [i for i, mixer in enumerate(mixers) if mixer is None]
+        # Cache slot of each attention layer, position in the linear states of each linear one.
+        self.cache_slot = {layer: slot for slot, layer in enumerate(attention_layers)}
+        self.linear_slot = {layer: slot for slot, layer in enumerate(i for i, m in enumerate(mixers) if m is not None)}
+        attn = self.layers[attention_layers[0]].self_attn
         self.head_dim = attn.head_dim
         kv_heads = attn.k_proj.out_features // self.head_dim
-        self.groups = attn.q_proj.out_features // self.head_dim // kv_heads
+        # A gated attention's query projection holds each head's query and output gate.
+        self.gated = attn.q_proj.out_features == 2 * attn.o_proj.in_features
+        self.groups = attn.q_proj.out_features // (2 if self.gated else 1) // self.head_dim // kv_heads
         weight = target.embed_weight
         self.device, self.capacity, self.batch, self.dtype = weight.device, capacity, batch, weight.dtype
-        shape = (len(self.layers), batch, kv_heads, capacity, self.head_dim)
+        shape = (len(attention_layers), batch, kv_heads, capacity, self.head_dim)
         self.keys = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.key_positions = torch.arange(capacity, device=self.device)
+        linear = [mixer for mixer in mixers if mixer is not None]
+        self.linear = LinearStates(linear, batch, weight.dtype, self.device, pending_tokens) if linear else None
+
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The linear-attention states a step reads and overwrites (none for a dense target): a
+        captured step that advances them restores them before its checking replay."""
+        return self.linear.tensors() if self.linear is not None else ()
+
+    def commit(self, counts: torch.Tensor, length: int) -> None:
+        """After a `pending` forward of `length` tokens: advance each row's linear-attention
+        states by exactly its first counts[r] of them (nothing to do for a dense target)."""
+        if self.linear is not None:
+            self.linear.commit(counts, length)
 
     def move_rows(self, source: list[int], destination: list[int], chunk: int = 16) -> None:
         """Copy cache rows `source` to rows `destination` (disjoint sets), a few rows at a time so
@@ -165,16 +196,26 @@ class StaticTarget:
             dst = torch.tensor(destination[i:i + chunk], device=self.device)
             for cache in (self.keys, self.values):
                 cache.index_copy_(1, dst, cache.index_select(1, src))
+            if self.linear is not None:
+                self.linear.move_rows(src, dst)
 
     @staticmethod
     def bytes_per_position(target: Target) -> int:
-        """Cache bytes one row needs per position (keys and values of every layer)."""
-        attn = target.layers[0].self_attn
-        return 2 * len(target.layers) * attn.k_proj.out_features * target.embed_weight.element_size()
+        """Cache bytes one row needs per position (keys and values of every attention layer)."""
+        attention = [layer for layer in target.layers if linear_attention_module(layer) is None]
+        attn = attention[0].self_attn
+        return 2 * len(attention) * attn.k_proj.out_features * target.embed_weight.element_size()
+
+    @staticmethod
+    def bytes_per_row(target: Target) -> int:
+        """State bytes one row needs whatever its length (a hybrid's linear-attention states; 0 else)."""
+        linear = [m for m in (linear_attention_module(layer) for layer in target.layers) if m is not None]
+        return LinearStates.bytes_per_row(linear, target.embed_weight.dtype) if linear else 0
 
     def forward(
         self, ids: torch.Tensor, start: torch.Tensor, *, last_only: bool = False, features: bool = True,
         attend: int | None = None, float_logits: bool = True, logits_at: torch.Tensor | None = None,
+        fresh: bool = False, lengths: torch.Tensor | None = None, pending: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         span = attend or self.capacity
         positions = start.reshape(-1, 1) + torch.arange(ids.shape[1], device=self.device)  # [b or 1, q]
@@ -186,12 +227,16 @@ class StaticTarget:
         rows = ids.shape[0]  # the first `rows` cache rows
 
         def over_cache(layer: int, query, key, value, scale: float) -> torch.Tensor:
-            keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+            slot = self.cache_slot[layer]
+            keys, values = self.keys[slot][:rows], self.values[slot][:rows]
             keys.scatter_(2, index, key)
             values.scatter_(2, index, value)
             return self.attend_cache(query, keys[:, :, :span], values[:, :, :span], bias, scale)
 
-        hidden, states = self._run(ids, positions, over_cache, features)
+        def recurrent(layer: int, x: torch.Tensor) -> torch.Tensor:
+            return self.linear.run(self.linear_slot[layer], x, fresh=fresh, lengths=lengths, pending=pending)
+
+        hidden, states = self._run(ids, positions, over_cache, features, recurrent)
         if logits_at is not None:  # one column, given as a device index (a right-padded prompt's last token)
             hidden = hidden.index_select(1, logits_at.reshape(1))
         logits = self.model.lm_head(hidden[:, -1:] if last_only else hidden)
@@ -207,28 +252,40 @@ class StaticTarget:
         positions = torch.arange(width, device=self.device)[None].expand(count, -1)
 
         def own_prompt(layer: int, query, key, value, scale: float) -> torch.Tensor:
-            self.keys[layer][:, :, :width].index_copy_(0, rows, key)
-            self.values[layer][:, :, :width].index_copy_(0, rows, value)
+            slot = self.cache_slot[layer]
+            self.keys[slot][:, :, :width].index_copy_(0, rows, key)
+            self.values[slot][:, :, :width].index_copy_(0, rows, value)
             # Keys repeated per query head (Hugging Face's repeat_kv): a plain causal call, which
             # every SDPA backend (flash included) takes.
             key, value = key.repeat_interleave(self.groups, dim=1), value.repeat_interleave(self.groups, dim=1)
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
             return out.transpose(1, 2).reshape(count, width, -1)
 
-        hidden, _ = self._run(ids, positions, own_prompt, False)
+        def new_states(layer: int, x: torch.Tensor) -> torch.Tensor:  # from zero states, into cache rows `rows`
+            return self.linear.run(self.linear_slot[layer], x, rows=rows, fresh=True, lengths=lengths)
+
+        hidden, _ = self._run(ids, positions, own_prompt, False, new_states)
         last = hidden.gather(1, (lengths - 1).view(count, 1, 1).expand(-1, 1, hidden.shape[-1]))
         logits = self.model.lm_head(last)[:, 0]
         return logits.float() if float_logits else logits
 
-    def _run(self, ids, positions, attend, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The walk through every decoder layer (`attend` does the attention and its cache writes)
-        -> (normed hidden [b, q, hidden], the requested layers' states or None)."""
+    def _run(self, ids, positions, attend, features: bool, recurrent) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The walk through every decoder layer (`attend` does the attention and its cache writes,
+        `recurrent` a linear-attention layer with its states) -> (normed hidden [b, q, hidden],
+        the requested layers' states or None)."""
 
         def block(i: int, x: torch.Tensor, rotary) -> torch.Tensor:
             layer = self.layers[i]
-            attn = layer.self_attn
-            query, key, value = self._project(attn, self.input_norms[i](x), *rotary)
-            x = x + attn.o_proj(attend(i, query, key, value, attn.scaling))
+            if i in self.linear_slot:
+                x = x + recurrent(i, self.input_norms[i](x))
+            elif self.gated:
+                attn = layer.self_attn
+                query, key, value, gate = self._project_gated(attn, self.input_norms[i](x), *rotary)
+                x = x + attn.o_proj(attend(i, query, key, value, attn.scaling) * torch.sigmoid(gate))
+            else:
+                attn = layer.self_attn
+                query, key, value = self._project(attn, self.input_norms[i](x), *rotary)
+                x = x + attn.o_proj(attend(i, query, key, value, attn.scaling))
             return x + layer.mlp(self.post_attention_norms[i](x))
 
         return self.walk(ids, positions, block, self.walk.last, self.layer_ids if features else [])
@@ -245,3 +302,21 @@ class StaticTarget:
         rotated = apply_rope(torch.cat((query, key), dim=2).transpose(1, 2), cos, sin)
         value = attn.v_proj(x).view(batch, length, -1, d).transpose(1, 2)
         return rotated[:, :heads], rotated[:, heads:], value
+
+    def _project_gated(self, attn, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_project` of a gated attention (Qwen3.5, Qwen3-Next): each head's query projection is
+        followed by its output gate, and RoPE may turn only the first dimensions of a head.
+        -> (queries, keys, values, the gate [b, q, heads·d] applied to the attention's output)."""
+        batch, length, d = x.shape[0], x.shape[1], self.head_dim
+        query, gate = attn.q_proj(x).view(batch, length, -1, 2 * d).split(d, dim=-1)
+        gate = gate.reshape(batch, length, -1)
+        query, key = attn.q_norm(query), attn.k_norm(attn.k_proj(x).view(batch, length, -1, d))
+        heads = query.shape[2]
+        both = torch.cat((query, key), dim=2).transpose(1, 2)
+        turned = cos.shape[-1]
+        if turned == d:
+            rotated = apply_rope(both, cos, sin)
+        else:  # partial rotary: the rest of each head passes unrotated
+            rotated = torch.cat((apply_rope(both[..., :turned], cos, sin), both[..., turned:]), dim=-1)
+        value = attn.v_proj(x).view(batch, length, -1, d).transpose(1, 2)
+        return rotated[:, :heads], rotated[:, heads:], value, gate

@@ -12,7 +12,8 @@ value, so it can be captured in a CUDA graph. What a layer does is the caller's:
   `Target.features` runs it), and the walk stops after the deepest layer id. Any layer the module
   runs by itself works: a hybrid's Gated DeltaNet layers, an MoE block.
 - `target.static_cache.StaticTarget` (decoding, regeneration): every layer, its attention over
-  preallocated key/value caches (the Llama/Qwen block; recurrent layers are refused).
+  preallocated key/value caches (the Llama/Qwen block), a hybrid's linear-attention layers over
+  per-row states (target/linear_attention.py).
 
 Whether the walk reproduces the model's own forward is one behaviour probe, `target/probe.py`.
 """

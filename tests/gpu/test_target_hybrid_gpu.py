@@ -1,6 +1,6 @@
 """Hybrid and MoE targets on a GPU: the feature forward captured where its replay equals
-`Target.features` (else eager, said once), the static decoder's graphs on Qwen3-MoE, the
-rollback of the HF decoder on CUDA."""
+`Target.features` (else eager, said once), the static decoder's graphs on Qwen3-MoE and on
+hybrids, the batched generator's graphs on hybrids, the rollback of the HF decoder on CUDA."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from dflash_train.target.model import Target
-from tiny import NEW_FAMILIES, pattern_samples, tiny_hf_model
+from tiny import NEW_FAMILIES, pattern_samples, slow_decay, tiny_hf_model
 
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.core.objective import ObjectiveConfig
@@ -63,23 +63,62 @@ def test_hybrid_speculative_decoding_on_cuda_equals_target_only(family):
     torch.manual_seed(0)
     drafter = DFlashDrafter(config).to(DEVICE).eval()
     prompt = [5, 17, 3, 60, 2, 9, 41]
-    spec = generate(target, drafter, prompt, 40, decoder="auto")
-    assert spec.decoder == "hf"
-    assert spec.tokens == generate(target, None, prompt, 40, decoder="hf").tokens
+    expected = generate(target, None, prompt, 40, decoder="hf").tokens
+    for decoder in ("auto", "hf"):
+        spec = generate(target, drafter, prompt, 40, decoder=decoder)
+        assert spec.decoder == ("static" if decoder == "auto" else "hf")
+        assert spec.tokens == expected
 
 
-def test_static_decoder_graphs_on_qwen3_moe_give_the_eager_tokens():
-    target = cuda_target("qwen3_moe", torch.float32)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_static_decoder_graphs_on_a_hybrid_give_target_only_tokens(family):
+    """Every greedy step captured (draft, verify, agreement and the commit of the kept tokens in
+    one graph) and replayed: the tokens of target-only decoding, for blocks kept in part."""
+    target = slow_decay(cuda_target(family, torch.float32))
     config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=95, target_layer_ids=LAYERS)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config).to(DEVICE).eval()
-    prompt = [5, 17, 3, 60, 2, 9, 41, 8]
-    runner = make_decoder(target, drafter, len(prompt) + 40)
+    prompts = [[5, 17, 3, 60, 2, 9, 41, 8], [1, 2, 3], list(range(10, 80))]
+    runner = make_decoder(target, drafter, 80 + 40)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runner.prepare()
-    captured = [name for name, step in runner.state.greedy_steps.items() if step.graph is not None]
-    print(f"qwen3_moe static greedy steps captured: {captured}; warnings: {[str(w.message)[:160] for w in caught]}")
-    static = generate(target, drafter, prompt, 40, decoder="static")
-    assert static.decoder == "static"
-    assert static.tokens == generate(target, None, prompt, 40, decoder="hf").tokens
+    messages = [str(w.message)[:200] for w in caught]
+    assert all(step.graph is not None for step in runner.state.greedy_steps.values()), messages
+    assert runner.state.next_greedy.graph is not None, messages
+    for prompt in prompts:
+        expected = generate(target, None, prompt, 40, decoder="hf").tokens
+        assert generate(target, None, prompt, 40, decoder="static").tokens == expected
+        static = generate(target, drafter, prompt, 40, decoder="static", cache_tokens=120)
+        assert static.decoder == "static" and static.tokens == expected
+        stopped = generate(target, drafter, prompt, 40, [expected[11]], decoder="static", cache_tokens=120)
+        assert stopped.tokens == expected[: expected.index(expected[11]) + 1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_graphed_batched_generator_on_a_hybrid_equals_hugging_face_generate(family):
+    """Captured steps and prefills with linear-attention states per slot: Hugging Face's own
+    `generate` per prompt (float32), slots refilled, the tail's fewer-row steps captured while
+    rows decode (their states put back before the checking replay); bf16 equals the eager engine."""
+    from test_generate_engine import by_id, early_stop_token, hf_generate, make_jobs, varied_prompts
+
+    from dflash_train.generate.engine import StaticBatchEngine
+    from dflash_train.generate.regenerate import GenerationSettings
+
+    for dtype in (torch.float32, torch.bfloat16):
+        target = slow_decay(cuda_target(family, dtype))
+        prompts = varied_prompts(40, seed=6, long=100)
+        max_new = 40
+        stop = early_stop_token(target, prompts[:10], max_new) if dtype == torch.float32 else 7
+        settings = GenerationSettings(max_new_tokens=max_new)
+        graphed = StaticBatchEngine(target, settings, [stop], slots=16)
+        got = by_id(graphed.generated(make_jobs(prompts)))
+        assert all(step.graph is not None for step in graphed.state.steps.values())
+        assert all(p.step.graph is not None for p in graphed.state.prefills.values())
+        if dtype == torch.float32:
+            assert len(graphed.state.steps) >= 2  # the tail ran on fewer rows
+            assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
+        else:
+            eager = StaticBatchEngine(target, settings, [stop], slots=16, graphs=False, bucket_prefills=True,
+                                      attention=graphed.state.attention)
+            assert by_id(eager.generated(make_jobs(prompts))) == got

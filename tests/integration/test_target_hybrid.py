@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_train.target.model import Target, load_target
-from dflash_train.target.probe import feature_forward_unsupported, float32_replica
+from dflash_train.target.linear_attention import LinearStates
+from dflash_train.target.probe import feature_forward_unsupported, float32_replica, static_unsupported
 from dflash_train.target.walk import FeatureForward
-from test_generate_engine import by_id, hf_generate, make_jobs
-from tiny import NEW_FAMILIES, tiny_hf_model, tiny_target
+from test_generate_engine import by_id, early_stop_token, hf_generate, make_jobs
+from tiny import HYBRID_FAMILIES, NEW_FAMILIES, slow_decay, tiny_hf_model, tiny_target
 
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
@@ -28,7 +29,7 @@ from dflash_train.decode.families import describe_target
 from dflash_train.decode.loop import describe_decoder, generate
 from dflash_train.decode.recurrent import StateSnapshot
 from dflash_train.eval.in_training import InTrainingEvaluator
-from dflash_train.generate.engine import EagerBatchEngine, StaticBatchEngine, generate_batch
+from dflash_train.generate.engine import BatchState, EagerBatchEngine, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.generate.regenerate import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +38,7 @@ VOCAB, MASK = 48, 47
 
 
 def family_target(family: str, seed: int = 0) -> Target:
-    return tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed)
+    return slow_decay(tiny_target(family, vocab=VOCAB, hidden=64, layers=4, head_scale=8, seed=seed), seed)
 
 
 def naive_greedy(model, prompt: list[int], count: int, stops=()) -> list[int]:
@@ -108,6 +109,9 @@ def test_each_family_loads_from_a_folder_and_captures_the_chosen_layers(family, 
             assert torch.equal(FeatureForward(target, layer_ids)(ids), target.features(ids, layer_ids))
     line = describe_target(target, 21)
     assert line.startswith(f"target: {family} (") and "capture:" in line and "regenerate:" in line
+    if family in HYBRID_FAMILIES:
+        assert "regenerate: static batched generator (linear-attention states per slot)" in line, line
+        assert "decode: static decoder, linear-attention states advanced by the kept tokens" in line, line
 
 
 def test_a_qwen3_5_image_text_folder_loads_as_its_language_model(tmp_path):
@@ -146,6 +150,15 @@ def test_the_behaviour_probes_run_one_layer_of_each_kind():
     assert float32_replica(many, torch.device("cpu")).config.num_experts == 6
 
 
+def test_the_static_probe_passes_hybrids_and_catches_states_not_rolled_back(monkeypatch):
+    """The static forward's probe runs a verify step kept in part on a hybrid replica: with the
+    commit doing nothing (states left where they were before the block), it refuses the target."""
+    assert static_unsupported(family_target("qwen3_next"), 512) is None
+    monkeypatch.setattr(LinearStates, "commit", lambda self, counts, length: None)
+    reason = static_unsupported(family_target("qwen3_5_text", seed=4), 512)  # a new model: verdicts are cached per model
+    assert reason is not None and "partly kept verify step" in reason, reason
+
+
 # --- lossless speculative decoding ---------------------------------------------------------------
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -181,38 +194,46 @@ def test_crop_alone_is_lossy_on_a_hybrid_and_the_rollback_probe_says_so(monkeypa
         generate(lossy, DFlashDrafter(config).eval(), [1, 2, 3], 8, decoder="hf")
 
 
-def test_the_static_decoder_runs_moe_losslessly_and_refuses_hybrids():
-    from test_decode_loop import fit_drafter
+@pytest.mark.parametrize("family", ["qwen3_moe", *HYBRID_FAMILIES])
+def test_the_static_decoder_equals_target_only_decoding(family):
+    """The static decoder (what `eval` and the in-training evaluator pick on these targets): a
+    hybrid's verify step leaves its linear-attention states pending and the kept tokens advance
+    them, so greedy output is target-only decoding's. Drafters fitted a little (accepting often,
+    not always) and a random one (rejecting mostly at once), full blocks, early stops, the cap."""
+    from test_decode_loop import fit_drafter, random_drafter
 
-    moe = family_target("qwen3_moe")
-    config = DrafterConfig.from_target(moe.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
+    target = family_target(family)
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
+    fitted = DFlashDrafter(config)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, MASK, (6,), generator=generator).tolist() for _ in range(4)]
-    greedy = [naive_greedy(moe.model, p, 30) for p in prompts]
-    fit_drafter(moe, drafter, [p + g for p, g in zip(prompts, greedy)], 6, steps=40)  # accepts often, not always
-    assert describe_decoder(moe, drafter, 64, "auto").startswith("decoder: static")
+    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (6, 6, 6, 9, 3)]
+    greedy = [naive_greedy(target.model, p, 30) for p in prompts]
+    fit_drafter(target, fitted, [p + g for p, g in zip(prompts[:3], greedy[:3])], 6, steps=20)  # not the last two
+    untrained = random_drafter(target, block_size=4, layer_ids=(0, 3), mask_token_id=MASK, std=0.2)
+    assert describe_decoder(target, fitted, 64, "auto").startswith("decoder: static")
     lengths = []
     for prompt, expected in zip(prompts, greedy):
-        for max_new, stops in ((30, ()), (13, [expected[9]])):
-            result = generate(moe, drafter, prompt, max_new, stops, decoder="static")
-            assert result.decoder == "static"
-            assert result.tokens == naive_greedy(moe.model, prompt, max_new, stops)
-            lengths += result.acceptance_lengths
-    assert {1, 2, 4} <= set(lengths)
-    hybrid = family_target("qwen3_next")
-    line = describe_decoder(hybrid, drafter, 64, "auto")
-    assert line.startswith("decoder: hf") and "recurrent state" in line and "rolled back" in line
+        assert generate(target, None, prompt, 30, decoder="static").tokens == expected
+        for drafter in (fitted, untrained):
+            for max_new, stop in ((30, None), (13, expected[9]), (2, None)):
+                result = generate(target, drafter, prompt, max_new, [stop] if stop is not None else (), decoder="static")
+                assert result.decoder == "static"
+                want = expected[:max_new]
+                assert result.tokens == (want[: want.index(stop) + 1] if stop in want else want), (max_new, stop)
+                lengths += result.acceptance_lengths
+    assert {1, 2, 3, 4} <= set(lengths)  # rejected at every block position, and full blocks
 
 
-def test_sampling_on_a_hybrid_is_exact_rejection_sampling():
+@pytest.mark.parametrize("decoder", ["hf", "static"])
+def test_sampling_on_a_hybrid_is_exact_rejection_sampling(decoder):
     """T = 1 on a hybrid: each new position's token frequencies match the target's own marginals
-    (enumerated), with a drafter far from the target so rejections and rollbacks are frequent."""
+    (enumerated), with a drafter far from the target so rejections and rollbacks are frequent
+    (static: the kept tokens advance the pending linear-attention states through `keep`)."""
     from test_decode_loop import chi_square_p_value, exact_marginals, random_drafter
 
     vocab, count = 12, 3
-    target = tiny_target("qwen3_5_text", vocab=vocab, hidden=32, layers=2, head_scale=10)
+    target = slow_decay(tiny_target("qwen3_5_text", vocab=vocab, hidden=32, layers=2, head_scale=10))
     drafter = random_drafter(target, block_size=3, layer_ids=(0, 1), mask_token_id=vocab - 1, std=1.0)
     prompt = [1, 5, 3, 7, 2]
     marginals = exact_marginals(target.model, prompt, count, vocab)
@@ -220,50 +241,104 @@ def test_sampling_on_a_hybrid_is_exact_rejection_sampling():
     generator = torch.Generator().manual_seed(0)
     tokens, lengths = [], []
     for _ in range(300):
-        result = generate(target, drafter, prompt, count, temperature=1.0, generator=generator, decoder="hf")
+        result = generate(target, drafter, prompt, count, temperature=1.0, generator=generator, decoder=decoder)
+        assert result.decoder == decoder
         tokens.append(result.tokens)
         lengths += result.acceptance_lengths
     tokens = torch.tensor(tokens)
     assert {1, 2} <= set(lengths)
     for i in range(count):
         assert chi_square_p_value(torch.bincount(tokens[:, i], minlength=vocab), marginals[i]) > 1e-3, i
+    if decoder == "static":  # longer answers draw as the HF decoder's, seed for seed (the same draws)
+        for seed in range(12):
+            runs = [generate(target, drafter, prompt, 16, temperature=1.0, decoder=name,
+                             generator=torch.Generator().manual_seed(seed)) for name in ("hf", "static")]
+            assert runs[0].tokens == runs[1].tokens and runs[0].acceptance_lengths == runs[1].acceptance_lengths, seed
 
 
-def test_in_training_evaluator_on_a_hybrid_decodes_through_the_rollback():
+def test_in_training_evaluator_on_a_hybrid_picks_the_static_decoder_for_a_plain_drafter():
     target = family_target("qwen3_5_moe_text")
     config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[1, 3])
     prompts = [[3, 9, 27], [40, 1, 5, 6]]
     greedy = [naive_greedy(target.model, p, 20) for p in prompts]
     drafter = PlannedDrafter(config, target, prompts[0] + greedy[0], seed=0).eval()
     metrics = InTrainingEvaluator(target, prompts[:1], max_new_tokens=20).measure(drafter)
-    assert metrics["decoder"] == "hf" and metrics["tokens"] == 20 and metrics["tau"] > 1.5
+    assert metrics["decoder"] == "hf" and metrics["tokens"] == 20 and metrics["tau"] > 1.5  # it overrides draft()
     assert generate(target, drafter, prompts[0], 20).tokens == greedy[0]
+    # A plain drafter (what training measures) gets the static decoder, as `eval --decoder static` does.
+    plain = DFlashDrafter(config).eval()
+    metrics = InTrainingEvaluator(target, prompts, max_new_tokens=20).measure(plain)
+    assert metrics["decoder"] == "static" and metrics["tokens"] == 40
+    assert describe_decoder(target, plain, 64, "static").startswith("decoder: static")
+    assert [generate(target, plain, p, 20, decoder="static").tokens for p in prompts] == greedy
 
 
 # --- regenerate ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
-    """Hybrids and gpt-oss go to the Hugging Face batches (left padding, rows leaving the batch
-    with their recurrent states), Qwen3-MoE to the static generator (slots refilled)."""
+    """Hybrids and Qwen3-MoE go to the static generator (slots refilled: a hybrid's linear-attention
+    states start from zero in a refilled slot), gpt-oss (a 16-token sliding window) to the Hugging
+    Face batches (left padding, rows leaving the batch as they stop). 9 prompts of 1..70 tokens
+    (70: a prefill of two 64-token chunks) through 3 slots; rows stop early or hit the cap."""
     target = family_target(family)
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (3, 11, 6, 1, 8)]
+    prompts = [torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (3, 11, 6, 1, 8, 70, 2, 15, 5)]
     max_new = 12
     free = [hf_generate(target, p, max_new, stop=MASK).tokens for p in prompts]
     stop = free[0][4]  # row 0 stops mid-answer; others may or may not
     settings = GenerationSettings(max_new_tokens=max_new)
-    if family == "qwen3_moe":
-        engine = StaticBatchEngine(target, settings, [stop], slots=2)
-    else:
+    engine = local_engine(_with_tokenizer(target), settings, batch_size=3, max_prompt_tokens=70, log=io.StringIO())
+    if family == "gpt_oss":
+        assert isinstance(engine, EagerBatchEngine) and "sliding window" in engine.description
         engine = EagerBatchEngine(target, settings, [stop], batch_size=4)
+    else:
+        assert isinstance(engine, StaticBatchEngine)
+        assert ("linear-attention states per slot" in engine.description) == (family in HYBRID_FAMILIES)
+        # bucketed prefills: padded to (power-of-two rows, multiple-of-64 width), the padding rows'
+        # states written to a scratch row no step reads (what CUDA graphs replay), here eagerly.
+        engine = StaticBatchEngine(target, settings, [stop], slots=3, bucket_prefills=family == "qwen3_5_moe_text")
     got = by_id(engine.generated(make_jobs(prompts)))
     expected = {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
     assert got == expected
     assert got["row0"].finish_reason == "stop" and any(g.finish_reason == "length" for g in got.values())
-    if family != "qwen3_moe":  # one batch, rows leaving it as they stop (the engine would retry a failed batch row by row)
+    if family == "gpt_oss":  # one batch, rows leaving it as they stop (the engine would retry a failed batch row by row)
         together = generate_batch(target.model, prompts, max_new_tokens=max_new, stop_ids=[stop], pad_id=0)
         assert {f"row{i}": g for i, g in enumerate(together)} == expected
+    else:
+        assert engine.stats.prefills >= 3  # slots were refilled
+    if family in HYBRID_FAMILIES:  # sampled rows draw as the Hugging Face batches draw, seed for seed
+        sampling = GenerationSettings(max_new_tokens=max_new, temperature=1.0, top_p=0.9)
+        jobs = make_jobs(prompts, seed=3)
+        sampled = by_id(StaticBatchEngine(target, sampling, [stop], slots=3).generated(jobs))
+        assert sampled == by_id(EagerBatchEngine(target, sampling, [stop], batch_size=4).generated(jobs))
+
+
+def test_a_hybrid_row_moved_to_another_slot_takes_its_states_along():
+    """The tail of a run packs busy rows into the lowest slots (`BatchState.move`): a row moved
+    mid-answer onto a slot another prompt used goes on from its own linear-attention states."""
+    target = family_target("qwen3_5_text")
+    generator = torch.Generator().manual_seed(5)
+    mover, other = (torch.randint(0, MASK, (n,), generator=generator).tolist() for n in (9, 14))
+    max_new, never = 20, VOCAB  # a stop token outside the vocabulary: both rows run to the cap
+    state = BatchState(target, 4, 512, GenerationSettings(max_new_tokens=max_new), [never], graphs=False)
+    state.admit([0, 3], [other, mover], [0, 1])
+    for _ in range(6):
+        state.step(256, 4)
+    state.move([3], [0])  # over the other prompt's states
+    state.finished[3] = True
+    for _ in range(max_new):
+        state.step(256, 1)
+    emitted = int(state.emitted[0])
+    assert emitted == max_new
+    assert state.generated[0, :emitted].tolist() == hf_generate(target, mover, max_new, stop=never).tokens
+
+
+def _with_tokenizer(target: Target) -> Target:
+    """The target with a stand-in tokenizer: `local_engine` reads its stop tokens from one."""
+    from types import SimpleNamespace
+
+    return Target(target.model, SimpleNamespace(eos_token_id=MASK, pad_token_id=None))
 
 
 # --- train --------------------------------------------------------------------------------------
