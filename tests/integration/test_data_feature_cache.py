@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_train.target.model import load_target
+from data_files import DATA, REGENERATED_64
 from safetensors.torch import load_file
 from test_generate_regenerate import tiny_smollm_dir
 
@@ -17,13 +17,12 @@ from dflash_train.config import ConfigError, TrainConfig
 from dflash_train.core.objective import ObjectiveConfig
 from dflash_train.data.feature_cache import FeatureCache, FeatureCacheError, write_feature_cache
 from dflash_train.data.samples import load_training_samples
+from dflash_train.target.model import load_target
 from dflash_train.train.batches import BatchPlanner
-from dflash_train.train.supply import LiveTarget
 from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.supply import LiveTarget
 from dflash_train.train.trainer import train
 
-DATA = Path(__file__).parent.parent / "data"
-REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"
 MAX_LEN = 256
 
 

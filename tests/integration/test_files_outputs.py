@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from data_files import REGENERATED_64
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.cli import main
@@ -23,7 +24,6 @@ from dflash_train.files import write_bytes_atomic, write_dir_atomically
 from dflash_train.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).parent.parent / "data" / "smollm2_regenerated_64.jsonl.gz"
 
 
 def _quiet():
@@ -65,7 +65,7 @@ def run_dir(target, tmp_path_factory):
 # --- D2: one live process per output ---------------------------------------------------------------
 
 def _train_args(tiny_dir, out, *extra):
-    return ["train", "--target", str(tiny_dir), "--data", str(DATA), "--out", str(out), "--batch-size", "2",
+    return ["train", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out", str(out), "--batch-size", "2",
             "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8", "--block-size", "4",
             "--min-supervised-tokens", "8", "--device", "cpu", "--log-every", "1", "--export-dtype", "",
             "--tensorboard", "off", *extra]
@@ -224,7 +224,7 @@ def test_every_writing_command_refuses_an_output_another_process_holds(tmp_path,
     prompts.write_text(json.dumps({"id": "a", "prompt": "Hi?"}) + "\n")
     commands = {
         "export": ["export", str(run_dir), "--out", str(tmp_path / "exp")],
-        "cache-features": ["cache-features", "--target", str(tiny_dir), "--data", str(DATA), "--out",
+        "cache-features": ["cache-features", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out",
                            str(tmp_path / "cache"), "--device", "cpu"],
         "regenerate": ["regenerate", "--target", str(tiny_dir), "--prompts", str(prompts), "--out",
                        str(tmp_path / "rows.jsonl"), "--device", "cpu"],
@@ -252,7 +252,7 @@ def test_outputs_inside_a_commands_inputs_are_refused(tmp_path, tiny_dir, run_di
     data = tmp_path / "data.jsonl"
     data.write_bytes(b"")
     cases = [
-        (["train", "--target", str(tiny_dir), "--data", str(DATA), "--out", str(tiny_dir / "run"), "--device", "cpu"],
+        (["train", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out", str(tiny_dir / "run"), "--device", "cpu"],
          "is inside the input"),
         # (--out equal to the data file is refused for being a file: test_commands_user_errors.py)
         (["cache-features", "--target", str(tiny_dir), "--data", str(data), "--out", str(tiny_dir / "features")],
@@ -294,7 +294,7 @@ def test_a_variant_name_outside_out_is_refused_before_anything_is_written(tmp_pa
     (victim / "user.txt").write_text("keep")
     config = tmp_path / "abs.toml"
     config.write_text(f'mode = "variants"\nsteps = 2\nvariants = [{{name = "{victim}"}}, {{name = "../escaped"}}]\n')
-    assert main(["train", "--config", str(config), "--target", str(tiny_dir), "--data", str(DATA), "--device", "cpu",
+    assert main(["train", "--config", str(config), "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--device", "cpu",
                  "--out", str(tmp_path / "runs" / "v")]) == 2
     assert "variants[0]: name" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["abs.toml", "victim"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_train.target.model import Target, load_target
+from data_files import DATA
 from tiny import tiny_hf_model
 
 from dflash_train.cli import main as cli_main
@@ -23,9 +23,9 @@ from dflash_train.data.render import render_prompt, stop_token_ids
 from dflash_train.data.samples import load_training_samples
 from dflash_train.generate.engine import EagerBatchEngine, Generated, StaticBatchEngine, generate_batch, local_engine
 from dflash_train.generate.regenerate import GenerationSettings, RegenerateError, regenerate, row_seed, settings_path
+from dflash_train.target.model import Target, load_target
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).parent.parent / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 

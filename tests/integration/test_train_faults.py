@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_files import REGENERATED_64
 from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.cli import main
@@ -24,7 +25,6 @@ from dflash_train.train.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second intra-op thread only spins
 
-DATA = Path(__file__).parent.parent / "data" / "smollm2_regenerated_64.jsonl.gz"
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +310,7 @@ def tiny_dir(smollm2_dir, tmp_path_factory):
 
 
 def _cli(tiny_dir, out, *extra):
-    return ["train", "--target", str(tiny_dir), "--data", str(DATA), "--out", str(out), "--batch-size", "2",
+    return ["train", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out", str(out), "--batch-size", "2",
             "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8", "--block-size", "4",
             "--min-supervised-tokens", "8", "--device", "cpu", "--log-every", "1", "--export-dtype", "", *extra]
 

@@ -3,10 +3,11 @@
 import collections
 import gzip
 import json
-import os
-from pathlib import Path
 
 import pytest
+from data_files import REGENERATED_4000, WITHOUT_REGENERATED_4000
+from transformers import AutoTokenizer
+
 from dflash_train.data.prompts.registry import (
     MAX_PROMPT_CHARS,
     MIN_PROMPT_CHARS,
@@ -16,15 +17,8 @@ from dflash_train.data.prompts.registry import (
     looks_like_junk,
     prompt_rejection,
 )
-from transformers import AutoTokenizer
-
 from dflash_train.data.readers import RowStats
 
-# The bar recipe's data set (docs/RESULTS.md): $DFLASH_REGENERATED_4000, else its copy in a `shared` data folder beside the checkout.
-REGENERATED_4000 = Path(os.environ.get(
-    "DFLASH_REGENERATED_4000",
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",
-))
 SUBSET_TASKS = ["chinese_ancient_masterpieces_dynasty", "knot-theory", "linear-regression", "ral_to_hex"]
 
 
@@ -130,7 +124,7 @@ def test_other_rejections():
     assert prompt_rejection(few_shot[:1]) == "prompt does not end with a user message"
 
 
-@pytest.mark.skipif(not REGENERATED_4000.is_file(), reason=f"{REGENERATED_4000} is not on this machine")
+@pytest.mark.skipif(not REGENERATED_4000.is_file(), reason=WITHOUT_REGENERATED_4000)
 def test_kept_prompts_got_longer_answers_in_the_reference_data(smollm2_dir):
     """Calibration: SmolLM2 wrote long answers (>= 31 tokens) to the prompts the filter keeps more
     often than to those it drops for asking a short answer."""

@@ -3,12 +3,12 @@
 import gzip
 import io
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from data_files import DATA, REGENERATED_64, REGENERATED_4000, WITHOUT_REGENERATED_4000
 from transformers import AutoTokenizer
 
 from dflash_train.data.render import render_conversation, render_prompt
@@ -18,13 +18,6 @@ from dflash_train.data.samples import (
     load_training_samples,
 )
 
-DATA = Path(__file__).parent.parent / "data"
-REGENERATED_64 = DATA / "smollm2_regenerated_64.jsonl.gz"  # first 64 rows of smollm2-regenerated-4000.jsonl.gz (below)
-# The bar recipe's data set (docs/RESULTS.md): $DFLASH_REGENERATED_4000, else its copy in a `shared` data folder beside the checkout.
-REGENERATED_4000 = Path(os.environ.get(
-    "DFLASH_REGENERATED_4000",
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "smollm2-regenerated-4000.jsonl.gz",
-))
 TEMPLATES = DATA / "chat_templates"
 
 
@@ -125,7 +118,7 @@ def test_progress_stays_quiet_on_short_reads(tokenizer):
     assert stream.getvalue() == ""
 
 
-@pytest.mark.skipif(not REGENERATED_4000.is_file(), reason=f"{REGENERATED_4000} is not on this machine")
+@pytest.mark.skipif(not REGENERATED_4000.is_file(), reason=WITHOUT_REGENERATED_4000)
 def test_shared_4000_row_file(tokenizer):
     """The reference run's data: 2,634 rows keep >= 32 supervised tokens at length 768 (the answer and
     <|im_end|>; the reference's 2,646 also counted the newline after <|im_end|>: 2,646 rows have >= 31 here)."""
