@@ -291,6 +291,9 @@ def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
     engine = local_engine(_with_tokenizer(target), settings, batch_size=3, max_prompt_tokens=70, log=io.StringIO())
     if family == "gpt_oss":
         assert isinstance(engine, EagerBatchEngine) and "sliding window" in engine.description
+        # The static generator asked directly says the probe's reason before any forward runs.
+        with pytest.raises(ValueError, match="static batched generator cannot run GptOssForCausalLM: its 16-token sliding"):
+            next(iter(StaticBatchEngine(target, settings, [stop], slots=3).generated(make_jobs(prompts))))
         engine = EagerBatchEngine(target, settings, [stop], batch_size=4)
     else:
         assert isinstance(engine, StaticBatchEngine)
