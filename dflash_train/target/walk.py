@@ -68,7 +68,7 @@ def _find_rotary_sections(rotary: nn.Module) -> int | str:
         try:
             with torch.no_grad():
                 cos, sin = replica(x, given)
-        except Exception:  # noqa: BLE001 - not this shape
+        except Exception:  # noqa: BLE001, S112 - not this shape: the next one is tried
             continue
         if cos.dim() == 3 and cos.shape[:2] == (2, 3) and sin.shape == cos.shape:
             return count
@@ -85,7 +85,7 @@ class LayerWalk:
         self.final_norm = final_norm if final_norm is not None else self.body.norm
         sections = rotary_sections(self.body.rotary_emb)
         if isinstance(sections, str):
-            raise ValueError(f"{type(target.model).__name__}: {sections}")
+            raise ValueError(f"{type(target.model).__name__}: {sections}")  # noqa: TRY004 - a model, not a type, is wrong
         self.sections = sections
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: LayerStep, through: int,

@@ -4,8 +4,8 @@ one line, never guessed."""
 
 import pytest
 import torch
-from torch import nn
 from tiny import tiny_hf_model
+from torch import nn
 
 from dflash_train.target.model import Target
 from dflash_train.target.probe import feature_forward_unsupported, static_unsupported
