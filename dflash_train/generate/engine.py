@@ -38,7 +38,8 @@ convolution window and recurrent state per slot (`target.linear_attention.Linear
 prefill starts a slot's states from zero and advances them by its prompt's real tokens only, a
 step by one token, a moved row takes them along. A target the probe refuses is answered by `EagerBatchEngine`
 (`generate_batch`: Hugging Face forwards with a DynamicCache, rows leaving the batch as they
-finish), which says so in its description line.
+finish), which says so in its description line; `StaticBatchEngine` asked directly raises the
+probe's reason before its first forward.
 """
 
 from __future__ import annotations
@@ -530,6 +531,12 @@ class StaticBatchEngine:
 
     def _state_for(self, slots: int, capacity: int) -> BatchState:
         if self.state is None or (self.state.slots, self.state.capacity) != (slots, capacity):
+            # The probe `local_engine` asks (cached): a target it refuses stops here with its
+            # reason, before a forward or a capture could fail on the way.
+            refusal = static_unsupported(self.target, capacity)
+            if refusal is not None:
+                raise ValueError(f"the static batched generator cannot run {type(self.target.model).__name__}: "
+                                 f"{refusal} (local_engine answers it with Hugging Face eagerly)")
             self._release()
             self.state = BatchState(self.target, slots, capacity, self.settings, self.stop_ids, graphs=self.graphs,
                                     attention=self.attention, bucket_prefills=self.bucket_prefills)

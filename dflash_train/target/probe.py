@@ -37,7 +37,7 @@ from torch import nn
 from .linear_attention import linear_attention_module, linear_layer_unsupported
 from .model import Target, hidden_state_index
 from .static_cache import StaticTarget
-from .walk import FeatureForward
+from .walk import FeatureForward, rotary_sections
 
 Verdict = TypeVar("Verdict")
 
@@ -134,7 +134,12 @@ def _features_structure(target: Target) -> str | None:
     missing = [name for name in ("embed_tokens", "rotary_emb", "norm") if getattr(body, name, None) is None]
     if missing:
         return f"{type(target.model).__name__} lacks model.{', model.'.join(missing)}"
-    return None
+    return _rotary_structure(body.rotary_emb)
+
+
+def _rotary_structure(rotary: nn.Module) -> str | None:
+    sections = rotary_sections(rotary)
+    return sections if isinstance(sections, str) else None
 
 
 def _static_structure(target: Target) -> str | None:
@@ -159,7 +164,7 @@ def _static_structure(target: Target) -> str | None:
     missing = [name for owner, name in needed if getattr(owner, name, None) is None]
     if missing:
         return f"{type(target.model).__name__} lacks {', '.join(missing)}"
-    return None
+    return _rotary_structure(body.rotary_emb)
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

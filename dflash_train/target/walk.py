@@ -15,11 +15,18 @@ value, so it can be captured in a CUDA graph. What a layer does is the caller's:
   preallocated key/value caches (the Llama/Qwen block), a hybrid's linear-attention layers over
   per-row states (target/linear_attention.py).
 
-Whether the walk reproduces the model's own forward is one behaviour probe, `target/probe.py`.
+The rotary embedding is called with the positions in the shape it takes (`rotary_sections`,
+found once per module by calling a CPU copy of it): [b, q], or, for a multimodal rotary
+(Qwen3.5's mRoPE) that wants one row of positions per section, the same [b, q] positions in each
+section, as the model's own forward gives text. Whether the walk reproduces the model's own
+forward is one behaviour probe, `target/probe.py`.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -31,6 +38,43 @@ from .model import Target, check_target_layer_ids
 LayerStep = Callable[[int, torch.Tensor, object], torch.Tensor]
 
 
+_SECTIONS: "weakref.WeakKeyDictionary[nn.Module, int | str]" = weakref.WeakKeyDictionary()
+_SECTIONS_LOCK = threading.Lock()
+
+
+def rotary_sections(rotary: nn.Module) -> int | str:
+    """How `rotary(x, positions)` takes text positions: 0 = as [b, q]; n = as [n, b, q], the same
+    positions in each of its n sections (`mrope_section`); a str = why neither shape runs (the
+    walk's probe refuses the model with it). Found once per module, on a float32 CPU copy, so no
+    device work is done and nothing of the model's is touched."""
+    with _SECTIONS_LOCK:
+        if rotary not in _SECTIONS:
+            _SECTIONS[rotary] = _find_rotary_sections(rotary)
+        return _SECTIONS[rotary]
+
+
+def _find_rotary_sections(rotary: nn.Module) -> int | str:
+    name = type(rotary).__name__
+    try:
+        replica = copy.deepcopy(rotary).to("cpu").float()
+    except Exception as error:  # noqa: BLE001 - a module that cannot be copied cannot be probed
+        return f"its {name} could not be copied to find the positions it takes ({type(error).__name__}: {error})"
+    positions = torch.arange(6).view(2, 3)  # two rows of three positions
+    x = torch.zeros(2, 3, 1)
+    sections = getattr(rotary, "mrope_section", None)
+    shapes = [0] + ([len(sections)] if isinstance(sections, (list, tuple)) and sections else [])
+    for count in shapes:
+        given = positions if count == 0 else positions.expand(count, -1, -1)
+        try:
+            with torch.no_grad():
+                cos, sin = replica(x, given)
+        except Exception:  # noqa: BLE001, S112 - not this shape: the next one is tried
+            continue
+        if cos.dim() == 3 and cos.shape[:2] == (2, 3) and sin.shape == cos.shape:
+            return count
+    return f"its {name} takes positions in a shape not known here (neither [b, q] nor [sections, b, q])"
+
+
 class LayerWalk:
     """The embedding, decoder layers 0..`through`, and the final norm after the last layer."""
 
@@ -39,13 +83,17 @@ class LayerWalk:
         self.layers = target.layers
         self.last = len(self.layers) - 1
         self.final_norm = final_norm if final_norm is not None else self.body.norm
+        sections = rotary_sections(self.body.rotary_emb)
+        if isinstance(sections, str):
+            raise ValueError(f"{type(target.model).__name__}: {sections}")  # noqa: TRY004 - a model, not a type, is wrong
+        self.sections = sections
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: LayerStep, through: int,
                  layer_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the final-normed hidden states [b, q, hidden] when `through` is the last layer, else
         None; the states of `layer_ids` concatenated [b, q, n·hidden], or None when none asked)."""
         x = self.body.embed_tokens(ids)
-        rotary = self.body.rotary_emb(x, positions)
+        rotary = self.body.rotary_emb(x, positions if not self.sections else positions.expand(self.sections, *positions.shape))
         wanted = set(layer_ids)
         states: dict[int, torch.Tensor] = {}
         for index in range(through + 1):

@@ -26,6 +26,10 @@ LAYERS = [0, 3]
 
 def cuda_target(family: str, dtype: torch.dtype) -> Target:
     model = tiny_hf_model(family, layers=4).to(DEVICE, dtype)
+    if dtype != torch.bfloat16 and getattr(model.config, "num_experts", None):
+        # torch's grouped matrix product (Hugging Face's default experts path) is graph-safe in
+        # bf16 only: its fallback reads the expert offsets on the host (docs/FAULTS.md).
+        model.set_experts_implementation("batched_mm")
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)
     return Target(model)

@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_train.target.model import Target, load_target
 from dflash_train.target.linear_attention import LinearStates
 from dflash_train.target.probe import feature_forward_unsupported, float32_replica, static_unsupported
@@ -22,6 +23,7 @@ from dflash_train.target.walk import FeatureForward
 from test_generate_engine import by_id, early_stop_token, hf_generate, make_jobs
 from tiny import HYBRID_FAMILIES, NEW_FAMILIES, slow_decay, tiny_hf_model, tiny_target
 
+from dflash_train.capture import CapturedStep
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.decode import hf as hf_decoder
@@ -291,6 +293,9 @@ def test_regenerated_rows_equal_hugging_face_generate_per_prompt(family):
     engine = local_engine(_with_tokenizer(target), settings, batch_size=3, max_prompt_tokens=70, log=io.StringIO())
     if family == "gpt_oss":
         assert isinstance(engine, EagerBatchEngine) and "sliding window" in engine.description
+        # The static generator asked directly says the probe's reason before any forward runs.
+        with pytest.raises(ValueError, match="static batched generator cannot run GptOssForCausalLM: its 16-token sliding"):
+            next(iter(StaticBatchEngine(target, settings, [stop], slots=3).generated(make_jobs(prompts))))
         engine = EagerBatchEngine(target, settings, [stop], batch_size=4)
     else:
         assert isinstance(engine, StaticBatchEngine)
@@ -441,3 +446,68 @@ def test_export_check_wants_yarn_for_gpt_oss(tmp_path):
 
     _edit(tmp_path / "export", plain)
     assert _verdicts(tmp_path / "export", tmp_path / "target")["target_rope"] == "FAIL"
+
+
+# --- what a captured step may do ------------------------------------------------------------------
+
+class HostWork(TorchDispatchMode):
+    """Records the operations in a step that a CUDA graph cannot hold: a tensor made from Python
+    data (`torch.tensor`: a copy from the host at every replay's capture), a value read on the
+    host (`.item()`, `int(t)`, `.tolist()`), an output whose size depends on the data."""
+
+    HOST = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique",
+            "aten.unique", "aten.bincount", "aten.repeat_interleave.Tensor")
+
+    def __init__(self, name: str, found: list[str]):
+        super().__init__()
+        self.name, self.found = name, found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.HOST):
+            self.found.append(f"{self.name}: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_no_captured_step_of_a_hybrid_makes_tensors_from_the_host_or_reads_the_device(family, monkeypatch):
+    """Every step the static decoder and the batched generator capture on CUDA (CapturedStep; on
+    the CPU its function runs plainly) runs under a watch of the dispatcher and of `tolist`: none
+    may make a tensor from Python data or read a value on the host. The CPU stands in for the
+    device: copies between devices and what a kernel does inside itself are not seen."""
+    found: list[str] = []
+    ran: set[str] = set()
+    original_init, original_tolist = CapturedStep.__init__, torch.Tensor.tolist
+
+    def watched_init(self, fn, device, name, *args, **kwargs):
+        def watched():
+            ran.add(name.split(" (")[0])
+
+            def tolist(tensor):
+                found.append(f"{name}: tolist")
+                return original_tolist(tensor)
+
+            with HostWork(name, found), monkeypatch.context() as patch:
+                patch.setattr(torch.Tensor, "tolist", tolist)
+                return fn()
+
+        original_init(self, watched, device, name, *args, **kwargs)
+
+    monkeypatch.setattr(CapturedStep, "__init__", watched_init)
+    target = family_target(family)
+    if family == "qwen3_next":  # the MoE blocks in a form a graph holds (the eager loop syncs per expert)
+        target.model.set_experts_implementation("batched_mm")
+    config = DrafterConfig.from_target(target.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    prompt = [i * 7 % MASK for i in range(67)]  # a 64-token prefill chunk and a shorter one
+    result = generate(target, drafter, prompt, 12, decoder="static")
+    assert result.decoder == "static" and result.tokens == naive_greedy(target.model, prompt, 12)
+    settings = GenerationSettings(max_new_tokens=6)
+    engine = StaticBatchEngine(target, settings, [MASK], slots=2, bucket_prefills=True, log=io.StringIO())
+    by_id(engine.generated(make_jobs([prompt, [5, 6, 7]])))
+    assert found == []
+    assert {"prefill", "batched decode", "greedy 4-token block"} <= ran and any(n.endswith("-token prefill") for n in ran)
+    if family == "qwen3_next":  # the watch sees a step that syncs: Hugging Face's per-expert loop
+        target.model.set_experts_implementation("eager")
+        generate(target, drafter, prompt, 4, decoder="static")
+        assert any("aten.nonzero" in line for line in found), found
