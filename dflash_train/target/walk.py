@@ -72,7 +72,7 @@ def _find_rotary_sections(rotary: nn.Module) -> int | str:
             continue
         if cos.dim() == 3 and cos.shape[:2] == (2, 3) and sin.shape == cos.shape:
             return count
-    return f"its {name} takes positions in a shape not known here (neither [b, q] nor [sections, b, q])"
+    return f"its {name} does not run as rotary(x, positions) with text positions [b, q] or [sections, b, q]"
 
 
 class LayerWalk:

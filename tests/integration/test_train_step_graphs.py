@@ -283,7 +283,7 @@ def test_feature_forward_equals_target_features(family):
 def test_feature_forward_refuses_models_it_would_get_wrong():
     gemma = tiny_target("gemma3_text", layers=4)  # its rotary embedding takes a layer type; a 16-token window
     assert "sliding window" in feature_forward_unsupported(gemma, 40)
-    assert "do not run without the model's forward" in feature_forward_unsupported(gemma, 12)
+    assert "Gemma3RotaryEmbedding does not run as rotary(x, positions)" in feature_forward_unsupported(gemma, 12)
     eager = tiny_target("llama", layers=4, seed=3)
     eager.model.config._attn_implementation = "eager"  # its layers need the model's causal mask
     assert "differ from Target.features" in feature_forward_unsupported(eager, 12)
