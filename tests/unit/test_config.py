@@ -11,6 +11,7 @@ import typing
 import pytest
 
 from dflash_train.cli import build_parser, main
+from dflash_train.commands.eval import EvalConfig
 from dflash_train.commands.regenerate import RegenerateConfig
 from dflash_train.config import (
     ConfigError,
@@ -281,7 +282,8 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
     assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
 
 
-@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4)], ids=["train", "regenerate"])
+@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2)],
+                         ids=["train", "regenerate", "eval"])
 def test_product_code_reads_settings_through_their_sections(cls, at_least):
     """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
@@ -350,3 +352,17 @@ retries = 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("wrong.toml: [input] seed: seed belongs in [generation]") and len(err.splitlines()) == 1
     assert not (tmp_path / "answers.jsonl").exists()
+
+
+def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path):
+    path = tmp_path / "eval.toml"
+    path.write_text('target = "t"\n[models]\ndrafter = "d"\ndecoder = "hf"\n[prompts]\nbench = ["mtbench"]\n'
+                    'offset = 2\n[decoding]\nstop_token_ids = [7]\nbaseline = false\n')
+    config = from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path), "--limit", "4"]))
+    assert (config.models.drafter, config.models.decoder, config.prompts.offset, config.prompts.limit) == ("d", "hf", 2, 4)
+    assert config.decoding.stop_token_ids == [7] and config.decoding.baseline is False
+    assert config == EvalConfig(target="t", drafter="d", decoder="hf", offset=2, limit=4, stop_token_ids=[7], baseline=False)
+    assert config.flat_values()["offset"] == 2 and len(config.flat_values()) == len(leaf_fields(EvalConfig)) == 15
+    path.write_text('[prompts]\ntarget = "t"\n')
+    with pytest.raises(ConfigError, match=r"eval.toml: \[prompts\] target: target belongs in \[models\]"):
+        from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
