@@ -2,9 +2,9 @@
 
 A config can come from a file (`--config run.toml` or `.json`) and flags override it.
 Unknown keys, in a file or on the command line, are errors that name the key and the
-closest valid one, so a typo never silently trains with a default. `train`'s config is made
-of typed sections (`config.optimizer.lr`), each checked where it is made; the other
-commands' configs are flat and checked by `build`.
+closest valid one, so a typo never silently trains with a default. The configs of `train`,
+`regenerate` and `eval` are made of typed sections (`config.optimizer.lr`, a `SectionedConfig`),
+each checked where it is made; the other commands' configs are flat and checked by `build`.
 """
 
 from __future__ import annotations
@@ -229,8 +229,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def section_classes(cls: type) -> dict[str, type]:
-    """A config made of sections (`TrainConfig`): section name -> its class; none for a flat
-    config (every other command's)."""
+    """A config made of sections (a `SectionedConfig`): section name -> its class; none for a
+    flat config."""
     return {name: tp for name, tp in _field_types(cls).items() if isinstance(tp, type) and issubclass(tp, Section)}
 
 
@@ -292,17 +292,18 @@ def from_dict(cls: type[C], raw: dict[str, Any], where: str = "config") -> C:
 
 
 def build(cls: type[C], values: dict[str, Any], where: str) -> C:
-    """`cls` made from typed values and checked: a config of sections checks itself where it is
-    made; a flat one is checked here (its numbers, then its `validate()`)."""
+    """`cls` made from typed values and checked: a config of sections checks its sections where
+    it is made, a flat one its numbers here; then the rules across settings (`validate()`, where
+    the config has one)."""
     try:
         config = cls(**values)
     except TypeError as error:
         raise ConfigError(f"{where}: {error}") from None
     if not section_classes(cls):
         check_numbers(config)
-        validate = getattr(config, "validate", None)
-        if validate is not None:
-            validate()
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
     return config
 
 
@@ -606,8 +607,50 @@ class LoggingSettings(Section):
     tensorboard: str = option("auto", "TensorBoard event files next to metrics.jsonl: auto (where the tensorboard package is installed), on or off", choices=ON_OFF, per_node=True)
 
 
+class SectionedConfig:
+    """A command's config made of typed sections (`config.generation.seed`), each checked where
+    it is made (so a config that exists has valid numbers and choices). Subclasses are frozen
+    dataclasses with `init=False` whose fields are `Section`s. Python callers may pass flat
+    keywords (`RegenerateConfig(out=..., seed=...)`) or whole sections; `replace(**flat)`
+    derives one; `flat_values()` is every setting by its flag's name."""
+
+    def __init__(self, **values: Any) -> None:
+        given, changes = _sort_settings(type(self), values, f"{type(self).__name__}()")
+        for section, cls in section_classes(type(self)).items():
+            settings = given.get(section)
+            if settings is None:
+                settings = cls(**changes.get(section, {}))
+            elif changes.get(section):
+                settings = dataclasses.replace(settings, **changes[section])
+            object.__setattr__(self, section, settings)
+
+    def replace(self: C, **values: Any) -> C:
+        """This config with some settings changed, by flat name (`replace(lr=1e-3)`), checked
+        like any other."""
+        cls = type(self)
+        given, changes = _sort_settings(cls, values, f"{cls.__name__}.replace()")
+        sections = {section: given.get(section) or getattr(self, section) for section in section_classes(cls)}
+        for section, fields in changes.items():
+            sections[section] = dataclasses.replace(sections[section], **fields)
+        return cls(**sections)
+
+    def flat_values(self) -> dict[str, Any]:
+        """Every setting by its flag's name."""
+        return {f.name: copy.deepcopy(getattr(getattr(self, section), f.name))
+                for section in section_classes(type(self)) for f in dataclasses.fields(getattr(self, section))}
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a missing attribute: say where a flat name lives.
+        cls = type(self).__name__
+        if not name.startswith("_"):
+            for section, inner in section_classes(type(self)).items():
+                if name in _names(inner):
+                    raise AttributeError(f"{cls} has no attribute {name!r}: it is config.{section}.{name}")
+        raise AttributeError(f"{cls} has no attribute {name!r}")
+
+
 @dataclasses.dataclass(frozen=True, init=False)
-class TrainConfig:
+class TrainConfig(SectionedConfig):
     """Everything one `dflash-train train` run needs, in typed sections (`config.optimizer.lr`);
     `run.json` in the run folder records it (flat: `flat_values()`).
 
@@ -627,38 +670,20 @@ class TrainConfig:
     logging: LoggingSettings
 
     def __init__(self, **values: Any) -> None:
-        given, changes = _sort_settings(values, "TrainConfig()")
+        given, changes = _sort_settings(TrainConfig, values, "TrainConfig()")
         if "data" in changes.get("data", {}) and set(given) == set(section_classes(TrainConfig)) - {"data"}:
             # dataclasses.replace(config, data=[...]) lands here with every other section: the
             # data section would be lost, so say which call keeps it.
             raise TypeError("TrainConfig: `data` names both the [data] section and its files; "
                             "use config.replace(data=[...]) to change the files")
-        for section, cls in section_classes(TrainConfig).items():
-            settings = given.get(section)
-            if settings is None:
-                settings = cls(**changes.get(section, {}))
-            elif changes.get(section):
-                settings = dataclasses.replace(settings, **changes[section])
-            object.__setattr__(self, section, settings)
+        super().__init__(**values)
         object.__setattr__(self, "_drafters", self._make_drafters())
-
-    def replace(self, **values: Any) -> TrainConfig:
-        """This config with some settings changed, by flat name (`replace(lr=1e-3, data=[...])`),
-        checked like any other."""
-        given, changes = _sort_settings(values, "TrainConfig.replace()")
-        sections = {section: given.get(section) or getattr(self, section) for section in section_classes(TrainConfig)}
-        for section, fields in changes.items():
-            sections[section] = dataclasses.replace(sections[section], **fields)
-        return TrainConfig(**sections)
 
     def flat_values(self) -> dict[str, Any]:
         """Every setting by its flag's name (what run.json and the checkpoints record, and what
         the nodes of a run compare); variants as their tables."""
-        values: dict[str, Any] = {}
-        for section in section_classes(TrainConfig):
-            for name, value in ((f.name, getattr(getattr(self, section), f.name))
-                                for f in dataclasses.fields(getattr(self, section))):
-                values[name] = [spec.table() for spec in value] if name == "variants" else copy.deepcopy(value)
+        values = super().flat_values()
+        values["variants"] = [spec.table() for spec in values["variants"]]
         return values
 
     def anchor_slots(self) -> int:
@@ -692,14 +717,6 @@ class TrainConfig:
             drafters.append((label, drafter))
         return drafters
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for a missing attribute: say where a flat name of the old layout lives.
-        if not name.startswith("_"):
-            for section, cls in section_classes(TrainConfig).items():
-                if name in _names(cls):
-                    raise AttributeError(f"TrainConfig has no attribute {name!r}: it is config.{section}.{name}")
-        raise AttributeError(f"TrainConfig has no attribute {name!r}")
-
 
 def marked(cls: type, mark: str) -> tuple[str, ...]:
     """The settings of a config whose field carries `mark` (`option(per_node=True)`)."""
@@ -710,10 +727,11 @@ PER_NODE_SETTINGS = marked(TrainConfig, "per_node")
 FIXED_BY_CHECKPOINT = marked(TrainConfig, "fixed_by_checkpoint")
 
 
-def _sort_settings(values: dict[str, Any], call: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """Keywords given to TrainConfig: whole sections (by section name), and settings by flat
-    name sorted into their sections."""
-    classes = section_classes(TrainConfig)
+def _sort_settings(config_cls: type, values: dict[str, Any],
+                   call: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Keywords given to a SectionedConfig: whole sections (by section name), and settings by
+    flat name sorted into their sections."""
+    classes = section_classes(config_cls)
     home = {name: section for section, cls in classes.items() for name in _names(cls)}
     given: dict[str, Any] = {}
     changes: dict[str, dict[str, Any]] = {}

@@ -10,48 +10,81 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, UserError, option
+from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, Section, SectionedConfig, UserError, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
 from ..files import NewFileOutput, check_new_output
 
 
-@dataclasses.dataclass
-class EvalConfig:
+@dataclasses.dataclass(frozen=True)
+class ModelsSettings(Section):
+    """The target and the drafter, and how they are run."""
+
     target: str = option("", "target model: a Hugging Face folder or a .gguf file")
     drafter: str = option("", "an exported drafter folder (dflash-train export)")
-    bench: list[str] = option(["mtbench"], f"benchmarks, comma-separated: {', '.join(BENCHMARKS)} or a prompts file (.jsonl, .json, .parquet, .txt)")
-    max_new_tokens: int = option(256, "new tokens per prompt at most", at_least=1)
-    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)", at_least=0)
-    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all", at_least=0)
-    temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling", at_least=0)
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32")
-    baseline: bool = option(True, "also decode target-only through the same loop, for the speed-up")
-    stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids", at_least=0)
-    seed: int = option(0, "sampling seed (T > 0)", at_least=0)
-    json: str = option("", "also write the numbers and per-prompt records to this JSON file")
     decoder: str = option("auto", "auto (static where the target passes its probe, else hf), static (preallocated caches, CUDA graphs on GPU) or hf (Hugging Face, eager)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptsSettings(Section):
+    """What is decoded: benchmarks or prompt files, a slice of each, and how they are rendered."""
+
+    bench: list[str] = option(["mtbench"], f"benchmarks, comma-separated: {', '.join(BENCHMARKS)} or a prompts file (.jsonl, .json, .parquet, .txt)")
+    offset: int = option(0, "skip the first N prompts of each benchmark before --limit applies (shards a run over processes)", at_least=0)
+    limit: int = option(0, "the first N prompts of each benchmark (after --offset); 0 = all", at_least=0)
     thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off; as the drafter was trained")
 
+
+@dataclasses.dataclass(frozen=True)
+class DecodingSettings(Section):
+    """How each prompt is decoded, and whether target-only decoding is timed beside it."""
+
+    max_new_tokens: int = option(256, "new tokens per prompt at most", at_least=1)
+    temperature: float = option(0.0, "0 = greedy (output must equal target-only decoding); > 0 = exact rejection sampling", at_least=0)
+    seed: int = option(0, "sampling seed (T > 0)", at_least=0)
+    stop_token_ids: list[int] = option([], "stop tokens; empty = the target's EOS ids", at_least=0)
+    baseline: bool = option(True, "also decode target-only through the same loop, for the speed-up")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(Section):
+    """Where the numbers and per-prompt records are written."""
+
+    json: str = option("", "also write the numbers and per-prompt records to this JSON file")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class EvalConfig(SectionedConfig):
+    """Speculative decoding with an exported drafter, in sections ([models], [prompts],
+    [decoding], [output]); flat keys and keywords work too (`EvalConfig(target=..., limit=8)`).
+    `validate()` (run by the CLI and by `checked`) checks the rules across them."""
+
+    models: ModelsSettings
+    prompts: PromptsSettings
+    decoding: DecodingSettings
+    output: OutputSettings
+
     def validate(self) -> None:
-        if self.decoder not in DECODERS:
-            raise ConfigError(f"decoder {self.decoder!r}: use {', '.join(DECODERS)}")
-        if not self.target or not self.drafter:
+        if self.models.decoder not in DECODERS:
+            raise ConfigError(f"decoder {self.models.decoder!r}: use {', '.join(DECODERS)}")
+        if not self.models.target or not self.models.drafter:
             raise ConfigError("eval needs --target DIR and --drafter DIR")
-        if not self.bench:
+        if not self.prompts.bench:
             raise ConfigError(f"--bench is empty: give one or more of {available_benchmarks()}")
-        if self.dtype not in ("auto", *DTYPE_NAMES):
-            raise ConfigError(f"dtype {self.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
-        if self.thinking not in THINKING:
-            raise ConfigError(f"thinking {self.thinking!r}: use {', '.join(THINKING)}")
-        if self.json:
-            check_new_output(self.json, "--json", [self.target, self.drafter, *(b for b in self.bench if Path(b).exists())])
+        if self.models.dtype not in ("auto", *DTYPE_NAMES):
+            raise ConfigError(f"dtype {self.models.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
+        if self.prompts.thinking not in THINKING:
+            raise ConfigError(f"thinking {self.prompts.thinking!r}: use {', '.join(THINKING)}")
+        if self.output.json:
+            inputs = [self.models.target, self.models.drafter, *(b for b in self.prompts.bench if Path(b).exists())]
+            check_new_output(self.output.json, "--json", inputs)
 
 
 
 def run_eval(config: EvalConfig) -> int:
     # A second eval writing the same --json would run in full only to land beside the first's.
-    with NewFileOutput(config.json, "--json") if config.json else contextlib.nullcontext() as output:
+    with NewFileOutput(config.output.json, "--json") if config.output.json else contextlib.nullcontext() as output:
         return _run_eval(config, output)
 
 
@@ -64,25 +97,26 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     from ..eval.stats import format_benchmark, format_summary, summarize
     from ..target.model import dtype_from_name, resolve_device
 
-    device = resolve_device(config.device)
-    dtype = dtype_from_name(config.dtype, device)
-    thinking = THINKING[config.thinking]
+    device = resolve_device(config.models.device)
+    dtype = dtype_from_name(config.models.dtype, device)
+    thinking = THINKING[config.prompts.thinking]
     # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
     benches = {}
-    for name in config.bench:
+    for name in config.prompts.bench:
         prompts = load_benchmark(name)
-        benches[bench_label(name)] = prompts[config.offset :][: config.limit or None]
+        benches[bench_label(name)] = prompts[config.prompts.offset :][: config.prompts.limit or None]
     if not any(benches.values()):
-        raise UserError(f"no prompts left after --offset {config.offset} in {', '.join(config.bench)}")
-    target, drafter = load_pair(config.target, config.drafter, device, dtype)
+        raise UserError(f"no prompts left after --offset {config.prompts.offset} in {', '.join(config.prompts.bench)}")
+    target, drafter = load_pair(config.models.target, config.models.drafter, device, dtype)
     # What was loaded, for eval-merge to compare shards (hashing the drafter costs a read of it).
-    pair = pair_identity(config.target, config.drafter) if output is not None else None
-    stops = list(config.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
+    pair = pair_identity(config.models.target, config.models.drafter) if output is not None else None
+    stops = list(config.decoding.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
     block_size = drafter.config.block_size
     print(
-        f"target {config.target} ({target.spec.model_type}, {target.spec.num_hidden_layers} layers) | drafter {config.drafter} "
+        f"target {config.models.target} ({target.spec.model_type}, {target.spec.num_hidden_layers} layers) | "
+        f"drafter {config.models.drafter} "
         f"(block {block_size}, {drafter.config.num_hidden_layers} layers) | {device} {str(dtype).removeprefix('torch.')} | "
-        f"T={config.temperature} | max {config.max_new_tokens} new tokens | stop ids {stops}",
+        f"T={config.decoding.temperature} | max {config.decoding.max_new_tokens} new tokens | stop ids {stops}",
         flush=True,
     )
     # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
@@ -92,21 +126,22 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     first = next(prompts for prompts in benches.values() if prompts)[0]
     warm_ids = render_prompt(target.tokenizer, first.messages, thinking)
     longest = max(len(render_prompt(target.tokenizer, p.messages, thinking)) for prompts in benches.values() for p in prompts)
-    cache_tokens = longest + config.max_new_tokens
+    cache_tokens = longest + config.decoding.max_new_tokens
     for warm_drafter in (drafter, None):
-        generate(target, warm_drafter, warm_ids, min(16, config.max_new_tokens), stops, decoder=config.decoder,
-                 cache_tokens=cache_tokens)
+        generate(target, warm_drafter, warm_ids, min(16, config.decoding.max_new_tokens), stops,
+                 decoder=config.models.decoder, cache_tokens=cache_tokens)
         with torch.no_grad():
-            make_decoder(target, warm_drafter, 0, config.decoder, cache_tokens).prepare()
-    print(describe_decoder(target, drafter, cache_tokens, config.decoder), flush=True)
+            make_decoder(target, warm_drafter, 0, config.models.decoder, cache_tokens).prepare()
+    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     for name, prompts in benches.items():
         results = run_benchmark(
-            target, drafter, prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-            baseline=config.baseline, stop_token_ids=stops, seed=config.seed, label=name, decoder=config.decoder,
-            cache_tokens=cache_tokens, enable_thinking=thinking,
+            target, drafter, prompts, max_new_tokens=config.decoding.max_new_tokens,
+            temperature=config.decoding.temperature, baseline=config.decoding.baseline, stop_token_ids=stops,
+            seed=config.decoding.seed, label=name, decoder=config.models.decoder, cache_tokens=cache_tokens,
+            enable_thinking=thinking,
         )
         summaries[name] = summarize(results, block_size)
         records[name] = [dataclasses.asdict(r) for r in results]
@@ -116,7 +151,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     print("\n".join(format_summary(summaries)))
     if output is not None:
         payload = {
-            "config": dataclasses.asdict(config),
+            "config": config.flat_values(),
             "block_size": block_size,
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
@@ -125,7 +160,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
             "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
         }
         out = output.write((json.dumps(payload, indent=1) + "\n").encode())
-        print(f"wrote {out}" + ("" if out == Path(config.json) else f" ({config.json} appeared during the run)"))
+        print(f"wrote {out}" + ("" if out == Path(config.output.json) else f" ({config.output.json} appeared during the run)"))
     failed = sum(s["errors"] for s in summaries.values())
     if failed:
         print(f"{failed} prompt(s) failed; see the first traceback above", file=sys.stderr)

@@ -12,7 +12,7 @@ import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import MAX_SECONDS, THINKING, ConfigError, option
+from ..config import MAX_SECONDS, THINKING, ConfigError, Section, SectionedConfig, option
 from ..files import check_outside_inputs, hold_output
 from ._common import check_target_flags, load_target_for
 
@@ -22,32 +22,56 @@ if TYPE_CHECKING:
 SPLIT_CHOICES = ("auto", "train", "dev", "all")
 
 
-@dataclasses.dataclass
-class RegenerateConfig:
-    """Let the target write the answers to a set of prompts (training data in its own words)."""
+@dataclasses.dataclass(frozen=True)
+class InputSettings(Section):
+    """What is answered: the prompts, and the target whose templates render them."""
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file (with --endpoint: only its tokenizer, "
                              "for --max-prompt-tokens and to keep the server's answer token ids; optional)")
     prompts: str = option("", "prompt file (.jsonl/.json/.parquet/.txt, optionally .gz; chats ending with an answer "
                               "have it replaced) or 'default' (~114k built-in prompts: OpenAI evals registry, coding "
                               "prompts; decontaminated against the benchmarks; see `dflash-train prompts`)")
-    out: str = option("", "output .jsonl of training rows; an existing one is resumed (rows already there are kept)")
-    limit: int = option(0, "use only the first N prompts (0 = all)", at_least=0)
     split: str = option("auto", "which prompts: train, dev (1 in 100, held out), all; auto = train for --prompts default, "
                                 "all for a file")
+    limit: int = option(0, "use only the first N prompts (0 = all)", at_least=0)
+    thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
+    max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens "
+                                       "(with --endpoint: no cap unless set, and it needs --target)", at_least=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(Section):
+    """Where the answers go, and how often they are made durable."""
+
+    out: str = option("", "output .jsonl of training rows; an existing one is resumed (rows already there are kept)")
+    flush_seconds: float = option(1.0, "write finished rows (fsync'ed) at most this often; a kill loses at most the "
+                                       "rows of the last interval, which a rerun answers again", at_least=0, at_most=MAX_SECONDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerSettings(Section):
+    """How each answer is decoded (the same for a target loaded here and for a server)."""
+
     max_new_tokens: int = option(1024, "answer length cap; a capped answer gets finish_reason 'length'", at_least=1)
     temperature: float = option(0.0, "0 = greedy; > 0 samples (each row from its own seed)", at_least=0)
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)", above=0, at_most=1)
     seed: int = option(0, "sampling seed (also picks and orders the default prompts)", at_least=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSettings(Section):
+    """The target loaded here (without --endpoint)."""
+
     batch_size: int = option(0, "prompts decoded at once (the static generator's slots); 0 = 1024 on CUDA (fewer "
                                 "where the caches do not fit; 64 for targets on the eager fallback), 8 on CPU", at_least=0)
-    flush_seconds: float = option(1.0, "write finished rows (fsync'ed) at most this often; a kill loses at most the "
-                                       "rows of the last interval, which a rerun answers again", at_least=0, at_most=MAX_SECONDS)
-    max_prompt_tokens: int = option(0, "skip longer prompts; 0 = the target's context minus max_new_tokens "
-                                       "(with --endpoint: no cap unless set, and it needs --target)", at_least=0)
-    thinking: str = option("auto", "thinking templates (Qwen3): auto (template default), on or off")
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings(Section):
+    """An OpenAI-compatible server that answers in the target's place (--endpoint)."""
+
     endpoint: str = option("", "answer with an OpenAI-compatible server at this URL (e.g. http://localhost:8000/v1) "
                                "instead of loading the target")
     model: str = option("", "with --endpoint: the served model's name (default: the server's first /v1/models entry)")
@@ -56,31 +80,48 @@ class RegenerateConfig:
     retries: int = option(5, "with --endpoint: retries of a request after a connection error, timeout, 429 or 5xx "
                              "(exponential backoff from 1 s)", at_least=0)
 
+
+@dataclasses.dataclass(frozen=True, init=False)
+class RegenerateConfig(SectionedConfig):
+    """Let the target write the answers to a set of prompts (training data in its own words).
+
+    Flags and flat file keys (`seed = 1`) or `[section]` tables (`[generation]` / `seed = 1`);
+    Python callers pass flat keywords (`RegenerateConfig(prompts=..., out=...)`). Its sections
+    check their numbers where they are made; `validate()` (run by the CLI and by `checked`)
+    checks the rules across them."""
+
+    input: InputSettings
+    output: OutputSettings
+    generation: AnswerSettings
+    local: LocalSettings
+    server: ServerSettings
+
     def validate(self) -> None:
-        if self.endpoint:
+        if self.server.endpoint:
             from ..generate.endpoint import api_base
 
-            api_base(self.endpoint)
-            if not self.out:
+            api_base(self.server.endpoint)
+            if not self.output.out:
                 raise ConfigError("no output: pass --out")
-            if self.thinking not in THINKING:
-                raise ConfigError(f"thinking {self.thinking!r}: use auto (the template's default), on or off")
-            if self.batch_size:
+            if self.input.thinking not in THINKING:
+                raise ConfigError(f"thinking {self.input.thinking!r}: use auto (the template's default), on or off")
+            if self.local.batch_size:
                 raise ConfigError("--batch-size is for a target loaded here; with --endpoint the server batches "
                                   "(set --concurrency)")
-            if self.max_prompt_tokens and not self.target:
+            if self.input.max_prompt_tokens and not self.input.target:
                 raise ConfigError("--max-prompt-tokens with --endpoint needs --target (its tokenizer counts the prompt)")
         else:
-            check_target_flags(self.target, self.out, self.thinking, self.dtype)
-            if self.model:
+            check_target_flags(self.input.target, self.output.out, self.input.thinking, self.local.dtype)
+            if self.server.model:
                 raise ConfigError("--model names a served model: use it with --endpoint")
-        if not self.prompts:
+        if not self.input.prompts:
             raise ConfigError("no prompts: pass --prompts FILE or --prompts default")
-        if not self.out.endswith(".jsonl"):
-            raise ConfigError(f"--out {self.out}: use a .jsonl file (it is appended to, and resumed)")
-        if self.split not in SPLIT_CHOICES:
-            raise ConfigError(f"split {self.split!r}: use {', '.join(SPLIT_CHOICES)}")
-        check_outside_inputs(self.out, "--out", [self.target, *([self.prompts] if self.prompts != "default" else [])])
+        if not self.output.out.endswith(".jsonl"):
+            raise ConfigError(f"--out {self.output.out}: use a .jsonl file (it is appended to, and resumed)")
+        if self.input.split not in SPLIT_CHOICES:
+            raise ConfigError(f"split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
+        inputs = [self.input.target, *([self.input.prompts] if self.input.prompts != "default" else [])]
+        check_outside_inputs(self.output.out, "--out", inputs)
 
 
 def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats]:
@@ -90,17 +131,17 @@ def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats
     from ._common import default_prompt_set
 
     stats = RowStats()
-    if config.prompts == "default":
-        split = "train" if config.split == "auto" else config.split
-        prompt_set = default_prompt_set(PromptSetSettings(seed=config.seed))
-        prompts = prompt_set.split(split)[: config.limit or None]
+    if config.input.prompts == "default":
+        split = "train" if config.input.split == "auto" else config.input.split
+        prompt_set = default_prompt_set(PromptSetSettings(seed=config.generation.seed))
+        prompts = prompt_set.split(split)[: config.input.limit or None]
         print(prompt_set.summary(prompts, split))
         stats.count_read(len(prompts))
         return prompts, stats
-    rows = read_prompts(config.prompts, stats)
-    if config.split not in ("auto", "all"):
-        rows = _in_split(rows, config.split, stats)
-    return list(itertools.islice(rows, config.limit) if config.limit else rows), stats
+    rows = read_prompts(config.input.prompts, stats)
+    if config.input.split not in ("auto", "all"):
+        rows = _in_split(rows, config.input.split, stats)
+    return list(itertools.islice(rows, config.input.limit) if config.input.limit else rows), stats
 
 
 def _in_split(rows, split: str, stats):
@@ -114,7 +155,7 @@ def _in_split(rows, split: str, stats):
 
 
 def run_regenerate(config: RegenerateConfig) -> int:
-    with hold_output(config.out, "--out"):  # two runs appending to one file would answer every prompt twice
+    with hold_output(config.output.out, "--out"):  # two runs appending to one file would answer every prompt twice
         return _run_regenerate(config)
 
 
@@ -122,21 +163,22 @@ def _run_regenerate(config: RegenerateConfig) -> int:
     from ..generate.regenerate import GenerationSettings, check_output, output_record, regenerate
     from ..target.model import resolve_device
 
+    answers = config.generation
     settings = GenerationSettings(
-        max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
-        seed=config.seed, enable_thinking=THINKING[config.thinking],
+        max_new_tokens=answers.max_new_tokens, temperature=answers.temperature, top_p=answers.top_p,
+        seed=answers.seed, enable_thinking=THINKING[config.input.thinking],
     )
-    if config.endpoint:
+    if config.server.endpoint:
         return run_regenerate_endpoint(config, settings)
-    device = resolve_device(config.device)
-    target_name = str(Path(config.target).resolve())
-    check_output(Path(config.out), output_record(target_name, settings))  # refuse early, before loading anything
+    device = resolve_device(config.local.device)
+    target_name = str(Path(config.input.target).resolve())
+    check_output(Path(config.output.out), output_record(target_name, settings))  # refuse early, before loading anything
     prompts, stats = read_input_prompts(config)
     engine, tokenizer, max_prompt_tokens, record_extra = _local_engine(config, device, settings)
     report = regenerate(
-        prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
+        prompts, config.output.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
         tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, record_extra=record_extra,
-        flush_seconds=config.flush_seconds,
+        flush_seconds=config.output.flush_seconds,
     )
     print(report.summary())
     return 0
@@ -149,23 +191,24 @@ def run_regenerate_endpoint(config: RegenerateConfig, settings) -> int:
     from ..generate.endpoint import SAMPLER, EndpointClient, EndpointEngine, RetryPolicy, resolve_model
     from ..generate.regenerate import check_output, output_record, regenerate
 
-    client = EndpointClient(config.endpoint, timeout=config.request_timeout, retry=RetryPolicy(retries=config.retries))
-    model, server = resolve_model(client, config.model)
+    client = EndpointClient(config.server.endpoint, timeout=config.server.request_timeout,
+                            retry=RetryPolicy(retries=config.server.retries))
+    model, server = resolve_model(client, config.server.model)
     target_name = f"{model} @ {client.base}"
     record_extra = {"endpoint": {"url": client.base, "model": model}}
     if not settings.greedy:
         record_extra["sampler"] = SAMPLER
-    check_output(Path(config.out), {**output_record(target_name, settings), **record_extra})  # before building prompts
-    tokenizer = load_tokenizer(config.target) if config.target else None
+    check_output(Path(config.output.out), {**output_record(target_name, settings), **record_extra})  # before building prompts
+    tokenizer = load_tokenizer(config.input.target) if config.input.target else None
     prompts, stats = read_input_prompts(config)
     engine = EndpointEngine(
         client, model, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
-        enable_thinking=settings.enable_thinking, concurrency=config.concurrency, server=server,
+        enable_thinking=settings.enable_thinking, concurrency=config.server.concurrency, server=server,
     )
     report = regenerate(
-        prompts, config.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
-        tokenizer=tokenizer, max_prompt_tokens=config.max_prompt_tokens or None, record_extra=record_extra,
-        flush_seconds=config.flush_seconds,
+        prompts, config.output.out, engine=engine, stats=stats, settings=settings, target_name=target_name,
+        tokenizer=tokenizer, max_prompt_tokens=config.input.max_prompt_tokens or None, record_extra=record_extra,
+        flush_seconds=config.output.flush_seconds,
     )
     print(report.summary())
     return 0
@@ -194,9 +237,9 @@ def _local_engine(config: RegenerateConfig, device: Any, settings: Any) -> tuple
     from ..generate.engine import local_engine
     from ..generate.regenerate import prompt_token_limit
 
-    target = load_target_for(config.target, device, config.dtype)
+    target = load_target_for(config.input.target, device, config.local.dtype)
     if target.tokenizer is None:
         raise ConfigError(f"{target.path}: no tokenizer next to the model; it is needed to render the prompts")
-    max_prompt_tokens = config.max_prompt_tokens or prompt_token_limit(target.model.config, settings)
-    engine = local_engine(target, settings, batch_size=config.batch_size, max_prompt_tokens=max_prompt_tokens)
+    max_prompt_tokens = config.input.max_prompt_tokens or prompt_token_limit(target.model.config, settings)
+    engine = local_engine(target, settings, batch_size=config.local.batch_size, max_prompt_tokens=max_prompt_tokens)
     return engine, target.tokenizer, max_prompt_tokens, {"stop_token_ids": stop_token_ids(target.model, target.tokenizer)}

@@ -11,6 +11,8 @@ import typing
 import pytest
 
 from dflash_train.cli import build_parser, main
+from dflash_train.commands.eval import EvalConfig
+from dflash_train.commands.regenerate import RegenerateConfig
 from dflash_train.config import (
     ConfigError,
     DrafterSpec,
@@ -280,8 +282,10 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
     assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
 
 
-def test_product_code_reads_settings_through_their_sections():
-    """Every function of the package taking a `TrainConfig` reads `config.<section>.<setting>`:
+@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2)],
+                         ids=["train", "regenerate", "eval"])
+def test_product_code_reads_settings_through_their_sections(cls, at_least):
+    """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
     only on a GPU, so it is refused here by reading the source."""
     import ast
@@ -289,19 +293,76 @@ def test_product_code_reads_settings_through_their_sections():
 
     import dflash_train
 
-    allowed = set(sections_of(TrainConfig)) | {name for name in dir(TrainConfig) if not name.startswith("__")}
-    settings = set(leaf_fields(TrainConfig))
+    allowed = set(sections_of(cls)) | {name for name in dir(cls) if not name.startswith("__")}
+    settings = set(leaf_fields(cls))
     flat_reads, functions = [], 0
     for path in sorted(Path(dflash_train.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
-            params = {a.arg for a in args if a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation)}
+            params = {a.arg for a in args if a.annotation is not None and cls.__name__ in ast.unparse(a.annotation)}
             functions += bool(params)
             for inner in ast.walk(node):
                 if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id in params
                         and inner.attr in settings and inner.attr not in allowed):
                     flat_reads.append(f"{path.name}:{inner.lineno}: {ast.unparse(inner)}")
-    assert functions > 20  # the walk found the trainer's functions
+    assert functions >= at_least  # the walk found the command's functions
     assert not flat_reads, f"read these through their section (config.<section>.<setting>): {flat_reads}"
+
+
+def _regenerate_config(tmp_path, argv, text):
+    path = tmp_path / "answers.toml"
+    path.write_text(text)
+    return from_args(RegenerateConfig, build_parser("regenerate").parse_args(["regenerate", *argv, "--config", str(path)]))
+
+
+def test_a_regenerate_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    out = str(tmp_path / "answers.jsonl")
+    sections = _regenerate_config(tmp_path, ["--concurrency", "3"], f"""
+out = "{out}"
+[input]
+prompts = "default"
+limit = 7
+split = "dev"
+[generation]
+seed = 5
+temperature = 0.5
+[server]
+endpoint = "http://127.0.0.1:8000/v1"
+concurrency = 9
+retries = 2
+""")
+    assert (sections.input.limit, sections.input.split, sections.generation.seed, sections.generation.temperature) \
+        == (7, "dev", 5, 0.5)
+    assert (sections.server.retries, sections.server.concurrency, sections.output.out) == (2, 3, out)  # the flag wins
+    flat = _regenerate_config(tmp_path, ["--concurrency", "3"], f'out = "{out}"\nprompts = "default"\nlimit = 7\n'
+                              'split = "dev"\nseed = 5\ntemperature = 0.5\nendpoint = "http://127.0.0.1:8000/v1"\n'
+                              'concurrency = 9\nretries = 2\n')
+    assert flat == sections == RegenerateConfig(**sections.flat_values())
+    assert sections_of(RegenerateConfig) == {
+        "input": ("target", "prompts", "split", "limit", "thinking", "max_prompt_tokens"),
+        "output": ("out", "flush_seconds"), "generation": ("max_new_tokens", "temperature", "top_p", "seed"),
+        "local": ("batch_size", "device", "dtype"),
+        "server": ("endpoint", "model", "concurrency", "request_timeout", "retries")}
+
+    path = tmp_path / "wrong.toml"
+    path.write_text('[input]\nprompts = "default"\nseed = 5\n')
+    assert main(["regenerate", "--config", str(path), "--out", out, "--endpoint", "http://127.0.0.1:8000/v1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("wrong.toml: [input] seed: seed belongs in [generation]") and len(err.splitlines()) == 1
+    assert not (tmp_path / "answers.jsonl").exists()
+
+
+def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path):
+    path = tmp_path / "eval.toml"
+    path.write_text('target = "t"\n[models]\ndrafter = "d"\ndecoder = "hf"\n[prompts]\nbench = ["mtbench"]\n'
+                    'offset = 2\n[decoding]\nstop_token_ids = [7]\nbaseline = false\n')
+    config = from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path), "--limit", "4"]))
+    assert (config.models.drafter, config.models.decoder, config.prompts.offset, config.prompts.limit) == ("d", "hf", 2, 4)
+    assert config.decoding.stop_token_ids == [7] and config.decoding.baseline is False
+    assert config == EvalConfig(target="t", drafter="d", decoder="hf", offset=2, limit=4, stop_token_ids=[7], baseline=False)
+    assert config.flat_values()["offset"] == 2 and len(config.flat_values()) == len(leaf_fields(EvalConfig)) == 15
+    path.write_text('[prompts]\ntarget = "t"\n')
+    with pytest.raises(ConfigError, match=r"eval.toml: \[prompts\] target: target belongs in \[models\]"):
+        from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
