@@ -11,6 +11,7 @@ import typing
 import pytest
 
 from dflash_train.cli import build_parser, main
+from dflash_train.commands.cache_features import CacheFeaturesConfig
 from dflash_train.commands.eval import EvalConfig
 from dflash_train.commands.regenerate import RegenerateConfig
 from dflash_train.config import (
@@ -282,8 +283,9 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
     assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
 
 
-@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2)],
-                         ids=["train", "regenerate", "eval"])
+@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2),
+                                          (CacheFeaturesConfig, 2)],
+                         ids=["train", "regenerate", "eval", "cache-features"])
 def test_product_code_reads_settings_through_their_sections(cls, at_least):
     """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
@@ -366,3 +368,25 @@ def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_sta
     path.write_text('[prompts]\ntarget = "t"\n')
     with pytest.raises(ConfigError, match=r"eval.toml: \[prompts\] target: target belongs in \[models\]"):
         from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
+
+
+def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    path = tmp_path / "cache.toml"
+    path.write_text('[input]\ntarget = "t"\ndata = ["a.jsonl", "b.jsonl"]\nmax_seq_len = 96\n[layers]\n'
+                    'target_layer_ids = [1, 3]\n[output]\nout = "features"\nshard_size_mb = 8\n[compute]\nbatch_size = 2\n')
+    argv = ["cache-features", "--config", str(path), "--num-layers", "2"]
+    config = from_args(CacheFeaturesConfig, build_parser("cache-features").parse_args(argv))
+    assert (config.input.data, config.input.max_seq_len, config.layers.target_layer_ids, config.layers.num_layers) \
+        == (["a.jsonl", "b.jsonl"], 96, [1, 3], 2)
+    assert (config.output.out, config.output.shard_size_mb, config.compute.batch_size) == ("features", 8.0, 2)
+    assert config == CacheFeaturesConfig(target="t", data=["a.jsonl", "b.jsonl"], max_seq_len=96, target_layer_ids=[1, 3],
+                                         num_layers=2, out="features", shard_size_mb=8, batch_size=2)
+    path.write_text('target = "t"\ndata = ["a.jsonl", "b.jsonl"]\nmax_seq_len = 96\ntarget_layer_ids = [1, 3]\n'
+                    'out = "features"\nshard_size_mb = 8\nbatch_size = 2\n')
+    assert from_args(CacheFeaturesConfig, build_parser("cache-features").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[input]\ntarget = "t"\nnum_layers = 2\n')
+    assert main(["cache-features", "--config", str(path), "--data", "a.jsonl", "--out", str(tmp_path / "features")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("cache.toml: [input] num_layers: num_layers belongs in [layers]") and len(err.splitlines()) == 1
+    assert not (tmp_path / "features").exists()
