@@ -14,6 +14,7 @@ from dflash_train.cli import build_parser, main
 from dflash_train.commands.cache_features import CacheFeaturesConfig
 from dflash_train.commands.eval import EvalConfig
 from dflash_train.commands.regenerate import RegenerateConfig
+from dflash_train.commands.self_prompts import SelfPromptsConfig
 from dflash_train.config import (
     ConfigError,
     DrafterSpec,
@@ -284,8 +285,8 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
 
 
 @pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2),
-                                          (CacheFeaturesConfig, 2)],
-                         ids=["train", "regenerate", "eval", "cache-features"])
+                                          (CacheFeaturesConfig, 2), (SelfPromptsConfig, 2)],
+                         ids=["train", "regenerate", "eval", "cache-features", "self-prompts"])
 def test_product_code_reads_settings_through_their_sections(cls, at_least):
     """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
@@ -309,6 +310,7 @@ def test_product_code_reads_settings_through_their_sections(cls, at_least):
                 if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id in params
                         and inner.attr in settings and inner.attr not in allowed):
                     flat_reads.append(f"{path.name}:{inner.lineno}: {ast.unparse(inner)}")
+    assert sections_of(cls)  # a flat config has no sections to read through
     assert functions >= at_least  # the walk found the command's functions
     assert not flat_reads, f"read these through their section (config.<section>.<setting>): {flat_reads}"
 
@@ -390,3 +392,28 @@ def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_sectio
     err = capsys.readouterr().err.strip()
     assert err.endswith("cache.toml: [input] num_layers: num_layers belongs in [layers]") and len(err.splitlines()) == 1
     assert not (tmp_path / "features").exists()
+
+
+def test_a_self_prompts_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    target, out = tmp_path / "target", tmp_path / "asked.jsonl"
+    target.mkdir()  # checked before anything loads: it must exist
+    path = tmp_path / "requests.toml"
+    path.write_text(f'[input]\ntarget = "{target}"\n[output]\ncount = 12\nout = "{out}"\nsplit = "dev"\n'
+                    '[generation]\nseed = 3\ntop_p = 0.5\n[local]\nbatch_size = 4\n')
+    argv = ["self-prompts", "--config", str(path), "--max-new-tokens", "20"]
+    config = from_args(SelfPromptsConfig, build_parser("self-prompts").parse_args(argv))
+    assert (config.input.target, config.output.count, config.output.split, config.local.batch_size) \
+        == (str(target), 12, "dev", 4)
+    assert (config.generation.seed, config.generation.top_p, config.generation.max_new_tokens) == (3, 0.5, 20)
+    assert config == SelfPromptsConfig(target=str(target), count=12, out=str(out), split="dev", seed=3, top_p=0.5,
+                                       max_new_tokens=20, batch_size=4)
+    assert (config.settings().count, config.settings().split, config.settings().seed) == (12, "dev", 3)
+    path.write_text(f'target = "{target}"\ncount = 12\nout = "{out}"\nsplit = "dev"\nseed = 3\ntop_p = 0.5\n'
+                    'batch_size = 4\n')
+    assert from_args(SelfPromptsConfig, build_parser("self-prompts").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[generation]\ncount = 12\n')
+    assert main(["self-prompts", "--config", str(path), "--target", str(target), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("requests.toml: [generation] count: count belongs in [output]") and len(err.splitlines()) == 1
+    assert not out.exists()
