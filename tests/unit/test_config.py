@@ -13,6 +13,7 @@ import pytest
 from dflash_train.cli import build_parser, main
 from dflash_train.commands.cache_features import CacheFeaturesConfig
 from dflash_train.commands.eval import EvalConfig
+from dflash_train.commands.quickstart import QuickstartConfig
 from dflash_train.commands.regenerate import RegenerateConfig
 from dflash_train.commands.self_prompts import SelfPromptsConfig
 from dflash_train.config import (
@@ -285,8 +286,8 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
 
 
 @pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2),
-                                          (CacheFeaturesConfig, 2), (SelfPromptsConfig, 2)],
-                         ids=["train", "regenerate", "eval", "cache-features", "self-prompts"])
+                                          (CacheFeaturesConfig, 2), (SelfPromptsConfig, 2), (QuickstartConfig, 1)],
+                         ids=["train", "regenerate", "eval", "cache-features", "self-prompts", "quickstart"])
 def test_product_code_reads_settings_through_their_sections(cls, at_least):
     """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
@@ -416,4 +417,27 @@ def test_a_self_prompts_file_in_sections_is_read_and_a_key_in_the_wrong_section_
     assert main(["self-prompts", "--config", str(path), "--target", str(target), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("requests.toml: [generation] count: count belongs in [output]") and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_quickstart_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    out = tmp_path / "quickstart"
+    path = tmp_path / "quick.toml"
+    path.write_text(f'[data]\nprompts = 40\nmax_new_tokens = 24\n[drafter]\ntarget_layer_ids = [1, 2]\nsteps = 20\n'
+                    f'[eval]\neval_prompts = 2\n[run]\nout = "{out}"\nseed = 4\n')
+    argv = ["quickstart", "--config", str(path), "--block-size", "4"]
+    config = from_args(QuickstartConfig, build_parser("quickstart").parse_args(argv))
+    assert (config.data.prompts, config.data.max_new_tokens, config.drafter.target_layer_ids, config.drafter.steps) \
+        == (40, 24, [1, 2], 20)
+    assert (config.drafter.block_size, config.eval.eval_prompts, config.run.out, config.run.seed) == (4, 2, str(out), 4)
+    assert config == QuickstartConfig(prompts=40, max_new_tokens=24, target_layer_ids=[1, 2], steps=20, block_size=4,
+                                      eval_prompts=2, out=str(out), seed=4)
+    path.write_text(f'prompts = 40\nmax_new_tokens = 24\ntarget_layer_ids = [1, 2]\nsteps = 20\neval_prompts = 2\n'
+                    f'out = "{out}"\nseed = 4\n')
+    assert from_args(QuickstartConfig, build_parser("quickstart").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[data]\nsteps = 20\n')
+    assert main(["quickstart", "--config", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("quick.toml: [data] steps: steps belongs in [drafter]") and len(err.splitlines()) == 1
     assert not out.exists()
