@@ -3,8 +3,9 @@
 A config can come from a file (`--config run.toml` or `.json`) and flags override it.
 Unknown keys, in a file or on the command line, are errors that name the key and the
 closest valid one, so a typo never silently trains with a default. The configs of `train`,
-`regenerate` and `eval` are made of typed sections (`config.optimizer.lr`, a `SectionedConfig`),
-each checked where it is made; the other commands' configs are flat and checked by `build`.
+`regenerate`, `eval`, `cache-features`, `self-prompts` and `quickstart` are made of typed
+sections (`config.optimizer.lr`, a `SectionedConfig`), each checked where it is made; the other
+commands' configs are flat and checked by `build`.
 """
 
 from __future__ import annotations

@@ -17,29 +17,61 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import ConfigError, option
+from ..config import ConfigError, Section, SectionedConfig, option
 from ..files import check_outside_inputs
 
 
-@dataclasses.dataclass
-class QuickstartConfig:
-    out: str = option("runs/quickstart", "folder for everything the quickstart writes")
+@dataclasses.dataclass(frozen=True)
+class DataSettings(Section):
+    """The training data the target writes: which prompts, and how long its answers are."""
+
     prompts: int = option(160, "training prompts taken from the default prompt set (dflash-train prompts)", at_least=1)
     max_new_tokens: int = option(48, "answer length when the target regenerates the training data", at_least=1)
     max_prompt_tokens: int = option(128, "skip longer prompts (they would leave no room to train on the answer)", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings(Section):
+    """The drafter trained, and for how long."""
+
     target_layer_ids: list[int] = option([2, 9, 16], "target layers the drafter reads (shallow: the forward stops at the last)", at_least=0)
     steps: int = option(160, "drafter training steps", at_least=1)
     num_layers: int = option(2, "drafter layers", at_least=1)
     block_size: int = option(8, "draft block size", at_least=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings(Section):
+    """The final acceptance measurement."""
+
     eval_prompts: int = option(6, "prompts per benchmark for the final acceptance measurement", at_least=1)
     eval_max_new_tokens: int = option(48, "new tokens per prompt in the final measurement", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings(Section):
+    """Where the quickstart writes, on which device, from which seed."""
+
+    out: str = option("runs/quickstart", "folder for everything the quickstart writes")
     device: str = option("auto", "auto (cuda:0 if present, else cpu)")
     seed: int = option(0, "seed for prompt choice, drafter init, data order", at_least=0)
 
+
+@dataclasses.dataclass(frozen=True, init=False)
+class QuickstartConfig(SectionedConfig):
+    """The quickstart recipe's overrides. Flags and flat file keys (`steps = 80`) or `[section]`
+    tables (`[drafter]` / `steps = 80`); Python callers pass flat keywords."""
+
+    data: DataSettings
+    drafter: DrafterSettings
+    eval: EvalSettings
+    run: RunSettings
+
     def validate(self) -> None:
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ConfigError(f"--out {self.out} is a file; the quickstart writes a folder (new, or one it wrote before)")
-        check_outside_inputs(self.out, "--out")
+        if Path(self.run.out).exists() and not Path(self.run.out).is_dir():
+            raise ConfigError(f"--out {self.run.out} is a file; the quickstart writes a folder (new, or one it wrote "
+                              "before)")
+        check_outside_inputs(self.run.out, "--out")
 
 
 GPU_RECIPE = """\
@@ -54,15 +86,16 @@ def run_quickstart(config: QuickstartConfig) -> int:
     from .pipeline import run_recipe
 
     # Checked before the target is converted: the flags become the recipe's values.
-    max_seq_len = config.max_prompt_tokens + config.max_new_tokens + 64  # + the chat template around them
+    data, drafter, seed = config.data, config.drafter, config.run.seed
+    max_seq_len = data.max_prompt_tokens + data.max_new_tokens + 64  # + the chat template around them
     recipe = load_recipe("quickstart", {
-        "prompts": {"count": config.prompts, "seed": config.seed},
-        "regenerate": {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens},
-        "train": {"target_layer_ids": list(config.target_layer_ids), "steps": config.steps,
-                  "num_layers": config.num_layers, "block_size": config.block_size, "seed": config.seed,
-                  "max_seq_len": max_seq_len, "save_every": max(1, config.steps // 2),
-                  "eval_every": max(1, config.steps // 2)},
-        "eval": {"limit": config.eval_prompts, "max_new_tokens": config.eval_max_new_tokens},
+        "prompts": {"count": data.prompts, "seed": seed},
+        "regenerate": {"max_new_tokens": data.max_new_tokens, "max_prompt_tokens": data.max_prompt_tokens},
+        "train": {"target_layer_ids": list(drafter.target_layer_ids), "steps": drafter.steps,
+                  "num_layers": drafter.num_layers, "block_size": drafter.block_size, "seed": seed,
+                  "max_seq_len": max_seq_len, "save_every": max(1, drafter.steps // 2),
+                  "eval_every": max(1, drafter.steps // 2)},
+        "eval": {"limit": config.eval.eval_prompts, "max_new_tokens": config.eval.eval_max_new_tokens},
     })
 
     def target() -> Path:
@@ -79,5 +112,5 @@ def run_quickstart(config: QuickstartConfig) -> int:
         "decoder are the same ones a full GPU run uses.",
         GPU_RECIPE,
     ]
-    return run_recipe(recipe, target, Path(config.out), list(STAGES), config.device,
+    return run_recipe(recipe, target, Path(config.run.out), list(STAGES), config.run.device,
                       "dflash-train quickstart", footer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import ConfigError, option
+from ..config import ConfigError, Section, SectionedConfig, option
 from ..data.prompts.sets import SPLITS
 from ..files import NewFileOutput, check_new_output
 from ..generate.self_prompts import SelfPromptSettings
@@ -16,44 +16,78 @@ from ._common import check_target_flags, load_target_for
 DEFAULTS = SelfPromptSettings(count=1)  # the flags' defaults are the settings' own (light imports: no torch)
 
 
-@dataclasses.dataclass
-class SelfPromptsConfig:
-    """Sample open chat prompts from the target's own chat template (the Magpie technique)."""
+@dataclasses.dataclass(frozen=True)
+class InputSettings(Section):
+    """The target whose chat template is continued."""
 
     target: str = option("", "target model: a Hugging Face folder or a .gguf file (a chat model: its template's "
                              "user turn is what it continues)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(Section):
+    """Which requests are kept, and where they are written."""
+
     count: int | None = option(None, "requests to keep (sampled in rounds until reached); required", at_least=1)
     out: str = option("", "the prompts .jsonl to write ({id, source, messages} rows); never overwrites a file")
     split: str = option("train", "keep requests of the train split, the dev split (1 in 100 texts, the rule of "
                                  "`dflash-train prompts`) or all")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSettings(Section):
+    """How each request is sampled."""
+
     seed: int = option(0, "sampling seed: request n is drawn from its own seed (seed, n), whatever the batch", at_least=0)
     temperature: float = option(DEFAULTS.temperature, "sampling temperature (> 0)", above=0)
     top_p: float = option(DEFAULTS.top_p, "nucleus sampling mass", above=0, at_most=1)
     max_new_tokens: int = option(DEFAULTS.max_new_tokens, "length cap of a request; a request cut by it is dropped", at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSettings(Section):
+    """The target loaded here: where, in which dtype, how many requests at once."""
+
     batch_size: int = option(0, "requests decoded at once (as `regenerate --batch-size`; 0 = the device's default)", at_least=0)
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     dtype: str = option("auto", "target weights: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
 
+
+@dataclasses.dataclass(frozen=True, init=False)
+class SelfPromptsConfig(SectionedConfig):
+    """Sample open chat prompts from the target's own chat template (the Magpie technique).
+
+    Flags and flat file keys (`seed = 1`) or `[section]` tables (`[generation]` / `seed = 1`);
+    Python callers pass flat keywords. `validate()` (run by the CLI and by `checked`) checks the
+    rules across the sections."""
+
+    input: InputSettings
+    output: OutputSettings
+    generation: RequestSettings
+    local: LocalSettings
+
     def settings(self) -> SelfPromptSettings:
-        return SelfPromptSettings(count=self.count, seed=self.seed, temperature=self.temperature, top_p=self.top_p,
-                                  max_new_tokens=self.max_new_tokens, split=self.split)
+        sampling = self.generation
+        return SelfPromptSettings(count=self.output.count, split=self.output.split, seed=sampling.seed,
+                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                  max_new_tokens=sampling.max_new_tokens)
 
     def validate(self) -> None:
-        if self.count is None:
+        if self.output.count is None:
             raise ConfigError("--count is required: how many requests to keep")
-        check_target_flags(self.target, self.out, "auto", self.dtype)
-        if not Path(self.target).exists():
-            raise ConfigError(f"--target {self.target}: no such file or folder")
-        if not self.out.endswith(".jsonl"):
-            raise ConfigError(f"--out {self.out}: use a .jsonl file")
-        check_new_output(self.out, "--out", [self.target])
-        if self.split not in SPLITS:
-            raise ConfigError(f"--split {self.split!r}: use {', '.join(SPLITS)}")
+        check_target_flags(self.input.target, self.output.out, "auto", self.local.dtype)
+        if not Path(self.input.target).exists():
+            raise ConfigError(f"--target {self.input.target}: no such file or folder")
+        if not self.output.out.endswith(".jsonl"):
+            raise ConfigError(f"--out {self.output.out}: use a .jsonl file")
+        check_new_output(self.output.out, "--out", [self.input.target])
+        if self.output.split not in SPLITS:
+            raise ConfigError(f"--split {self.output.split!r}: use {', '.join(SPLITS)}")
         self.settings().validate()
 
 
 def run_self_prompts(config: SelfPromptsConfig) -> int:
-    with NewFileOutput(config.out, "--out") as output:
+    with NewFileOutput(config.output.out, "--out") as output:
         return _run_self_prompts(config, output)
 
 
@@ -67,18 +101,18 @@ def _run_self_prompts(config: SelfPromptsConfig, output: NewFileOutput) -> int:
 
     settings = config.settings()
     benchmarks = benchmark_prompt_texts()
-    target = load_target_for(config.target, resolve_device(config.device), config.dtype)
+    target = load_target_for(config.input.target, resolve_device(config.local.device), config.local.dtype)
     if target.tokenizer is None:
         raise ConfigError(f"{target.path}: no tokenizer next to the model; its chat template is what it continues")
     prefix_tokens = len(target.tokenizer(user_request_prefix(target.tokenizer), add_special_tokens=False)["input_ids"])
     generation = GenerationSettings(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                     top_p=settings.top_p, seed=settings.seed)
-    engine = local_engine(target, generation, batch_size=config.batch_size, max_prompt_tokens=prefix_tokens)
+    engine = local_engine(target, generation, batch_size=config.local.batch_size, max_prompt_tokens=prefix_tokens)
     report = sample_requests(engine, target.tokenizer, settings, benchmarks)
     written = output.write(prompt_file_bytes(report.kept, lambda _: SOURCE)) if report.kept else None
     print(report.summary(str(written or "")))
     if report.short:
         kept = f"the {len(report.kept)} kept are in {written}" if written else "nothing was written"
-        raise RunFailed(f"only {len(report.kept)} of {config.count} requests kept ({report.short}); {kept}")
-    print(f"wrote {len(report.kept)} self-written {config.split} prompts to {written}")
+        raise RunFailed(f"only {len(report.kept)} of {config.output.count} requests kept ({report.short}); {kept}")
+    print(f"wrote {len(report.kept)} self-written {config.output.split} prompts to {written}")
     return 0

@@ -11,8 +11,11 @@ import typing
 import pytest
 
 from dflash_train.cli import build_parser, main
+from dflash_train.commands.cache_features import CacheFeaturesConfig
 from dflash_train.commands.eval import EvalConfig
+from dflash_train.commands.quickstart import QuickstartConfig
 from dflash_train.commands.regenerate import RegenerateConfig
+from dflash_train.commands.self_prompts import SelfPromptsConfig
 from dflash_train.config import (
     ConfigError,
     DrafterSpec,
@@ -282,8 +285,9 @@ def test_the_settings_nodes_compare_leave_out_exactly_the_per_node_ones():
     assert {key for key in shared if shared[key] != moved[key]} == {"--lr"}
 
 
-@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2)],
-                         ids=["train", "regenerate", "eval"])
+@pytest.mark.parametrize("cls,at_least", [(TrainConfig, 20), (RegenerateConfig, 4), (EvalConfig, 2),
+                                          (CacheFeaturesConfig, 2), (SelfPromptsConfig, 2), (QuickstartConfig, 1)],
+                         ids=["train", "regenerate", "eval", "cache-features", "self-prompts", "quickstart"])
 def test_product_code_reads_settings_through_their_sections(cls, at_least):
     """Every function of the package taking a config of sections reads `config.<section>.<setting>`:
     a flat read (`config.lr`, the old layout) would only fail when that line runs, some of them
@@ -307,6 +311,7 @@ def test_product_code_reads_settings_through_their_sections(cls, at_least):
                 if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id in params
                         and inner.attr in settings and inner.attr not in allowed):
                     flat_reads.append(f"{path.name}:{inner.lineno}: {ast.unparse(inner)}")
+    assert sections_of(cls)  # a flat config has no sections to read through
     assert functions >= at_least  # the walk found the command's functions
     assert not flat_reads, f"read these through their section (config.<section>.<setting>): {flat_reads}"
 
@@ -366,3 +371,73 @@ def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_sta
     path.write_text('[prompts]\ntarget = "t"\n')
     with pytest.raises(ConfigError, match=r"eval.toml: \[prompts\] target: target belongs in \[models\]"):
         from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
+
+
+def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    path = tmp_path / "cache.toml"
+    path.write_text('[input]\ntarget = "t"\ndata = ["a.jsonl", "b.jsonl"]\nmax_seq_len = 96\n[layers]\n'
+                    'target_layer_ids = [1, 3]\n[output]\nout = "features"\nshard_size_mb = 8\n[compute]\nbatch_size = 2\n')
+    argv = ["cache-features", "--config", str(path), "--num-layers", "2"]
+    config = from_args(CacheFeaturesConfig, build_parser("cache-features").parse_args(argv))
+    assert (config.input.data, config.input.max_seq_len, config.layers.target_layer_ids, config.layers.num_layers) \
+        == (["a.jsonl", "b.jsonl"], 96, [1, 3], 2)
+    assert (config.output.out, config.output.shard_size_mb, config.compute.batch_size) == ("features", 8.0, 2)
+    assert config == CacheFeaturesConfig(target="t", data=["a.jsonl", "b.jsonl"], max_seq_len=96, target_layer_ids=[1, 3],
+                                         num_layers=2, out="features", shard_size_mb=8, batch_size=2)
+    path.write_text('target = "t"\ndata = ["a.jsonl", "b.jsonl"]\nmax_seq_len = 96\ntarget_layer_ids = [1, 3]\n'
+                    'out = "features"\nshard_size_mb = 8\nbatch_size = 2\n')
+    assert from_args(CacheFeaturesConfig, build_parser("cache-features").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[input]\ntarget = "t"\nnum_layers = 2\n')
+    assert main(["cache-features", "--config", str(path), "--data", "a.jsonl", "--out", str(tmp_path / "features")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("cache.toml: [input] num_layers: num_layers belongs in [layers]") and len(err.splitlines()) == 1
+    assert not (tmp_path / "features").exists()
+
+
+def test_a_self_prompts_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    target, out = tmp_path / "target", tmp_path / "asked.jsonl"
+    target.mkdir()  # checked before anything loads: it must exist
+    path = tmp_path / "requests.toml"
+    path.write_text(f'[input]\ntarget = "{target}"\n[output]\ncount = 12\nout = "{out}"\nsplit = "dev"\n'
+                    '[generation]\nseed = 3\ntop_p = 0.5\n[local]\nbatch_size = 4\n')
+    argv = ["self-prompts", "--config", str(path), "--max-new-tokens", "20"]
+    config = from_args(SelfPromptsConfig, build_parser("self-prompts").parse_args(argv))
+    assert (config.input.target, config.output.count, config.output.split, config.local.batch_size) \
+        == (str(target), 12, "dev", 4)
+    assert (config.generation.seed, config.generation.top_p, config.generation.max_new_tokens) == (3, 0.5, 20)
+    assert config == SelfPromptsConfig(target=str(target), count=12, out=str(out), split="dev", seed=3, top_p=0.5,
+                                       max_new_tokens=20, batch_size=4)
+    assert (config.settings().count, config.settings().split, config.settings().seed) == (12, "dev", 3)
+    path.write_text(f'target = "{target}"\ncount = 12\nout = "{out}"\nsplit = "dev"\nseed = 3\ntop_p = 0.5\n'
+                    'batch_size = 4\n')
+    assert from_args(SelfPromptsConfig, build_parser("self-prompts").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[generation]\ncount = 12\n')
+    assert main(["self-prompts", "--config", str(path), "--target", str(target), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("requests.toml: [generation] count: count belongs in [output]") and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_quickstart_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+    out = tmp_path / "quickstart"
+    path = tmp_path / "quick.toml"
+    path.write_text(f'[data]\nprompts = 40\nmax_new_tokens = 24\n[drafter]\ntarget_layer_ids = [1, 2]\nsteps = 20\n'
+                    f'[eval]\neval_prompts = 2\n[run]\nout = "{out}"\nseed = 4\n')
+    argv = ["quickstart", "--config", str(path), "--block-size", "4"]
+    config = from_args(QuickstartConfig, build_parser("quickstart").parse_args(argv))
+    assert (config.data.prompts, config.data.max_new_tokens, config.drafter.target_layer_ids, config.drafter.steps) \
+        == (40, 24, [1, 2], 20)
+    assert (config.drafter.block_size, config.eval.eval_prompts, config.run.out, config.run.seed) == (4, 2, str(out), 4)
+    assert config == QuickstartConfig(prompts=40, max_new_tokens=24, target_layer_ids=[1, 2], steps=20, block_size=4,
+                                      eval_prompts=2, out=str(out), seed=4)
+    path.write_text(f'prompts = 40\nmax_new_tokens = 24\ntarget_layer_ids = [1, 2]\nsteps = 20\neval_prompts = 2\n'
+                    f'out = "{out}"\nseed = 4\n')
+    assert from_args(QuickstartConfig, build_parser("quickstart").parse_args(argv)) == config  # flat keys still read
+
+    path.write_text('[data]\nsteps = 20\n')
+    assert main(["quickstart", "--config", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("quick.toml: [data] steps: steps belongs in [drafter]") and len(err.splitlines()) == 1
+    assert not out.exists()
