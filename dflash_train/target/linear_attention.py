@@ -38,6 +38,17 @@ def linear_attention_module(layer: nn.Module) -> nn.Module | None:
     return getattr(layer, "linear_attn", None)
 
 
+def linear_attention_modules(layers: list[nn.Module]) -> list[nn.Module]:
+    """The linear-attention modules of a model's decoder layers, in order (none for a dense model)."""
+    return [module for module in map(linear_attention_module, layers) if module is not None]
+
+
+def attention_layers(layers: list[nn.Module]) -> list[nn.Module]:
+    """The decoder layers that are not linear-attention ones (a hybrid's full attention layers;
+    every layer of a dense model)."""
+    return [layer for layer in layers if linear_attention_module(layer) is None]
+
+
 def layer_layout(module: nn.Module) -> str | None:
     """'qwen3_5' (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), 'qwen3_next' (in_proj_qkvz and
     in_proj_ba, split by the module's own `fix_query_key_value_ordering`), or None."""

@@ -34,7 +34,12 @@ from typing import Callable, Generic, TypeVar
 import torch
 from torch import nn
 
-from .linear_attention import linear_attention_module, linear_layer_unsupported
+from .linear_attention import (
+    attention_layers,
+    linear_attention_module,
+    linear_attention_modules,
+    linear_layer_unsupported,
+)
 from .model import Target, hidden_state_index
 from .static_cache import StaticTarget
 from .walk import FeatureForward, rotary_sections
@@ -145,7 +150,7 @@ def _rotary_structure(rotary: nn.Module) -> str | None:
 def _static_structure(target: Target) -> str | None:
     body = getattr(target.model, "model", None)
     kinds = getattr(target.model.config, "layer_types", None) or [""] * len(target.layers)
-    linear = [m for m in (linear_attention_module(layer) for layer in target.layers) if m is not None]
+    linear = linear_attention_modules(target.layers)
     stateful = sorted({str(kind) for layer, kind in zip(target.layers, kinds)
                        if getattr(layer, "self_attn", None) is None and linear_attention_module(layer) is None})
     if stateful:  # state the static forward does not know how to hold (an SSM, ...)
@@ -154,7 +159,7 @@ def _static_structure(target: Target) -> str | None:
         refusal = linear_layer_unsupported(module)
         if refusal is not None:
             return refusal
-    attention = [layer for layer in target.layers if linear_attention_module(layer) is None]
+    attention = attention_layers(target.layers)
     if not attention:
         return "it has no attention layer"
     attn = getattr(attention[0], "self_attn", None)
@@ -189,7 +194,7 @@ def _static_differ(replica: Target) -> str | None:
     layers = len(replica.layers)
     ids = (torch.arange(12) * 7919 % 512)[None]
     other = (torch.arange(8) * 104729 % 512)[None]
-    hybrid = any(linear_attention_module(layer) is not None for layer in replica.layers)
+    hybrid = bool(linear_attention_modules(replica.layers))
     with torch.no_grad():
         reference = replica.model(ids, output_hidden_states=True, use_cache=False)
         other_reference = replica.model(other, use_cache=False).logits[0]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear_attention import LinearStates, linear_attention_module
+from .linear_attention import LinearStates, attention_layers, linear_attention_module, linear_attention_modules
 from .model import Target, apply_rope
 from .walk import LayerWalk
 
@@ -202,14 +202,14 @@ class StaticTarget:
     @staticmethod
     def bytes_per_position(target: Target) -> int:
         """Cache bytes one row needs per position (keys and values of every attention layer)."""
-        attention = [layer for layer in target.layers if linear_attention_module(layer) is None]
+        attention = attention_layers(target.layers)
         attn = attention[0].self_attn
         return 2 * len(attention) * attn.k_proj.out_features * target.embed_weight.element_size()
 
     @staticmethod
     def bytes_per_row(target: Target) -> int:
         """State bytes one row needs whatever its length (a hybrid's linear-attention states; 0 else)."""
-        linear = [m for m in (linear_attention_module(layer) for layer in target.layers) if m is not None]
+        linear = linear_attention_modules(target.layers)
         return LinearStates.bytes_per_row(linear, target.embed_weight.dtype) if linear else 0
 
     def forward(
