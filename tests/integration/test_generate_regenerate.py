@@ -34,7 +34,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_smollm_dir(smollm2_dir: Path, out: Path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
     """A random-init Llama with SmolLM2's real tokenizer, chat template and eos, saved as an HF folder."""
-    model = tiny_hf_model("llama", vocab=49152, hidden=hidden, layers=layers, seed=seed)
+    return save_with_smollm2_tokenizer(tiny_hf_model("llama", vocab=49152, hidden=hidden, layers=layers, seed=seed),
+                                       smollm2_dir, out)
+
+
+def save_with_smollm2_tokenizer(model, smollm2_dir: Path, out: Path) -> Path:
+    """`model` (SmolLM2's vocabulary) saved as an HF folder with SmolLM2's tokenizer files, chat
+    template and special token ids."""
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:

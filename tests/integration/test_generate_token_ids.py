@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_train.target.model import load_target
-from test_generate_regenerate import _quiet, _rows, _stats
+from test_generate_regenerate import _quiet, _rows, _stats, save_with_smollm2_tokenizer
 from tiny import tiny_hf_model
 
 from dflash_train.cli import main as cli_main
@@ -28,7 +28,6 @@ from dflash_train.generate.regenerate import GenerationSettings, regenerate
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEWLINE = 198  # SmolLM2's "\n"; "\n" * 4 is the single token 22342
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 ANSWER_TOKENS = 24
 TEXTS = [f"Write line {i} about {topic}." for i, topic in enumerate(
     ["rivers", "owls", "prime numbers", "the moon", "bread", "glaciers", "violins", "tea"])]
@@ -39,14 +38,10 @@ def newline_target_dir(smollm2_dir: Path, out: Path) -> Path:
     every embedding shares one large coordinate, which the final norm turns into a constant
     direction that the LM head row of "\\n" reads, so "\\n" wins every greedy step."""
     model = tiny_hf_model("llama", vocab=49152, hidden=64, layers=2, seed=0)
-    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 4.0
         model.lm_head.weight[NEWLINE, 0] = 40.0
-    model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(smollm2_dir) / name, out / name)
-    return out
+    return save_with_smollm2_tokenizer(model, smollm2_dir, out)
 
 
 @pytest.fixture(scope="module")
