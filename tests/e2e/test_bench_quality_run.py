@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_commands_pipeline import prompt_files
 from test_generate_regenerate import tiny_smollm_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,12 +25,7 @@ NOT_FINISHED = 3  # the script's exit status when time ran out before every stag
 def files(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("quality_run")
     target = tiny_smollm_dir(smollm2_dir, root / "target")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
-                               for i in range(40)))
-    dev = root / "dev.jsonl"
-    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
-                           for i in range(3)))
+    prompts, dev = prompt_files(root, 40)
     return {"target": target, "prompts": prompts, "dev": dev}
 
 

@@ -45,16 +45,21 @@ baseline = true
 """
 
 
+def prompt_files(root: Path, count: int) -> tuple[Path, Path]:
+    """`count` training prompts and 3 dev prompts, as prompt files in `root`."""
+    prompts, dev = root / "prompts.jsonl", root / "dev.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
+                               for i in range(count)))
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
+                           for i in range(3)))
+    return prompts, dev
+
+
 @pytest.fixture(scope="module")
 def files(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     target = tiny_smollm_dir(smollm2_dir, root / "target", layers=2, hidden=32)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": f"Tell me fact number {i} about ships."}) + "\n"
-                               for i in range(16)))
-    dev = root / "dev.jsonl"
-    dev.write_text("".join(json.dumps({"id": f"d{i}", "prompt": f"Explain item {i} of a list of rivers."}) + "\n"
-                           for i in range(3)))
+    prompts, dev = prompt_files(root, 16)
     recipe = root / "tiny.toml"
     recipe.write_text(TINY_RECIPE.format(prompts=prompts, dev=dev))
     return {"target": target, "prompts": prompts, "dev": dev, "recipe": recipe, "root": root}
