@@ -108,6 +108,7 @@ def train_rate(target: Target, args, out: str) -> tuple[float | None, str]:
         num_layers=1 if args.tiny else 5, num_anchors=min(512, args.max_seq_len // 4),
         target_layer_ids=layer_ids, mask_token_id=spec.vocab_size - 1,
         device=str(target.device), save_every=10**9, log_every=10, export_dtype="",
+        **({"seq_buckets": [int(b) for b in args.buckets.split(",")]} if args.buckets else {}),
     )
     samples = variable_length_samples(max(32, args.train_batch * 8), spec.vocab_size, args.max_seq_len // 2,
                                       args.max_seq_len)
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--train-batch", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--buckets", default="", help="training length buckets, comma-separated (default: the "
+                                                        "trainer's; each one compiles the drafter once)")
     parser.add_argument("--batch", type=int, default=64, help="regeneration batch (slots)")
     parser.add_argument("--rows", type=int, default=256, help="regenerated prompts")
     parser.add_argument("--max-prompt", type=int, default=512)
