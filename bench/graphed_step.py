@@ -182,8 +182,8 @@ def main() -> int:
                         help="also time a graphed run with train --fp8 head|all (after the three bf16 runs)")
     parser.add_argument("--buckets", default="768",
                         help="padded lengths (`train --seq-buckets`), or auto for train's default; 768 = the recipe as earlier runs timed it")
-    parser.add_argument("--compile-target", default="auto", choices=("auto", "off"),
-                        help="`train --compile-target`: the graphed runs' target forward compiled (auto) or plain (off)")
+    parser.add_argument("--compile-target", default="auto", choices=("auto", "on", "off"),
+                        help="`train --compile-target`: the graphed runs' target forward compiled (auto: dense targets; on: any) or plain (off)")
     parser.add_argument("--runs", default="",
                         help="which runs, in order, of start1,start2,eager,fp8 (default: the first three, and fp8 with --fp8)")
     parser.add_argument("--profile-steps", type=int, default=0,

@@ -122,13 +122,13 @@ def dflash2_fields(config: TrainConfig) -> dict:
 
 # --- compile gate, evaluator -------------------------------------------------------------------
 
-def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan]) -> CompileGate | None:
+def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], target: Target) -> CompileGate | None:
     """The run's compile gate when anything compiles (train/compile_gate.py), else None. Under
     CUDA graphs the target's feature forward compiles too (in its thread's warm-up, which runs
     alone: startup.Warmup), once per bucket and target thread."""
     backends = attention_backends(config, layout)
     compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices) or any(
-        compiles_target(config, d) for d in layout.target_devices)
+        compiles_target(config, d, target) for d in layout.target_devices)
     if not compiles:
         return None
     threads = max(sum(len(plan.devices) for plan in plans), len(layout.target_devices))

@@ -6,8 +6,9 @@ thread, before step 1, one worker at a time: train/startup.py) checks the model 
 (`feature_forward_unsupported`), then per length bucket runs the forward once on a private
 stream, captures it there, and checks that a replay on other ids equals `Target.features` on them.
 
-With `compiled` (train --compile-target auto, on CUDA) the captured forward is the
-torch.compile'd one, one compile per length bucket in that first run: a Hugging Face layer is
+With `compiled` (train/precision.compiles_target: on CUDA, under --compile-target auto for a
+dense target only) the captured forward is the torch.compile'd one, one compile per length
+bucket in that first run: a Hugging Face layer is
 dozens of small kernels (RMSNorm, rotary embedding, SiLU, residual adds) that inductor fuses; on
 SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A bucket whose
 compiled forward fails to compile, to capture or to pass the replay check captures the plain

@@ -12,6 +12,7 @@ from ..config import ConfigError, TrainConfig
 from ..core.attention import resolve_backend
 from ..core.fp8 import check_fp8_dims, fp8_unsupported
 from ..core.objective import fused_head_unsupported
+from ..decode.families import family_kind
 from ..target.model import Target
 from .layout import DrafterPlan, Layout
 
@@ -20,10 +21,24 @@ def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
     return config.parallel.compile == "on" or (config.parallel.compile == "auto" and device.type == "cuda")
 
 
-def compiles_target(config: TrainConfig, device: torch.device) -> bool:
+def compiles_target(config: TrainConfig, device: torch.device, target: Target) -> bool:
     """Whether the target's feature forward on `device` is compiled before its capture (only
-    under CUDA graphs: train/feature_graphs.py)."""
-    return config.parallel.compile_target == "auto" and compiles_drafter(config, device)
+    under CUDA graphs: train/feature_graphs.py): wherever --compile compiles, under auto only
+    for a dense target (a hybrid's or MoE's compile took minutes at real shapes and yielded no
+    compiled graph: the MoE's was refused, the hybrid's pure-torch delta rule never finished)."""
+    if config.parallel.compile_target == "off" or not compiles_drafter(config, device):
+        return False
+    return config.parallel.compile_target == "on" or family_kind(target) == "dense"
+
+
+def uncompiled_target_note(config: TrainConfig, devices: list[torch.device], target: Target) -> str | None:
+    """The start line's note where --compile-target auto alone keeps the target's feature forward
+    on `devices` uncompiled (its family is not dense), else None."""
+    kind = family_kind(target)
+    if config.parallel.compile_target != "auto" or kind == "dense" or not any(compiles_drafter(config, d) for d in devices):
+        return None
+    return (f"target feature forward: captured uncompiled (--compile-target auto compiles dense targets only; "
+            f"this target is {kind}; --compile-target on compiles it)")
 
 
 def attention_backends(config: TrainConfig, layout: Layout) -> dict[torch.device, str]:

@@ -28,6 +28,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from ..parallel.threads import PipelineStopped, StopSignal
+from ..target.model import Target
 from .compile_cache import CompileCacheReport, save_compile_cache
 from .compile_gate import CompileGate
 from .feature_graphs import GraphedFeatures
@@ -79,15 +80,15 @@ def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths:
 
 
 def graphed_sources(sources: list[Any], choice: GraphChoice, lengths: list[int], batch_size: int,
-                    compiled: Callable[[torch.device], bool]) -> list[Any]:
+                    compiled: Callable[[torch.device, Target], bool]) -> list[Any]:
     """Live targets' feature sources with their forward graphed (feature caches stay as they are),
-    compiled first on the devices where `compiled(device)` says so."""
+    compiled first where `compiled(device, target)` says so."""
     if not choice.enabled:
         return sources
     out = []
     for source in sources:
         target = getattr(source, "target", None)
-        out.append(GraphedFeatures(source, target, lengths, batch_size, compiled=compiled(source.device))
+        out.append(GraphedFeatures(source, target, lengths, batch_size, compiled=compiled(source.device, target))
                    if target is not None else source)
     return out
 

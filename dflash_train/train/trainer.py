@@ -36,6 +36,7 @@ from .compile_gate import CompileGate
 from .coordinator import Coordinator
 from .drafter_worker import StepHook
 from .layout import DrafterPlan, Layout, layer_union, plan_drafters, resolve_layout, step_share
+from .precision import uncompiled_target_note
 from .reporting import Sink, open_sinks
 from .resume import ResumePoint, find_resume_point, run_target_identity, set_aside_later_checkpoints, step_range
 from .startup import choose_cuda_graphs
@@ -93,7 +94,7 @@ def train(
         identity = run_target_identity(config, supply)
         resume = agreed_resume_point(config, plans, nodes, stream, identity, log)
         steps = step_range(config, resume, stop_at, log)
-        gate = entered_compile_gate(config, layout, plans, owned, log)
+        gate = entered_compile_gate(config, layout, plans, supply.first, owned, log)
         compile_cache = load_compile_cache(out, log) if gate is not None else None
         evaluation = build_evaluation(config, supply, steps, log) if nodes.writes else None
         run = Run(config=config, nodes=nodes, layout=layout, graphs=graphs, plans=plans, folder=out, supply=supply,
@@ -101,6 +102,9 @@ def train(
                   gate=gate, compile_cache=compile_cache, evaluation=evaluation, log=log)
         pipeline = build_pipeline(run, step_hook=step_hook, save_checkpoints=save_checkpoints)
         print(layout_line(run, pipeline) + f"\ncuda graphs: {graphs.reason}", file=log)
+        note = uncompiled_target_note(config, layout.target_devices, supply.first) if graphs.enabled and supply.cache is None else None
+        if note:
+            print(note, file=log)
         run_sinks = open_run_sinks(run, sinks)
         nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
         summary = Coordinator(run, pipeline, run_sinks).run()
@@ -122,11 +126,11 @@ def agreed_resume_point(config: TrainConfig, plans: list[DrafterPlan], nodes: No
     return resume
 
 
-def entered_compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], owned: contextlib.ExitStack,
-                         log: TextIO) -> CompileGate | None:
+def entered_compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], target: Target,
+                         owned: contextlib.ExitStack, log: TextIO) -> CompileGate | None:
     """The run's compile gate, entered before any worker starts and left (by `owned`) after all
     have ended; None when nothing compiles."""
-    gate = compile_gate(config, layout, plans)
+    gate = compile_gate(config, layout, plans, target)
     if gate is not None:
         owned.enter_context(gate)
         print(f"compile gate: {gate.describe()}", file=log)

@@ -2,6 +2,7 @@
 pipeline trains with graphs and names a deliberately slowed target. Every test asserts that the
 graphs were really captured (a silent fallback to eager would otherwise pass as equal)."""
 
+import io
 import json
 import os
 import threading
@@ -358,6 +359,20 @@ def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
     assert all(workers[name]["gpu_busy"] is not None and 0 < workers[name]["gpu_busy"] <= 1 for name in workers), workers
     assert records[-1]["bottleneck"] in ("target GPU", "drafter GPU", "target host", "drafter host", "queue")
     assert eager["startup"]["time_to_first_step_s"] is not None
+
+
+def test_a_hybrid_target_is_captured_uncompiled_under_compile_target_auto_and_one_line_says_so(tmp_path):
+    """--compile-target auto compiles dense targets only: a hybrid's feature forward is captured
+    plain (0 compiled), and the start says so once."""
+    model = tiny_hf_model("qwen3_5_text", layers=4, hidden=256).to(DEVICE, torch.bfloat16)
+    log = io.StringIO()
+    config = _pipeline_config(tmp_path, cuda_graphs="on", steps=4, save_every=4, max_seq_len=128, seq_buckets=[128],
+                              attention="sdpa")
+    summary = train(config, samples=pattern_samples(16, max_len=120), target=Target(model), log=log)
+    said = [line for line in log.getvalue().splitlines() if line.startswith("target feature forward:")]
+    assert said == ["target feature forward: captured uncompiled (--compile-target auto compiles dense targets only; "
+                    "this target is hybrid; --compile-target on compiles it)"], log.getvalue()
+    assert "feature graphs, 0 compiled" in summary["startup"]["warmup_notes"]["target-0"], summary["startup"]
 
 
 def _slow_gpu_target(seconds: float) -> Target:

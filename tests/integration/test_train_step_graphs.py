@@ -4,6 +4,7 @@ through it, the capturable feature forward against Target.features, the fallback
 configuration errors. Capture and replay themselves need a GPU: tests/gpu/test_train_step_graphs_gpu.py."""
 
 import copy
+import functools
 import json
 import os
 import time
@@ -331,25 +332,47 @@ def test_cuda_graphs_choices_and_configuration_errors(tmp_path):
 
 
 def test_compile_target_decides_which_graphed_sources_compile_the_feature_forward(target):
-    """--compile-target auto compiles the target's feature forward wherever --compile compiles the
-    drafter (auto: on CUDA); off, or --compile off, captures the plain forward; anything else is a
-    one-line configuration error."""
-    from dflash_train.train.precision import compiles_target
+    """--compile-target auto compiles a dense target's feature forward wherever --compile compiles
+    the drafter (auto: on CUDA), a hybrid's or MoE's never, and says so in one start line; on
+    compiles every family's; off, or --compile off, captures the plain forward; anything else is
+    a one-line configuration error. No CUDA call is made: the decision reads the device's type."""
+    from dflash_train.train.precision import compiles_target, uncompiled_target_note
     from dflash_train.train.supply import LiveTarget
     from dflash_train.train.startup import GraphChoice, graphed_sources
 
     cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
-    assert compiles_target(TrainConfig(), cuda) and not compiles_target(TrainConfig(), cpu)
-    assert not compiles_target(TrainConfig(compile_target="off"), cuda)
-    assert not compiles_target(TrainConfig(compile="off"), cuda)
-    assert compiles_target(TrainConfig(compile="on"), cpu)
+    hybrid, moe = tiny_target("qwen3_5_text", layers=4), tiny_target("qwen3_moe", layers=2)
+    assert compiles_target(TrainConfig(), cuda, target) and not compiles_target(TrainConfig(), cpu, target)
+    assert compiles_target(TrainConfig(compile="on"), cpu, target)
+    for other in (hybrid, moe):
+        assert not compiles_target(TrainConfig(), cuda, other) and not compiles_target(TrainConfig(compile="on"), cpu, other)
+    for each in (target, hybrid, moe):
+        assert compiles_target(TrainConfig(compile_target="on"), cuda, each)
+        assert compiles_target(TrainConfig(compile_target="on", compile="on"), cpu, each)
+        assert not compiles_target(TrainConfig(compile_target="on"), cpu, each)  # --compile auto: CUDA only
+        assert not compiles_target(TrainConfig(compile_target="on", compile="off"), cuda, each)
+        assert not compiles_target(TrainConfig(compile_target="off"), cuda, each)
     with pytest.raises(ConfigError, match="--compile-target 'yes'"):
         TrainConfig(compile_target="yes")
+
+    assert uncompiled_target_note(TrainConfig(), [cuda], hybrid) == (
+        "target feature forward: captured uncompiled (--compile-target auto compiles dense targets only; "
+        "this target is hybrid; --compile-target on compiles it)")
+    assert "this target is moe;" in uncompiled_target_note(TrainConfig(), [cpu, cuda], moe)
+    assert uncompiled_target_note(TrainConfig(), [cuda], target) is None
+    for config in (TrainConfig(compile_target="on"), TrainConfig(compile_target="off"), TrainConfig(compile="off")):
+        assert uncompiled_target_note(config, [cuda], hybrid) is None
+    assert uncompiled_target_note(TrainConfig(), [cpu], hybrid) is None
+
     live = LiveTarget(target, LAYERS)
     for compiled in (True, False):
-        [source] = graphed_sources([live], GraphChoice(True, "on"), BUCKETS, 4, compiled=lambda device: compiled)
+        [source] = graphed_sources([live], GraphChoice(True, "on"), BUCKETS, 4, compiled=lambda device, _: compiled)
         assert source.fallback is live and (source.compiled_forward is not None) == compiled
-    assert graphed_sources([live], GraphChoice(False, "off"), BUCKETS, 4, compiled=lambda device: True) == [live]
+    assert graphed_sources([live], GraphChoice(False, "off"), BUCKETS, 4, compiled=lambda device, _: True) == [live]
+    # build_target_workers' decision, per source's own target (constructing torch.compile compiles nothing yet)
+    sources = graphed_sources([live, LiveTarget(hybrid, [1, 3])], GraphChoice(True, "on"), BUCKETS, 4,
+                              compiled=functools.partial(compiles_target, TrainConfig(compile="on")))
+    assert [source.compiled_forward is not None for source in sources] == [True, False]
 
 
 def test_cli_refuses_cuda_graphs_on_the_cpu_in_one_line(tmp_path, capsys):

@@ -98,11 +98,14 @@ def test_unknown_and_bad_flags_are_one_line_with_exit_2(tmp_path, capsys):
     assert "unknown argument '--lrr'; did you mean --lr?" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "r"), "--steps", "many"]) == 2
     assert "--steps: cannot read 'many' as an integer" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "r"), "--compile-target", "always"]) == 2
+    assert "--compile-target 'always': use auto, on or off" in capsys.readouterr().err
 
 
 def test_lists_and_bools_parse_from_flags(tmp_path):
     config = _config(tmp_path, ["--target-layer-ids", "1, 3,5", "--seq-buckets", "", "--drafter-devices", "cpu,cpu",
-                                "--resume", "--fail-on-recompile", "--mask-token-id", "none"])
+                                "--resume", "--fail-on-recompile", "--mask-token-id", "none", "--compile-target", "on"])
+    assert config.parallel.compile_target == "on"
     assert config.model.target_layer_ids == [1, 3, 5] and config.data.seq_buckets == [] and config.parallel.drafter_devices == ["cpu", "cpu"]
     assert config.checkpoint.resume is True and config.parallel.fail_on_recompile is True and config.model.mask_token_id is None
     with pytest.raises(ConfigError, match="--target-layer-ids: cannot read 'x' as an integer"):
