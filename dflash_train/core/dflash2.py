@@ -113,9 +113,25 @@ class CandidateSelector(nn.Module):
         at T = 0). Row i of q is the distribution path[:, i] was drawn from, given path[:, :i]."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         projected = self.hidden_projection(hidden)
+        if temperature == 0:
+            return self.greedy_path(projected, unary, candidates, anchor), candidates, None
+        path, q = self.walk(projected, unary, candidates, anchor, temperature, generator)
+        return path, candidates, q
+
+    def walk(
+        self,
+        projected: torch.Tensor,
+        unary: torch.Tensor,
+        candidates: torch.Tensor,
+        anchor: torch.Tensor,
+        temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reference's loop, one position at a time: each choice is the next predecessor;
+        drawn at T > 0 (-> path, q), the argmax at T = 0 (-> path, None: `greedy_path`'s check)."""
         predecessor = anchor
         path, q_rows = [], []
-        for position in range(hidden.shape[1]):
+        for position in range(projected.shape[1]):
             scores = self.scores(projected[:, position], predecessor, unary[:, position], candidates[:, position])
             if temperature > 0:
                 q = torch.softmax(scores.float() / temperature, dim=-1)
@@ -127,7 +143,34 @@ class CandidateSelector(nn.Module):
                 index = scores.argmax(dim=-1)
             predecessor = candidates[:, position].gather(-1, index[:, None])[:, 0]
             path.append(predecessor)
-        return torch.stack(path, dim=1), candidates, torch.stack(q_rows, dim=1) if q_rows else None
+        return torch.stack(path, dim=1), torch.stack(q_rows, dim=1) if q_rows else None
+
+    def greedy_path(
+        self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor
+    ) -> torch.Tensor:
+        """`walk` at T = 0 in a fixed number of kernels, not ~8 per position: a position's
+        predecessor is the anchor or one of the previous position's k candidates, so every score
+        the walk can need is one `scores` call over b·n·k rows, and the walk only follows the
+        argmaxes. Each row goes through the walk's own einsum (`scores`), one row per
+        predecessor, so its sums round as the walk's: the tests compare the paths."""
+        b, n, k = candidates.shape
+        predecessors = torch.cat([anchor[:, None, None].expand(b, 1, k), candidates[:, :-1]], dim=1)
+        rows = b * n * k
+        scores = self.scores(
+            projected[:, :, None].expand(b, n, k, -1).reshape(rows, -1),
+            predecessors.reshape(rows),
+            unary[:, :, None].expand(b, n, k, k).reshape(rows, k),
+            candidates[:, :, None].expand(b, n, k, k).reshape(rows, k),
+        )
+        # reach[:, p, j] starts as position p's pick after position p-1 picked j (position 0's
+        # row: the anchor's pick, repeated). Each pass composes it with the map `span` positions
+        # back, so after log2(n) gathers (not n) it is position p's pick on the path, whatever j.
+        reach = scores.argmax(dim=-1).view(b, n, k)
+        span = 1
+        while span < n:
+            reach = torch.cat([reach[:, :span], reach[:, span:].gather(-1, reach[:, :-span])], dim=1)
+            span *= 2
+        return candidates.gather(-1, reach[:, :, :1])[:, :, 0]
 
     def teacher_forced(
         self,

@@ -80,6 +80,24 @@ def test_head_ce_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_the
     assert refused.returncode == 2 and "not a CUDA device" in refused.stderr, refused.stderr
 
 
+def test_selector_cost_counts_and_times_both_greedy_paths(tmp_path):
+    """bench/selector_cost.py at small sizes: both paths pick the same paths, the batched one's
+    kernels do not grow with the 15 positions as the sequential walk's do, and the summary line
+    is the JSON's."""
+    out = tmp_path / "selector.json"
+    printed = ok(bench("selector_cost.py", "--device", "cpu", "--vocab", "300", "--hidden", "16", "--rank", "8",
+                       "--top-k", "4", "--iters", "2", "--warmup", "0", "--check", "5", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["paths_equal"] == [5, 5] and "paths equal on 5/5 random draws (cpu, float32)" in printed
+    batched, sequential = result["paths"]["batched"], result["paths"]["sequential"]
+    assert sequential["ops_by_name"]["argmax"] == 15 and batched["ops_by_name"]["argmax"] == 1
+    assert batched["ops"] < sequential["ops"] / 3 and batched["ms"] > 0 and sequential["ms"] > 0
+    line = re.search(r"^selector greedy path SmolLM2: (\d+) ops, ([\d.]+) ms \(sequential (\d+) ops, ([\d.]+) ms\)$",
+                     printed, re.MULTILINE)
+    assert line and line.group(0) == result["summary"]
+    assert (int(line.group(1)), int(line.group(3))) == (batched["ops"], sequential["ops"])
+
+
 def test_static_decode_speed_records_every_number_the_gpu_run_records(tmp_path):
     """bench/static_decode_speed.py in its tiny mode with prompts of several lengths and the
     profiler (a broken bench costs device time)."""

@@ -107,6 +107,29 @@ def test_dflash2_captured_greedy_steps_give_the_eager_tokens(dtype):
         assert static.tokens == generate(target, drafter, prompt, 40, decoder="hf").tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_path_equals_the_position_by_position_walk_on_the_gpu(dtype):
+    """cuBLAS may reduce the batched scores table's rows in another order than the walk's one
+    row per call; at SmolLM2's sizes the paths must still agree (the CPU test's cases, here)."""
+    from dflash_train.core.dflash2 import CandidateSelector
+
+    generator = torch.Generator().manual_seed(0)
+    for vocab, rank, top_k in ((1000, 16, 16), (49152, 64, 16), (49152, 16, 8)):
+        for scale, batch in ((0.02, 1), (0.3, 1), (2.0, 3)):
+            selector = CandidateSelector(576, vocab, rank, top_k)
+            selector.reset_parameters(generator, std=scale)
+            selector = selector.to(DEVICE, dtype)
+            for _ in range(20):
+                hidden = torch.randn(batch, 15, 576, generator=generator).to(DEVICE, dtype)
+                logits = (torch.randn(batch, 15, vocab, generator=generator) * 4).to(DEVICE)
+                anchor = torch.randint(0, vocab, (batch,), generator=generator).to(DEVICE)
+                with torch.no_grad():
+                    path, candidates, _ = selector.select(hidden, logits, anchor, 0.0)
+                    unary, _ = torch.topk(logits, top_k, dim=-1, sorted=False)
+                    walked, _ = selector.walk(selector.hidden_projection(hidden), unary, candidates, anchor, 0.0)
+                assert torch.equal(path, walked), (vocab, rank, top_k, scale, batch)
+
+
 def test_variants_train_dflash_and_dflash2_on_one_gpu_with_graphs(tmp_path):
     variants = [{"name": "dflash"}, {"name": "dflash2", **DFLASH2}]
     config = _pipeline_config(tmp_path, cuda_graphs="on", mode="variants", variants=variants, steps=12, save_every=12,

@@ -1,6 +1,7 @@
 """DFlash2: our drafter against the reference (`dflash` 0.1.0 on PyPI, `DFlash2DraftModel`) loaded
 from our export, the selector's training objective, and the export rules."""
 
+import itertools
 import json
 
 import pytest
@@ -257,6 +258,31 @@ def test_selector_miss_rules():
     ce[1].backward()
     assert selector.successor_codebook.grad[9].abs().sum() > 0  # the inserted token's row learns
     assert selector.successor_codebook.grad[7].abs().sum() == 0  # the lowest candidate was replaced
+
+
+@pytest.mark.parametrize("vocab, rank, top_k", [(50, 4, 1), (50, 8, 6), (1000, 16, 16), (49152, 64, 16)])
+def test_greedy_path_equals_the_position_by_position_walk(vocab, rank, top_k):
+    """`select` at T = 0 (the batched scores table, then the walk along its argmaxes) picks the
+    path the reference's loop (`walk`) picks, over seeds, batches, block lengths and codebook
+    scales from fresh (0.02) to far past a trained selector's, where most picks are not the
+    head's argmax."""
+    from dflash_train.core.dflash2 import CandidateSelector
+
+    torch.manual_seed(vocab + rank)
+    selector = CandidateSelector(32, vocab, rank, top_k)
+    overridden = 0
+    for seed, scale, (batch, length) in itertools.product(range(3), (0.02, 0.3, 2.0), ((1, 15), (1, 17), (3, 5), (2, 2), (2, 1))):
+        selector.reset_parameters(torch.Generator().manual_seed(seed), std=scale)
+        hidden = torch.randn(batch, length, 32)
+        logits = torch.randn(batch, length, vocab) * 4
+        anchor = torch.randint(0, vocab, (batch,))
+        with torch.no_grad():
+            path, candidates, q = selector.select(hidden, logits, anchor, 0.0)
+            unary, _ = torch.topk(logits, top_k, dim=-1, sorted=False)
+            walked, _ = selector.walk(selector.hidden_projection(hidden), unary, candidates, anchor, 0.0)
+        assert q is None and torch.equal(path, walked), (seed, scale, batch, length)
+        overridden += int((path != logits.argmax(-1)).sum())
+    assert top_k == 1 or overridden > 20  # the codebooks chose, so a wrong predecessor would show
 
 
 def test_dflash2_training_steps_lower_the_loss_and_train_every_part(miss="insert"):
