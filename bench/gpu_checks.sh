@@ -88,6 +88,25 @@ for name in "$@"; do
         starts) stage starts ${STARTS_LIMIT:-290} python3 bench/pipeline.py --dims small --device cuda:0 --steps 20 \
             --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 512,1024,1536,2048 --num-anchors 256 \
             --cuda-graphs on --starts 2 --json "$OUT/starts.json" ;;
+        # Open GPU checks: the slowed-target test with more hardware queues (is queue sharing why the
+        # drafter looks busiest?), the tests not run since the house move, DFlash2's greedy path,
+        # and the hybrid's training line at training length (its feature forward now uncompiled).
+        slowed-queues) stage slowed-queues-8 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_train_step_graphs_gpu.py -k slowed_target
+            CUDA_DEVICE_MAX_CONNECTIONS=32 stage slowed-queues-32 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_train_step_graphs_gpu.py -k slowed_target ;;
+        moved-tests) stage moved-tests ${MOVED_LIMIT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/gpu/test_core_dflash2_gpu.py tests/gpu/test_core_head_kernel_gpu.py tests/integration/test_core_fp8.py \
+            tests/integration/test_data_feature_cache.py tests/integration/test_train_trainer.py \
+            tests/gpu/test_train_step_graphs_gpu.py tests/gpu/test_target_hybrid_gpu.py -k "not slowed_target"
+            stage nodes-nccl 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_parallel_nodes.py -k nccl ;;
+        selector) stage selector 120 python3 bench/selector_cost.py --json "$OUT/selector_cost.json" ;;
+        hybrid-train) stage hybrid-train ${HYBRID_LIMIT:-400} python3 bench/hybrid_targets.py --device cuda:0 --family qwen3_5 \
+            --steps 12 --train-batch 4 --max-seq-len 2048 --buckets 2048 --skip regenerate ;;
+        # `--fp8 all` under graphs at recipe size (needs GGUF= and DATA=): its 2026-12-02 run printed no
+        # step after warm-up; the bench writes every thread's stack before its box ends.
+        graphed-fp8) stage graphed-fp8 ${GRAPHED_LIMIT:-290} python3 bench/graphed_step.py --gguf "$GGUF" --data "$DATA" \
+            --steps ${GRAPHED_STEPS:-240} --run-timeout 120 --fp8 all --cache-dir /tmp/dflash-cache --json "$OUT/graphed_fp8.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac
