@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rendering speed of training rows: one process vs worker processes (data/render_pool.py).
+"""Rendering speed of training rows: one process vs worker processes (dflash_train/processes.py).
 
     python bench/render_speed.py --target SMOLLM2_DIR_OR_GGUF --data answers.jsonl --workers 1,4,16
 

@@ -13,7 +13,6 @@ text. `RowStats.answers` counts the used rows of each kind, and why text was use
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -26,10 +25,10 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 import torch
 
 from ..config import TOKEN_IDS
+from ..processes import WorkerError, available_cores, map_in_processes
 from ..progress import Progress
 from .readers import FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, RowStats, read_conversations
 from .render import RenderError, render_conversation, tokenizer_fingerprint
-from .render_pool import RenderPoolError, render_in_workers
 
 NO_VALID_ANCHOR = "no valid anchor"
 # Reads shorter than this print no progress line.
@@ -69,7 +68,7 @@ def load_training_samples(
     (`token_ids`: see the module doc).
 
     A file of `parallel_min_rows` rows or more is rendered by `workers` processes (None: one per
-    core, at most MAX_RENDER_WORKERS; see render_pool). Same samples, order and stats either way;
+    core, at most MAX_RENDER_WORKERS; see dflash_train/processes.py). Same samples, order and stats either way;
     if the workers fail, the file is rendered here (with a warning)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -77,7 +76,7 @@ def load_training_samples(
         raise ValueError(f"max_length must be at least 2 (one anchor and its next token), got {max_length}")
     if token_ids not in TOKEN_IDS:
         raise ValueError(f"token_ids must be one of {', '.join(TOKEN_IDS)}, got {token_ids!r}")
-    workers = min(os.cpu_count() or 1, MAX_RENDER_WORKERS) if workers is None else workers
+    workers = min(available_cores(), MAX_RENDER_WORKERS) if workers is None else workers
     fingerprint = tokenizer_fingerprint(tokenizer) if token_ids == "auto" else None
     rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking, fingerprint)
     stats = RowStats()
@@ -188,8 +187,8 @@ def _render_in_workers(tokenizer: Any, rows: list[tuple[int, Conversation]], rul
     """Outcomes of `rows` in order, rendered by worker processes; None (with a warning) if they failed."""
     progress.print(f"rendering {len(rows)} rows in {workers} worker processes")
     try:
-        outcomes = render_in_workers(rule.render, tokenizer, [conversation for _, conversation in rows], workers)
-    except RenderPoolError as error:
+        outcomes = map_in_processes(rule.render, [conversation for _, conversation in rows], workers, fixed=(tokenizer,))
+    except WorkerError as error:
         warnings.warn(f"rendering in worker processes failed ({error}); rendering in this process", stacklevel=3)
         return None
     progress.update(len(rows))

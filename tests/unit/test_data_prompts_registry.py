@@ -3,6 +3,8 @@
 import collections
 import gzip
 import json
+import random
+import warnings
 
 import pytest
 from data_files import REGENERATED_4000, WITHOUT_REGENERATED_4000
@@ -12,11 +14,14 @@ from dflash_train.data.prompts.registry import (
     MAX_PROMPT_CHARS,
     MIN_PROMPT_CHARS,
     asks_for_short_answer,
-    default_training_prompts,
+    capped_registry_prompts,
     evals_registry_dir,
     looks_like_junk,
     prompt_rejection,
+    ScanLimits,
+    _scanned_file,
 )
+from dflash_train.data.decontaminate import normalized_key
 from dflash_train.data.readers import RowStats
 
 SUBSET_TASKS = ["chinese_ancient_masterpieces_dynasty", "knot-theory", "linear-regression", "ral_to_hex"]
@@ -26,10 +31,19 @@ def text_of(prompt) -> str:
     return "\n".join(m["content"] for m in prompt.messages)
 
 
+def capped(registry_dir=None, seed=0, *, per_file=20, short_per_file=10, per_task=100, workers=None, seen=None):
+    """`capped_registry_prompts` with small caps (the product's are 2,000 / 1,000 / 5,000): open
+    prompts, short-answer prompts and the row counts."""
+    stats = RowStats()
+    selection = capped_registry_prompts(set() if seen is None else seen, stats, seed=seed, max_per_file=per_file,
+                                        max_short_per_file=short_per_file, max_per_task=per_task,
+                                        registry_dir=registry_dir, workers=workers)
+    return selection.open, selection.short_answer, stats
+
+
 @pytest.fixture(scope="module")
 def registry_prompts():
-    stats = RowStats()
-    return default_training_prompts(stats=stats), stats
+    return capped()
 
 
 @pytest.fixture
@@ -41,41 +55,85 @@ def small_registry(tmp_path):
 
 
 def test_default_prompts_are_many_diverse_and_clean(registry_prompts):
-    prompts, stats = registry_prompts
-    print(f"\n{len(prompts)} default prompts\n{stats.summary()}")
-    assert 6500 <= len(prompts) <= 8000  # 7,136 with evals 3.0.1.post1; the reference run used 4,000
-    assert stats.used == len(prompts) and stats.used + stats.skipped == stats.read
-    per_task = collections.Counter(p.id.split("/")[1] for p in prompts)
+    prompts, short, stats = registry_prompts
+    print(f"\n{len(prompts)} open prompts, {len(short)} short-answer\n{stats.summary()}")
+    assert 2300 <= len(prompts) <= 2900 and 2500 <= len(short) <= 3200  # 2,605 and 2,880 with evals 3.0.1.post1
+    assert stats.used == len(prompts) + len(short) and stats.used + stats.skipped == stats.read
+    per_task = collections.Counter(p.id.split("/")[1] for p in prompts + short)
     assert len(per_task) >= 120 and max(per_task.values()) <= 100
-    assert len({p.id for p in prompts}) == len(prompts)
-    assert len({" ".join(text_of(p).lower().split()) for p in prompts}) == len(prompts)
-    for prompt in prompts[::10]:  # every tenth: the filter is slow-ish in Python
+    per_file = collections.Counter(p.id.rsplit(":", 1)[0] for p in prompts + short)
+    assert max(per_file.values()) <= 20
+    assert len({p.id for p in prompts + short}) == len(prompts) + len(short)
+    assert len({" ".join(text_of(p).lower().split()) for p in prompts + short}) == len(prompts) + len(short)
+    for prompt in prompts[::10] + short[::10]:  # every tenth: the filter is slow-ish in Python
         assert prompt.messages[-1]["role"] == "user" and {m["role"] for m in prompt.messages} <= {"system", "user"}
         assert MIN_PROMPT_CHARS <= len(text_of(prompt)) <= MAX_PROMPT_CHARS
-        assert not asks_for_short_answer(text_of(prompt)) and not looks_like_junk(text_of(prompt))
-    for reason in ("asks for a short answer", "few-shot examples in the prompt", "mostly non-text content", "duplicate prompt"):
+        assert not looks_like_junk(text_of(prompt))
+    assert not any(asks_for_short_answer(text_of(p)) for p in prompts[::10])
+    assert all(prompt_rejection(p.messages) == "asks for a short answer" for p in short[::10])
+    for reason in ("short-answer prompt over the per-file cap", "few-shot examples in the prompt",
+                   "mostly non-text content", "duplicate prompt", "over the per-task cap"):
         assert stats.skipped_by_reason[reason] > 0
 
 
 def test_prompt_ids_point_at_their_row_in_the_installed_registry(registry_prompts):
-    prompts, _ = registry_prompts
+    prompts, short, _ = registry_prompts
     registry = evals_registry_dir()
-    for prompt in prompts[:50]:
+    for prompt in prompts[:25] + short[:25]:
         relative, line = prompt.id.removeprefix("evals/").rsplit(":", 1)
         row = json.loads((registry / relative).read_text().splitlines()[int(line) - 1])
         assert [{"role": m["role"], "content": m["content"]} for m in row["input"]] == prompt.messages
 
 
 def test_same_seed_same_prompts_other_seed_other_sample(small_registry):
-    first = default_training_prompts(seed=0, max_per_task=10, registry_dir=small_registry)
-    again = default_training_prompts(seed=0, max_per_task=10, registry_dir=small_registry)
-    other = default_training_prompts(seed=1, max_per_task=10, registry_dir=small_registry)
-    assert [p.id for p in first] == [p.id for p in again]
+    first, first_short, _ = capped(small_registry, per_task=10)
+    again, again_short, _ = capped(small_registry, per_task=10)
+    other, _, _ = capped(small_registry, seed=1, per_task=10)
+    assert [p.id for p in first + first_short] == [p.id for p in again + again_short]
     assert [p.id for p in other] != [p.id for p in first]
-    assert [p.id for p in default_training_prompts(limit=7, seed=0, max_per_task=10, registry_dir=small_registry)] == [p.id for p in first[:7]]
     per_task = collections.Counter(p.id.split("/")[1] for p in first)
     assert "chinese_ancient_masterpieces_dynasty" not in per_task  # "你只需要回答朝代": answer only the dynasty
     assert set(per_task) == {"knot-theory", "linear-regression", "ral_to_hex"} and max(per_task.values()) == 10
+    assert {p.id.split("/")[1] for p in first_short} == {"chinese_ancient_masterpieces_dynasty"}
+
+
+def _write_task(registry, task: str, texts: list[str]) -> None:
+    (registry / task).mkdir(parents=True)
+    rows = [json.dumps({"input": [{"role": "user", "content": text}], "ideal": ""}) for text in texts]
+    (registry / task / "samples.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def test_a_file_full_of_earlier_prompts_still_fills_its_quota_in_its_seeded_order(tmp_path):
+    """Rows are judged ahead by workers that cannot know what earlier files took; where
+    duplicates leave a file's quota short, the scan goes on past the workers' rows, exactly as a
+    scan in one process would: the file's first 5 new prompts in its seeded order (the earlier
+    task's 5 prompts were all taken, its quota being 5)."""
+    earlier = [f"Write a detailed essay about topic number {k} and its long history." for k in range(5)]
+    fresh = [f"Describe, with examples, how machine number {k} is built and maintained." for k in range(10)]
+    _write_task(tmp_path, "a-earlier", earlier)
+    _write_task(tmp_path, "b-mixed", earlier + fresh)
+    prompts, _, stats = capped(tmp_path, per_file=5, per_task=50, workers=1)
+    name = "evals/b-mixed/samples.jsonl"
+    lines = (tmp_path / "b-mixed" / "samples.jsonl").read_text().split("\n")
+    order = random.Random(f"0:{name}").sample(range(len(lines)), len(lines))
+    expected = [f"{name}:{i + 1}" for i in order if lines[i].strip() and i >= len(earlier)][:5]
+    assert [p.id for p in prompts if p.id.startswith(name)] == sorted(expected, key=lambda i: int(i.rsplit(":", 1)[1]))
+    assert stats.skipped_by_reason["duplicate prompt"] > 0
+    # The judged-ahead rows alone would not have done: some of them were duplicates.
+    ahead = _scanned_file(ScanLimits(0, 5, 10), (tmp_path / "b-mixed" / "samples.jsonl", name)).rows
+    assert len(ahead) == 5 and any(row.key in set(map(normalized_key, earlier)) for row in ahead)
+
+
+def test_worker_processes_take_what_one_process_takes(small_registry):
+    """The registry judged by two worker processes (a failure would warn, here an error) gives the
+    prompts, short-answer prompts and counts of one process."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        there = capped(small_registry, per_task=10, workers=2)
+    here = capped(small_registry, per_task=10, workers=1)
+    assert [[p.id for p in there[0]], [p.id for p in there[1]], there[2].read, there[2].skipped_by_reason] == \
+        [[p.id for p in here[0]], [p.id for p in here[1]], here[2].read, here[2].skipped_by_reason]
+    assert [p.messages for p in there[0]] == [p.messages for p in here[0]]
 
 
 @pytest.mark.parametrize(

@@ -172,10 +172,10 @@ def _render_defined_in_a_test(tokenizer, row):  # not importable by a worker: te
 
 
 def test_a_failing_worker_is_reported_and_rendering_falls_back(tokenizer, monkeypatch):
-    from dflash_train.data.render_pool import RenderPoolError, render_in_workers
+    from dflash_train.processes import WorkerError, map_in_processes
 
-    with pytest.raises(RenderPoolError, match=r"worker \d exited with 1: ModuleNotFoundError: No module named 'test_data_samples'"):
-        render_in_workers(_render_defined_in_a_test, None, list(range(4)), 2)
+    with pytest.raises(WorkerError, match=r"worker \d exited with 1: ModuleNotFoundError: No module named 'test_data_samples'"):
+        map_in_processes(_render_defined_in_a_test, list(range(4)), 2, fixed=(None,))
     here = load_training_samples(REGENERATED_64, tokenizer, max_length=768, min_supervised_tokens=32, workers=1)
     monkeypatch.setattr("sys.executable", "/nonexistent/python")  # the workers cannot start
     with pytest.warns(UserWarning, match="rendering in worker processes failed .*; rendering in this process"):

@@ -29,8 +29,8 @@ FLOORS = {
     "core": 3,  # the drafter, the mask, the objective, one training step
     "data": 3,  # rows, rendering, samples, the feature cache; data/prompts: prompt sets
     "target": 2,  # the frozen target: loading (Hugging Face or GGUF), its layer walk and the walk's probe
-    # the bottom: settings, errors, files, progress, recipes, the checked CUDA-graph capture
-    "config": 1, "errors": 1, "files": 1, "progress": 1, "assets": 1, "recipe": 1, "capture": 1, "": 1,  # "" = __init__
+    # the bottom: settings, errors, files, worker processes, progress, recipes, the checked CUDA-graph capture
+    "config": 1, "errors": 1, "files": 1, "processes": 1, "progress": 1, "assets": 1, "recipe": 1, "capture": 1, "": 1,  # "" = __init__
 }
 CORE = ("core.attention", "core.drafter", "core.dflash2", "core.objective", "core.step", "core.fp8",
         "core.head_kernel")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ...assets import package_path
+from ...processes import map_anywhere
 from ..decontaminate import normalized_key
 from ..readers import Prompt
 
@@ -97,18 +98,32 @@ def _module_stubs(tree: ast.Module) -> Iterator[tuple[str, int, str, str]]:
                     yield name, method.lineno, ast.unparse(holder), ast.get_docstring(method)
 
 
-def _source_files(root: Path) -> Iterator[tuple[Path, ast.Module]]:
-    """Each public, parseable module under `root` (sorted), without tests, demos and vendored code."""
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if any(part in _SKIPPED_DIRS or part.startswith(("_", ".")) for part in relative.parts):
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                yield relative, ast.parse(path.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError):
-            continue  # a template or a file for another Python version
+def _public_sources(root: Path) -> list[Path]:
+    """Each public module under `root` (sorted), without tests, demos and vendored code."""
+    return [path for path in sorted(root.rglob("*.py"))
+            if not any(part in _SKIPPED_DIRS or part.startswith(("_", "."))
+                       for part in path.relative_to(root).parts)]
+
+
+def _file_stubs(path: Path) -> list[tuple[str, int, str, str]]:
+    """`_module_stubs` of one file (none if it does not parse: a template or a file for another
+    Python version). A worker's job (dflash_train/processes.py): it depends on the file alone."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError):
+        return []
+    return list(_module_stubs(tree))
+
+
+def _source_stubs(roots: Sequence[Path], workers: int | None) -> list[list[tuple[Path, list[tuple[str, int, str, str]]]]]:
+    """Per root: (path relative to it, its stubs) of each public module, in path order; every
+    root's files parsed in one map over worker processes."""
+    paths = [_public_sources(root) for root in roots]
+    stubs = iter(map_anywhere(_file_stubs, [path for files in paths for path in files], workers,
+                              what="parsing Python sources for coding prompts"))
+    return [[(path.relative_to(root), next(stubs)) for path in files] for root, files in zip(roots, paths)]
 
 
 def _function_prompt(where: str, name: str, line: int, code: str) -> Prompt | None:
@@ -122,12 +137,12 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_prompts(root: str | Path | None = None) -> list[Prompt]:
+def stdlib_prompts(root: str | Path | None = None, workers: int | None = None) -> list[Prompt]:
     """HumanEval-format prompts from the standard library's documented functions, in file order."""
     root = Path(root) if root is not None else stdlib_root()
     prompts = []
-    for relative, tree in _source_files(root):
-        for name, line, code, _ in _module_stubs(tree):
+    for relative, stubs in _source_stubs([root], workers)[0]:
+        for name, line, code, _ in stubs:
             prompt = _function_prompt(f"python-stdlib/{relative.as_posix()}", name, line, code)
             if prompt is not None:
                 prompts.append(prompt)
@@ -152,19 +167,19 @@ def _evenly_spaced(items: list, count: int) -> list:
 
 
 def package_prompts(packages: Sequence[str] = PACKAGE_SOURCES, *, roots: dict[str, Path] | None = None,
-                    max_per_package: int = MAX_PER_PACKAGE, max_per_file: int = MAX_PER_PACKAGE_FILE) -> list[Prompt]:
+                    max_per_package: int = MAX_PER_PACKAGE, max_per_file: int = MAX_PER_PACKAGE_FILE,
+                    workers: int | None = None) -> list[Prompt]:
     """HumanEval-format prompts from installed packages' documented functions (see the module doc).
 
     `roots` (package -> folder) replaces the installed packages' folders (tests)."""
+    found = [(package, roots[package] if roots is not None else package_root(package)) for package in packages]
+    found = [(package, root) for package, root in found if root is not None]
     prompts, seen = [], set()
-    for package in packages:
-        root = roots[package] if roots is not None else package_root(package)
-        if root is None:
-            continue
+    for (package, _), files in zip(found, _source_stubs([root for _, root in found], workers)):
         taken = []
-        for relative, tree in _source_files(root):
+        for relative, stubs in files:
             in_file = 0
-            for name, line, code, docstring in _module_stubs(tree):
+            for name, line, code, docstring in stubs:
                 key = normalized_key(f"{name.rsplit('.', 1)[-1]}\0{docstring}")
                 prompt = None if key in seen else _function_prompt(f"python-packages/{package}/{relative.as_posix()}",
                                                                    name, line, code)

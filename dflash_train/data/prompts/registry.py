@@ -16,10 +16,12 @@ nothing to learn from, so a prompt is dropped when it
 The patterns are English, plus the common Chinese and Japanese phrasings; short-answer
 instructions in other languages (Ukrainian, Polish, ...) get through.
 
-To keep the mix diverse, at most `max_per_task` prompts are taken per task (a task is a top-level
-folder of the registry), sampled by seed. Scanning a task stops after `20 × max_per_task` sampled
-rows, or after 100 rows if none of them was usable (a short-answer task throughout): about 36k
-of the registry's 940k rows are parsed (a few seconds), and < 1 % of the prompts are lost.
+To keep the mix diverse, `capped_registry_prompts` takes at most `max_per_file` prompts from a
+file and `max_per_task` from a task (a top-level folder of the registry), sampled by seed, and
+stops scanning a file once its quota is full, after `10 × max_per_file` rows, or after 100 rows
+without an open prompt once it has its short-answer ones. Rows are judged (parsed, filtered,
+normalised) in worker processes, a file per job (dflash_train/processes.py); what is taken from them
+(deduplication, caps, order) is decided here, in order, so the set is the same on any machine.
 
 Calibration on the 4,000-row SmolLM2 regeneration (the bar recipe's data, docs/RESULTS.md): of the prompts this filter
 keeps, 77 % got answers of ≥ 31 tokens from SmolLM2, against 55 % of those it drops for asking a
@@ -29,7 +31,6 @@ such prompts go).
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import json
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...assets import package_path
+from ...processes import map_anywhere
 from ..decontaminate import normalized_key
 from ..readers import DataError, Prompt, RowStats, parse_messages
 
@@ -216,93 +218,123 @@ def _is_chat_row(line: bytes) -> bool:
     return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict) and "role" in messages[0]
 
 
-def _task_files(task_dir: Path, registry: Path) -> list[tuple[str, list[bytes]]]:
-    """(name, raw lines) of the task's chat-format JSONL files (judged by their first row), in path order."""
-    files = []
-    for path in sorted(task_dir.rglob("*.jsonl")):
-        lines = path.read_bytes().split(b"\n")
-        first = next((line for line in lines if line.strip()), b"")
-        if _is_chat_row(first):
-            files.append((f"evals/{path.relative_to(registry).as_posix()}", lines))
-    return files
+def _chat_lines(path: Path) -> list[bytes] | None:
+    """The raw lines of a chat-format JSONL file (judged by its first row), else None."""
+    lines = path.read_bytes().split(b"\n")
+    first = next((line for line in lines if line.strip()), b"")
+    return lines if _is_chat_row(first) else None
 
 
-def _sampled_rows(files: list[tuple[str, list[bytes]]], rng: random.Random, count: int | None) -> Iterator[tuple[str, bytes]]:
-    """`count` (all if None) non-blank rows of `files` in random order, as (file:line, raw line).
-
-    Indices are sampled, not the rows shuffled: a 287k-row task needs 2,000 of them, not a permutation."""
-    starts = list(itertools.accumulate((len(lines) for _, lines in files), initial=0))
-    total = starts[-1]
-    for index in rng.sample(range(total), total if count is None else min(count, total)):
-        file_index = bisect.bisect_right(starts, index) - 1
-        name, lines = files[file_index]
-        line = lines[index - starts[file_index]]
-        if line.strip():
-            yield f"{name}:{index - starts[file_index] + 1}", line
+def _sampled_rows(name: str, lines: list[bytes], rng: random.Random) -> Iterator[tuple[str, bytes]]:
+    """The non-blank rows of a file in its seeded order (a permutation of the line indices: the
+    rows themselves are not copied), as (file:line, raw line)."""
+    for index in rng.sample(range(len(lines)), len(lines)):
+        if lines[index].strip():
+            yield f"{name}:{index + 1}", lines[index]
 
 
-def _parse_registry_row(where: str, line: bytes, stats: RowStats) -> tuple[dict, list[dict[str, str]]] | None:
-    """The row and its validated messages, or None after counting why the row is unusable."""
+@dataclass(frozen=True)
+class RegistryRow:
+    """What the filter makes of one registry row, by itself: unusable (`error`: reason and
+    example), or its messages, why it is not a prompt (`rejection`, None if it is) and its
+    normalised text (`key`, for deduplication against everything taken before it)."""
+
+    where: str
+    error: tuple[str, str] | None = None
+    messages: list[dict[str, str]] | None = None
+    rejection: str | None = None
+    key: str = ""
+
+
+SHORT_ANSWER = "asks for a short answer"
+# System prompts repeat across a file's rows: each distinct one is analysed once per process.
+_signals_of = functools.lru_cache(maxsize=1 << 14)(TextSignals.of)
+
+
+def _registry_row(where: str, line: bytes) -> RegistryRow:
     try:
         row = json.loads(line)
         if not isinstance(row, dict):
             raise DataError(where, "row", "expected an object")
-        return row, parse_messages(row, where, openai_key="input")
+        messages = parse_messages(row, where, openai_key="input")
     except json.JSONDecodeError as error:
-        stats.skip("invalid JSON", f"{where}: {error.msg}")
+        return RegistryRow(where, error=("invalid JSON", f"{where}: {error.msg}"))
     except UnicodeDecodeError as error:
-        stats.skip("invalid UTF-8", f"{where}: {error.reason} at byte {error.start}")
+        return RegistryRow(where, error=("invalid UTF-8", f"{where}: {error.reason} at byte {error.start}"))
     except DataError as error:
-        stats.skip(error.reason, str(error))
-    return None
+        return RegistryRow(where, error=(error.reason, str(error)))
+    rejection = prompt_rejection(row["input"], _signals_of)
+    if rejection is not None and rejection != SHORT_ANSWER:
+        return RegistryRow(where, rejection=rejection)
+    return RegistryRow(where, messages=messages, rejection=rejection,
+                       key=normalized_key("\n".join(m["content"] for m in messages)))
 
 
-def default_training_prompts(
-    limit: int | None = None,
-    seed: int = 0,
-    *,
-    max_per_task: int | None = DEFAULT_MAX_PER_TASK,
-    registry_dir: str | Path | None = None,
-    stats: RowStats | None = None,
-) -> list[Prompt]:
-    """Filtered, deduplicated prompts from the installed evals registry, shuffled by `seed`.
+@dataclass(frozen=True)
+class FileScan:
+    """A registry file for `capped_registry_prompts`: its name, and its first rows in the seeded
+    order as judged by a worker, which stops where the file's caps would stop the scan if no row
+    were a duplicate (the caller judges any further rows itself), or at the file's end (`whole`)."""
 
-    The same (seed, max_per_task, registry) always gives the same list; `limit` takes its first
-    prompts. Rows scanned and the reasons for dropping them go to `stats` if given.
-    """
-    registry = Path(registry_dir) if registry_dir is not None else evals_registry_dir()
-    stats = stats if stats is not None else RowStats()
-    seen: set[str] = set()
-    prompts: list[Prompt] = []
-    # System prompts repeat across a task's rows: analyse each distinct one once.
-    signals_of = functools.lru_cache(maxsize=4096)(TextSignals.of)
-    for task_dir in sorted(p for p in registry.iterdir() if p.is_dir()):
-        # A string seed is hashed with sha512 by `random`: the same order on every run and machine.
-        rng = random.Random(f"{seed}:{task_dir.name}")
-        rows = _sampled_rows(_task_files(task_dir, registry), rng, None if max_per_task is None else max_per_task * _SCAN_FACTOR)
-        taken = 0
-        for scanned, (where, line) in enumerate(rows):
-            if max_per_task is not None and taken >= max_per_task:
-                break
-            if taken == 0 and scanned >= _GIVE_UP_AFTER:
-                break  # a short-answer task throughout: don't parse its thousands of rows
-            stats.count_read()
-            parsed = _parse_registry_row(where, line, stats)
-            if parsed is None:
-                continue
-            row, messages = parsed
-            reason = prompt_rejection(row["input"], signals_of)
-            if reason is None:
-                key = " ".join("\n".join(m["content"] for m in messages).lower().split())
-                reason = "duplicate prompt" if key in seen else None
-                seen.add(key)
-            if reason is not None:
-                stats.skip(reason, where)
-                continue
-            prompts.append(Prompt(id=where, messages=messages, source=where))
-            taken += 1
-    random.Random(seed).shuffle(prompts)
-    return prompts if limit is None else prompts[:limit]
+    path: Path
+    name: str
+    rows: list[RegistryRow]
+    whole: bool
+
+
+@dataclass(frozen=True)
+class ScanLimits:
+    seed: int
+    max_per_file: int
+    max_short_per_file: int
+
+    @property
+    def rows(self) -> int:
+        return _SCAN_FACTOR * self.max_per_file // 2
+
+
+def _scanned_file(limits: ScanLimits, job: tuple[Path, str]) -> FileScan | None:
+    """A worker's job (dflash_train/processes.py): one file's rows judged in order, up to where
+    its caps stop the scan when no row is a duplicate; None if the file is not chat-format."""
+    path, name = job
+    lines = _chat_lines(path)
+    if lines is None:
+        return None
+    rows: list[RegistryRow] = []
+    usable = short = 0
+    judged = _file_rows(name, lines, limits.seed)
+    while not _scan_ends(len(rows), usable, short, limits):
+        row = next(judged, None)
+        if row is None:
+            return FileScan(path, name, rows, whole=True)
+        rows.append(row)
+        if row.error is None and row.rejection is None:
+            usable += 1
+        elif row.rejection == SHORT_ANSWER:
+            short += 1
+    return FileScan(path, name, rows, whole=False)
+
+
+def _file_rows(name: str, lines: list[bytes], seed: int, skip: int = 0) -> Iterator[RegistryRow]:
+    """A file's rows in its seeded order, judged; the first `skip` are passed over unjudged."""
+    for position, (where, line) in enumerate(_sampled_rows(name, lines, random.Random(f"{seed}:{name}"))):
+        if position >= skip:
+            yield _registry_row(where, line)
+
+
+def _rows_of(scan: FileScan, seed: int) -> Iterator[RegistryRow]:
+    """The worker's judged rows, then (read again only if asked for) the file's next ones."""
+    yield from scan.rows
+    if not scan.whole:
+        yield from _file_rows(scan.name, _chat_lines(scan.path) or [], seed, skip=len(scan.rows))
+
+
+def _scan_ends(scanned: int, open_taken: int, short_taken: int, limits: ScanLimits) -> bool:
+    """Whether a file's scan stops before its row `scanned`: its quota of open prompts is full,
+    `limits.rows` rows were read, or it has its short-answer prompts and `_GIVE_UP_AFTER` rows
+    without an open one (a short-answer file throughout)."""
+    return (open_taken >= limits.max_per_file or scanned >= limits.rows
+            or not open_taken and scanned >= _GIVE_UP_AFTER and short_taken >= limits.max_short_per_file)
 
 
 @dataclass
@@ -327,6 +359,7 @@ def capped_registry_prompts(
     max_per_task: int,
     registry_dir: str | Path | None = None,
     on_task: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
 ) -> RegistrySelection:
     """Many registry prompts, at most `max_per_file` from one file and `max_per_task` from one task.
 
@@ -337,47 +370,25 @@ def capped_registry_prompts(
     rows without an open one. A task over `max_per_task` keeps a seeded sample, open prompts first.
     `seen` holds the normalised texts taken so far (by any source) and gets the new ones; every row
     read is counted in `stats` (used: taken, or skipped with its reason). `on_task(done, total)` is called
-    after each task (progress).
+    after each task (progress). Rows are judged on `workers` processes (default: one per core;
+    dflash_train/processes.py); what is taken is the same for any number.
     """
     registry = Path(registry_dir) if registry_dir is not None else evals_registry_dir()
-    signals_of = functools.lru_cache(maxsize=1 << 14)(TextSignals.of)
-    scan_limit = _SCAN_FACTOR * max_per_file // 2
+    limits = ScanLimits(seed, max_per_file, max_short_per_file)
     selection = RegistrySelection()
     task_dirs = sorted(p for p in registry.iterdir() if p.is_dir())
-    for done, task_dir in enumerate(task_dirs, start=1):
+    task_files = [sorted(task_dir.rglob("*.jsonl")) for task_dir in task_dirs]
+    jobs = [(path, f"evals/{path.relative_to(registry).as_posix()}") for files in task_files for path in files]
+    scans = iter(map_anywhere(_scanned_file, jobs, workers, fixed=(limits,), what="judging the evals registry's rows"))
+    for done, (task_dir, files) in enumerate(zip(task_dirs, task_files), start=1):
         task_open: list[Prompt] = []
         task_short: list[Prompt] = []
-        for name, lines in _task_files(task_dir, registry):
-            rng = random.Random(f"{seed}:{name}")
-            file_open: list[Prompt] = []
-            file_short: list[Prompt] = []
-            for scanned, (where, line) in enumerate(_sampled_rows([(name, lines)], rng, None)):
-                if len(file_open) >= max_per_file or scanned >= scan_limit:
-                    break
-                if not file_open and scanned >= _GIVE_UP_AFTER and len(file_short) >= max_short_per_file:
-                    break  # a short-answer file throughout
-                stats.count_read()
-                parsed = _parse_registry_row(where, line, stats)
-                if parsed is None:
-                    continue
-                row, messages = parsed
-                reason = prompt_rejection(row["input"], signals_of)
-                short = reason == "asks for a short answer"
-                if short and len(file_short) >= max_short_per_file:
-                    reason = OVER_FILE_CAP
-                elif reason is None or short:
-                    key = normalized_key("\n".join(m["content"] for m in messages))
-                    reason = "duplicate prompt" if key in seen else None
-                    seen.add(key)
-                if reason is not None:
-                    stats.skip(reason, where)
-                    continue
-                (file_short if short else file_open).append(Prompt(id=where, messages=messages, source=where))
-            room = max_per_file - len(file_open)
-            for prompt in file_short[room:]:
-                stats.skip(OVER_FILE_CAP, prompt.id)
+        for scan in itertools.islice(scans, len(files)):
+            if scan is None:
+                continue
+            file_open, file_short = _take_from_file(scan, seen, stats, limits)
             task_open += file_open
-            task_short += file_short[:room]
+            task_short += file_short
         rng = random.Random(f"{seed}:{task_dir.name}")
         rng.shuffle(task_open)
         rng.shuffle(task_short)
@@ -391,6 +402,37 @@ def capped_registry_prompts(
         if on_task is not None:
             on_task(done, len(task_dirs))
     return selection
+
+
+def _take_from_file(scan: FileScan, seen: set[str], stats: RowStats,
+                    limits: ScanLimits) -> tuple[list[Prompt], list[Prompt]]:
+    """A file's open and short-answer prompts within its quota: the worker's judged rows first,
+    then (where duplicates left the quota unfilled) rows judged here, in the same seeded order."""
+    file_open: list[Prompt] = []
+    file_short: list[Prompt] = []
+    rows = _rows_of(scan, limits.seed)
+    scanned = 0
+    while not _scan_ends(scanned, len(file_open), len(file_short), limits) and (row := next(rows, None)) is not None:
+        scanned += 1
+        stats.count_read()
+        if row.error is not None:
+            stats.skip(*row.error)
+            continue
+        short = row.rejection == SHORT_ANSWER
+        reason = row.rejection
+        if short and len(file_short) >= limits.max_short_per_file:
+            reason = OVER_FILE_CAP
+        elif reason is None or short:
+            reason = "duplicate prompt" if row.key in seen else None
+            seen.add(row.key)
+        if reason is not None:
+            stats.skip(reason, row.where)
+            continue
+        (file_short if short else file_open).append(Prompt(id=row.where, messages=row.messages, source=row.where))
+    room = limits.max_per_file - len(file_open)
+    for prompt in file_short[room:]:
+        stats.skip(OVER_FILE_CAP, prompt.id)
+    return file_open, file_short[:room]
 
 
 def _registry_order(prompt: Prompt) -> tuple[str, int]:

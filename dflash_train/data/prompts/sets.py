@@ -54,6 +54,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 from ...errors import ConfigError
 from ...files import write_bytes_atomic
+from ...processes import default_workers
 from ...progress import Progress
 from ..decontaminate import Decontaminator, normalized_key
 from ..readers import Prompt, RowStats
@@ -280,7 +281,7 @@ def build_prompt_set(
                 prompt_set.seconds = time.monotonic() - started
                 return prompt_set
     print("building the default prompt set from the evals registry, Python source and reasoning-gym "
-          "(about 70 s of CPU, once: it is cached)", file=log, flush=True)
+          f"(about 80 s of one core's work, spread over {default_workers()} processes; once: it is cached)", file=log, flush=True)
     stats = RowStats()
     seen: set[str] = set()
     progress = Progress(0, "evals registry tasks", stream=log)
@@ -293,7 +294,9 @@ def build_prompt_set(
     source_of = {p.id: "evals" for p in registry.open} | {p.id: "evals-short-answer" for p in registry.short_answer}
     code = []
     for source, read in code_sources:
+        source_started = time.monotonic()
         prompts = read()
+        print(f"{source}: {len(prompts)} prompts ({time.monotonic() - source_started:.1f} s)", file=log, flush=True)
         stats.count_read(len(prompts))
         for prompt in prompts:
             key = normalized_key(prompt_text(prompt))
