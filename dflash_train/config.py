@@ -246,7 +246,7 @@ def leaf_fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any, str | None
 
 def unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(set(valid)))}"
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 

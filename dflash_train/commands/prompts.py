@@ -26,7 +26,7 @@ class PromptsConfig:
 
     def validate(self) -> None:
         if self.split not in SPLITS:
-            raise ConfigError(f"split {self.split!r}: use {', '.join(SPLITS)}")
+            raise ConfigError(f"--split {self.split!r}: use {', '.join(SPLITS)}")
         if self.out and not self.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.out}: use a .jsonl file")
         if self.out:

@@ -119,7 +119,7 @@ class RegenerateConfig(SectionedConfig):
         if not self.output.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file (it is appended to, and resumed)")
         if self.input.split not in SPLIT_CHOICES:
-            raise ConfigError(f"split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
+            raise ConfigError(f"--split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
         inputs = [self.input.target, *([self.input.prompts] if self.input.prompts != "default" else [])]
         check_outside_inputs(self.output.out, "--out", inputs)
 

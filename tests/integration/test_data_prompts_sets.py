@@ -207,3 +207,5 @@ def test_prompts_command_writes_a_reusable_file_and_never_overwrites(tmp_path, d
     before = out.read_bytes()
     assert main(["prompts", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(["prompts", "--split", "test"]) == 2
+    assert "dflash-train prompts: --split 'test': use train, dev, all" in capsys.readouterr().err

@@ -332,3 +332,6 @@ def test_cli_validates_its_flags(tmp_path, capsys):
     assert "use a .jsonl file" in capsys.readouterr().err
     assert cli_main(["regenerate", "--target", "x", "--prompts", "p.txt", "--out", str(tmp_path / "o.jsonl"), "--top-p", "0"]) == 2
     assert "--top-p must be in (0, 1]" in capsys.readouterr().err
+    assert cli_main(["regenerate", "--target", "x", "--prompts", "default", "--split", "test", "--out",
+                     str(tmp_path / "o.jsonl")]) == 2
+    assert "--split 'test': use auto, train, dev, all" in capsys.readouterr().err

@@ -93,6 +93,14 @@ def test_file_errors_name_the_file_and_key(tmp_path, text, match):
     assert "run.toml" in str(error.value)
 
 
+def test_an_unknown_key_without_a_close_match_lists_each_valid_key_once(tmp_path):
+    """`data` is both a setting and the section holding it: listed once."""
+    with pytest.raises(ConfigError, match="unknown key 'zzz'; valid keys: ") as error:
+        _config(tmp_path, [], "zzz = 1\n")
+    listed = str(error.value).split("valid keys: ")[1].split(", ")
+    assert "data" in listed and "optimizer" in listed and "lr" in listed and len(listed) == len(set(listed))
+
+
 def test_unknown_and_bad_flags_are_one_line_with_exit_2(tmp_path, capsys):
     assert main(["train", "--lrr", "1e-3"]) == 2
     assert "unknown argument '--lrr'; did you mean --lr?" in capsys.readouterr().err
