@@ -49,7 +49,7 @@ from ..readers import DataError, Prompt, RowStats, parse_messages
 EVALS_INSTALL = "pip install --no-deps evals==3.0.1.post1"
 MIN_PROMPT_CHARS = 32
 MAX_PROMPT_CHARS = 2000
-DEFAULT_MAX_PER_TASK = 100
+ASKS_FOR_SHORT_ANSWER = "asks for a short answer"  # the one rejection a prompt can still be taken with
 _SCAN_FACTOR = 20
 _GIVE_UP_AFTER = 100
 
@@ -200,7 +200,7 @@ def prompt_rejection(raw_messages: list[Any], signals_of: Callable[[str], TextSi
     if signals.looks_like_junk:
         return "mostly non-text content"
     if signals.asks_for_short_answer:
-        return "asks for a short answer"
+        return ASKS_FOR_SHORT_ANSWER
     return None
 
 
@@ -246,7 +246,6 @@ class RegistryRow:
     key: str = ""
 
 
-SHORT_ANSWER = "asks for a short answer"
 # System prompts repeat across a file's rows: each distinct one is analysed once per process.
 _signals_of = functools.lru_cache(maxsize=1 << 14)(TextSignals.of)
 
@@ -264,7 +263,7 @@ def _registry_row(where: str, line: bytes) -> RegistryRow:
     except DataError as error:
         return RegistryRow(where, error=(error.reason, str(error)))
     rejection = prompt_rejection(row["input"], _signals_of)
-    if rejection is not None and rejection != SHORT_ANSWER:
+    if rejection is not None and rejection != ASKS_FOR_SHORT_ANSWER:
         return RegistryRow(where, rejection=rejection)
     return RegistryRow(where, messages=messages, rejection=rejection,
                        key=normalized_key("\n".join(m["content"] for m in messages)))
@@ -310,7 +309,7 @@ def _scanned_file(limits: ScanLimits, job: tuple[Path, str]) -> FileScan | None:
         rows.append(row)
         if row.error is None and row.rejection is None:
             usable += 1
-        elif row.rejection == SHORT_ANSWER:
+        elif row.rejection == ASKS_FOR_SHORT_ANSWER:
             short += 1
     return FileScan(path, name, rows, whole=False)
 
@@ -418,7 +417,7 @@ def _take_from_file(scan: FileScan, seen: set[str], stats: RowStats,
         if row.error is not None:
             stats.skip(*row.error)
             continue
-        short = row.rejection == SHORT_ANSWER
+        short = row.rejection == ASKS_FOR_SHORT_ANSWER
         reason = row.rejection
         if short and len(file_short) >= limits.max_short_per_file:
             reason = OVER_FILE_CAP
