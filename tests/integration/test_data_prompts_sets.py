@@ -5,6 +5,7 @@ import collections
 import gzip
 import io
 import json
+import re
 
 import pytest
 from dflash_train.data.prompts.registry import OVER_TASK_CAP, evals_registry_dir
@@ -159,7 +160,14 @@ def test_caps_per_file_and_task_open_prompts_first(tmp_path, benchmarks):
     assert per_task["linear-regression"] == 6 and not files_of(short)["evals/linear-regression/samples.jsonl"]
     stats = prompt_set.stats
     assert stats.used == len(prompt_set.prompts) and stats.used + stats.skipped == stats.read
-    again = build_prompt_set(benchmarks, settings, registry_dir=registry, code_sources=[])
+    log = io.StringIO()
+    again = build_prompt_set(benchmarks, settings, registry_dir=registry,
+                             code_sources=[("reasoning-gym", lambda: [])], log=log)
+    # Progress: the workers' judging as one line (they report only at the end), then the tasks, then each code source.
+    lines = log.getvalue().splitlines()
+    judged = next(i for i, line in enumerate(lines) if re.fullmatch(r"evals registry: rows judged in [\d.]+ s \(\d+ worker processes\)", line))
+    tasks = next(i for i, line in enumerate(lines) if line.startswith("evals registry tasks [") and f"{len(list(registry.iterdir()))}/" in line)
+    assert judged < tasks < lines.index("reasoning-gym: 0 prompts (0.0 s)"), lines
     other = build_prompt_set(benchmarks, PromptSetSettings(seed=4, max_per_file=6, max_short_per_file=2, max_per_task=9),
                              registry_dir=registry, code_sources=[])
     assert [p.id for p in again.prompts] == [p.id for p in prompt_set.prompts]

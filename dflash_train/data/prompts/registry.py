@@ -369,7 +369,7 @@ def capped_registry_prompts(
     rows without an open one. A task over `max_per_task` keeps a seeded sample, open prompts first.
     `seen` holds the normalised texts taken so far (by any source) and gets the new ones; every row
     read is counted in `stats` (used: taken, or skipped with its reason). `on_task(done, total)` is called
-    after each task (progress). Rows are judged on `workers` processes (default: one per core;
+    once every row is judged (done = 0) and after each task (progress). Rows are judged on `workers` processes (default: one per core;
     dflash_train/processes.py); what is taken is the same for any number.
     """
     registry = Path(registry_dir) if registry_dir is not None else evals_registry_dir()
@@ -379,6 +379,8 @@ def capped_registry_prompts(
     task_files = [sorted(task_dir.rglob("*.jsonl")) for task_dir in task_dirs]
     jobs = [(path, f"evals/{path.relative_to(registry).as_posix()}") for files in task_files for path in files]
     scans = iter(map_anywhere(_scanned_file, jobs, workers, fixed=(limits,), what="judging the evals registry's rows"))
+    if on_task is not None:
+        on_task(0, len(task_dirs))
     for done, (task_dir, files) in enumerate(zip(task_dirs, task_files), start=1):
         task_open: list[Prompt] = []
         task_short: list[Prompt] = []

@@ -225,9 +225,25 @@ def spread(streams: list[list[Prompt]]) -> list[Prompt]:
     return [streams[i][k] for _, i, k in sorted(keyed)]
 
 
-def _advance(progress: Progress, done: int, total: int) -> None:
-    progress.total = total
-    progress.update(done - progress.done)
+class _RegistryProgress:
+    """The registry's progress: a line once worker processes have judged its rows (they report
+    only at the end), then a bar over its tasks as they are taken."""
+
+    def __init__(self, log: TextIO) -> None:
+        self.log = log
+        self.started = time.monotonic()
+        self.bar: Progress | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            print(f"evals registry: rows judged in {time.monotonic() - self.started:.1f} s "
+                  f"({default_workers()} worker processes)", file=self.log, flush=True)
+            self.bar = Progress(total, "evals registry tasks", stream=self.log)
+        self.bar.update(done - self.bar.done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 CODE_SOURCES: tuple[tuple[str, Callable[[], list[Prompt]]], ...] = (
@@ -284,11 +300,11 @@ def build_prompt_set(
           f"(about 80 s of one core's work, spread over {default_workers()} processes; once: it is cached)", file=log, flush=True)
     stats = RowStats()
     seen: set[str] = set()
-    progress = Progress(0, "evals registry tasks", stream=log)
+    progress = _RegistryProgress(log)
     registry = capped_registry_prompts(
         seen, stats, seed=settings.seed, max_per_file=settings.max_per_file,
         max_short_per_file=settings.max_short_per_file, max_per_task=settings.max_per_task, registry_dir=registry_dir,
-        on_task=lambda done, total: _advance(progress, done, total),
+        on_task=progress,
     )
     progress.close()
     source_of = {p.id: "evals" for p in registry.open} | {p.id: "evals-short-answer" for p in registry.short_answer}
