@@ -8,19 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..target.model import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, Target, text_config
+from ..target.model import Target, family_kind, has_recurrent_layers, text_config
 from ..target.probe import feature_forward_unsupported, static_unsupported
 from .hf import rollback_unsupported
-from .recurrent import has_recurrent_layers
 from .static import cache_capacity
-
-
-def family_kind(target: Target) -> str:
-    """'hybrid' (linear and full attention layers), 'moe' (expert MLPs) or 'dense'."""
-    model_type = text_config(target.model.config).model_type
-    if model_type in HYBRID_MODEL_TYPES or has_recurrent_layers(target.model.config):
-        return "hybrid"
-    return "moe" if model_type in MOE_MODEL_TYPES else "dense"
 
 
 def describe_target(target: Target, tokens: int) -> str:
@@ -47,4 +38,4 @@ def describe_target(target: Target, tokens: int) -> str:
             rollback = rollback_unsupported(target)
             decode += (", recurrent states rolled back after a rejection" if rollback is None
                        else f", speculative decoding refused: {rollback}")
-    return f"target: {text_config(config).model_type} ({family_kind(target)}{layers}): {capture}; {decode}; {regenerate}"
+    return f"target: {text_config(config).model_type} ({family_kind(config)}{layers}): {capture}; {decode}; {regenerate}"

@@ -16,9 +16,9 @@ from torch import nn
 
 from ..config import UserError
 from ..core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from ..target.model import Target, cache_argument, hidden_state_index
+from ..target.model import Target, cache_argument, has_recurrent_layers, hidden_state_index
 from ..target.probe import ProbeVerdicts, float32_replica
-from .recurrent import StateSnapshot, has_recurrent_layers
+from .recurrent import StateSnapshot
 from .static import greedy_by_parts
 
 

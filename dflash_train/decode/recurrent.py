@@ -44,12 +44,6 @@ def _layer_slots(layer: Any) -> list[tuple[dict, Any]]:
     return slots
 
 
-def has_recurrent_layers(config: Any) -> bool:
-    """Whether a model's layers keep state that cropping cannot undo (linear attention, SSM)."""
-    kinds = set(getattr(config, "layer_types", None) or ())
-    return bool(kinds - {"full_attention", "sliding_attention", "attention", "chunked_attention"})
-
-
 class StateSnapshot:
     """Copies of a cache's linear-attention states, to put back after a rejected draft."""
 

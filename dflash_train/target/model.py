@@ -46,6 +46,20 @@ def text_config(config: Any) -> Any:
     return config
 
 
+def has_recurrent_layers(config: Any) -> bool:
+    """Whether a model's layers keep state that cropping cannot undo (linear attention, SSM)."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    return bool(kinds - {"full_attention", "sliding_attention", "attention", "chunked_attention"})
+
+
+def family_kind(model_config: Any) -> str:
+    """'hybrid' (linear and full attention layers), 'moe' (expert MLPs) or 'dense'."""
+    model_type = text_config(model_config).model_type
+    if model_type in HYBRID_MODEL_TYPES or has_recurrent_layers(model_config):
+        return "hybrid"
+    return "moe" if model_type in MOE_MODEL_TYPES else "dense"
+
+
 def drafter_rope(config: Any) -> dict[str, Any]:
     """The rope a drafter for this target uses: plain RoPE over the whole head with the target's
     theta and its scaling (YaRN for gpt-oss), never the target's partial rotary factor or mRoPE

@@ -12,8 +12,7 @@ from ..config import ConfigError, TrainConfig
 from ..core.attention import resolve_backend
 from ..core.fp8 import check_fp8_dims, fp8_unsupported
 from ..core.objective import fused_head_unsupported
-from ..decode.families import family_kind
-from ..target.model import Target
+from ..target.model import Target, family_kind
 from .layout import DrafterPlan, Layout
 
 
@@ -28,13 +27,13 @@ def compiles_target(config: TrainConfig, device: torch.device, target: Target) -
     compiled graph: the MoE's was refused, the hybrid's pure-torch delta rule never finished)."""
     if config.parallel.compile_target == "off" or not compiles_drafter(config, device):
         return False
-    return config.parallel.compile_target == "on" or family_kind(target) == "dense"
+    return config.parallel.compile_target == "on" or family_kind(target.model.config) == "dense"
 
 
 def uncompiled_target_note(config: TrainConfig, devices: list[torch.device], target: Target) -> str | None:
     """The start line's note where --compile-target auto alone keeps the target's feature forward
     on `devices` uncompiled (its family is not dense), else None."""
-    kind = family_kind(target)
+    kind = family_kind(target.model.config)
     if config.parallel.compile_target != "auto" or kind == "dense" or not any(compiles_drafter(config, d) for d in devices):
         return None
     return (f"target feature forward: captured uncompiled (--compile-target auto compiles dense targets only; "
