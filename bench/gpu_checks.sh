@@ -101,6 +101,8 @@ for name in "$@"; do
             tests/gpu/test_train_step_graphs_gpu.py tests/gpu/test_target_hybrid_gpu.py -k "not slowed_target"
             stage nodes-nccl 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_parallel_nodes.py -k nccl ;;
         selector) stage selector 120 python3 bench/selector_cost.py --json "$OUT/selector_cost.json" ;;
+        decode-speed-dflash2) stage decode-speed-dflash2 150 python3 bench/static_decode_speed.py --dims smollm2 --arch dflash2 \
+            --decoders static --json "$OUT/decode_speed_dflash2.json" ;;
         hybrid-train) stage hybrid-train ${HYBRID_LIMIT:-400} python3 bench/hybrid_targets.py --device cuda:0 --family qwen3_5 \
             --steps 12 --train-batch 4 --max-seq-len 2048 --buckets 2048 --skip regenerate ;;
         # `--fp8 all` under graphs at recipe size (needs GGUF= and DATA=): its 2026-12-02 run printed no

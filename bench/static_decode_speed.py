@@ -2,6 +2,7 @@
 """Decode-step latency: the static decoder (preallocated caches, CUDA graphs) vs Hugging Face eager.
 
     python bench/static_decode_speed.py --dims smollm2 --json out.json      # GPU, bf16
+    python bench/static_decode_speed.py --dims smollm2 --arch dflash2 --decoders static   # a DFlash2 drafter
 
 Random-init target and drafter of real shapes (no download): `smollm2` = SmolLM2-135M (30 layers,
 hidden 576, 9/3 heads, vocab 49,152) with the bar recipe's drafter (5 layers, B = 16, target
@@ -29,6 +30,7 @@ random drafter accepts nothing (τ = 1), so the end-to-end speculative rate is i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -43,6 +45,7 @@ from dflash_train.target.model import Target  # noqa: E402
 from bench.flex_tuning import time_ms  # noqa: E402
 from bench.pipeline import QWEN3_8B, TINY, random_target  # noqa: E402
 from bench.profiling import gpu_busy, write_tables  # noqa: E402
+from dflash_train.config import ModelSettings  # noqa: E402
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.decode.loop import generate, make_decoder  # noqa: E402
 
@@ -56,11 +59,19 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def build(dims: str, device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[Target, DFlashDrafter]:
+def dflash2_defaults() -> dict:
+    """`train --arch dflash2`'s default sizes (the released drafters' convolutions)."""
+    return {field.name: field.default for field in dataclasses.fields(ModelSettings)
+            if field.name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+
+
+def build(dims: str, device: torch.device, dtype: torch.dtype, block_size: int,
+          arch: str = "dflash") -> tuple[Target, DFlashDrafter]:
     family, values = DIMS[dims]
     target = random_target(values, device, dtype, family)
+    sizes = dict(arch="dflash2", **dflash2_defaults()) if arch == "dflash2" else {}
     config = DrafterConfig.from_target(target.spec, num_layers=5 if dims != "tiny" else 1, block_size=block_size,
-                                       mask_token_id=16, target_layer_ids=LAYER_IDS[dims])
+                                       mask_token_id=16, target_layer_ids=LAYER_IDS[dims], **sizes)
     drafter = DFlashDrafter(config).to(device).eval()
     for param in drafter.parameters():
         param.data = param.data.to(dtype)
@@ -205,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--arch", default="dflash", choices=("dflash", "dflash2"),
+                        help="the drafter's architecture (dflash2: train's default sizes)")
     parser.add_argument("--context", type=int, default=300, help="prompt tokens before the timed steps")
     parser.add_argument("--new-tokens", type=int, default=256, help="end-to-end: tokens per generate()")
     parser.add_argument("--repeats", type=int, default=30)
@@ -219,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    target, drafter = build(args.dims, device, dtype, args.block_size)
+    target, drafter = build(args.dims, device, dtype, args.block_size, args.arch)
     log(f"torch {torch.__version__} | {device} | {args.dtype} | {args.dims}: {target.spec.num_hidden_layers} target "
-        f"layers, drafter {drafter.config.num_hidden_layers} layers, B = {args.block_size}, context {args.context}")
-    results = {"dims": args.dims, "dtype": args.dtype, "context": args.context, "torch": torch.__version__,
+        f"layers, {args.arch} drafter {drafter.config.num_hidden_layers} layers, B = {args.block_size}, context {args.context}")
+    results = {"dims": args.dims, "arch": args.arch, "dtype": args.dtype, "context": args.context, "torch": torch.__version__,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     for kind in [k.strip() for k in args.decoders.split(",") if k.strip()]:
         started = time.perf_counter()

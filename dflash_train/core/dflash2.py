@@ -47,13 +47,17 @@ def grouped_causal_conv(
     taps, groups = base.shape[0], hidden // group_size
     blocks = x.view(b, length // segment, segment, groups, group_size)
     dynamic = dynamic.reshape(b, length // segment, segment, taps, groups, 1)
-    out = torch.zeros_like(blocks)
+    # Each tap's input, shifted right by its offset inside the segment, is a view of one padded
+    # copy (one pad, not one per tap; a tap longer than the segment sees only the zeros).
+    padded = F.pad(blocks, (0, 0, 0, 0, taps - 1, 0))
+    out = None
     for offset in range(taps):
-        # Shifted right by `offset` inside the segment; a tap longer than the segment adds zeros.
-        values = blocks if offset == 0 else F.pad(blocks, (0, 0, 0, 0, offset, 0))[:, :, :segment]
-        out = out + base[offset].view(1, 1, 1, groups, group_size).to(x.dtype) * values
+        values = padded[:, :, taps - 1 - offset:taps - 1 - offset + segment]
+        term = base[offset].view(1, 1, 1, groups, group_size).to(x.dtype) * values
+        # The reference starts from zeros; 0 + term is term, so the sums are its sums.
+        out = term if out is None else out + term
         out = torch.addcmul(out, dynamic[:, :, :, offset], values)
-    return out.view_as(x)
+    return out.reshape(x.shape)
 
 
 class GroupedDynamicCausalConv(nn.Module):

@@ -115,6 +115,15 @@ def test_static_decode_speed_records_every_number_the_gpu_run_records(tmp_path):
         assert "Self CPU" in (tmp_path / f"prof.static.{kind}.txt").read_text()
 
 
+def test_static_decode_speed_times_a_dflash2_drafter(tmp_path):
+    """--arch dflash2: the same numbers for a DFlash2 drafter of train's default sizes."""
+    out = tmp_path / "speed.json"
+    ok(bench("static_decode_speed.py", "--dims", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "2",
+             "--new-tokens", "6", "--decoders", "static", "--arch", "dflash2", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["arch"] == "dflash2" and result["static"]["draft_step_ms"] > 0 and result["static"]["greedy_step_ms"] > 0
+
+
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     from test_decode_loop import write_chat_pair

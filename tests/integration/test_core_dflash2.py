@@ -100,6 +100,25 @@ def test_reference_speculative_decoding_on_our_dflash2_export_is_lossless(tmp_pa
     assert torch.equal(speculative[0, :plain.shape[1]], plain[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_sums_exactly_as_the_reference_does(dtype):
+    """Bit for bit the reference's convolution (which has no segments: one segment per call
+    here), though ours shifts every tap's input out of one padded copy and starts from the first
+    term, not from zeros."""
+    from dflash.model import _grouped_dynamic_convolve
+
+    torch.manual_seed(1)
+    for taps, length in ((4, 16), (3, 7), (1, 5)):
+        x, dynamic, base = torch.randn(2, length, 48, dtype=dtype), torch.randn(2, length, taps, 3, dtype=dtype), torch.randn(taps, 48)
+        ours = grouped_causal_conv(x, dynamic, base, 16, segment=length)
+        theirs = _grouped_dynamic_convolve(x, dynamic, base, 16)
+        assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs), (taps, length)
+        # Two segments of a longer row: each is the reference on that segment alone.
+        both = grouped_causal_conv(torch.cat([x, x.flip(1)], 1), torch.cat([dynamic, dynamic.flip(1)], 1), base, 16,
+                                   segment=length)
+        assert torch.equal(both[:, length:], _grouped_dynamic_convolve(x.flip(1), dynamic.flip(1), base, 16))
+
+
 def test_conv_stays_inside_blocks_and_starts_as_identity():
     torch.manual_seed(0)
     x = torch.randn(2, 12, 32)
