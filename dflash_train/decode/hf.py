@@ -34,13 +34,34 @@ def _selectable_hidden_states() -> bool:
 _SELECTABLE = _selectable_hidden_states()
 
 
-def new_target_cache(model: nn.Module) -> Any:
+def _records_recurrent_states() -> bool:
+    """Whether transformers' linear-attention cache layers can record the recurrent state after
+    each token of a forward (`activate_past_recording(recurrent_states_to_keep=n)`, 5.25) for
+    `crop` to put back the one a kept count needs."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return False
+    recording = getattr(LinearAttentionCacheLayerMixin, "activate_past_recording", None)
+    return recording is not None and "recurrent_states_to_keep" in inspect.signature(recording).parameters
+
+
+RECORDS_RECURRENT_STATES = _records_recurrent_states()
+
+
+def new_target_cache(model: nn.Module, rollback_tokens: int = 1) -> Any:
     """A DynamicCache that can be cropped: sliding-window layers (Gemma 3) keep their past
-    until `crop` tells them how much to drop, as the reference does."""
+    until `crop` tells them how much to drop, as the reference does. Where transformers records
+    linear-attention states, they are recorded for the last `rollback_tokens` tokens of each
+    forward (a verify step's block), so cropping a verify step back is exact there too (5.25
+    fails in the forward when recording is on with no count)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()
+    if RECORDS_RECURRENT_STATES:
+        cache.activate_past_recording(recurrent_states_to_keep=rollback_tokens)
+    else:
+        cache.activate_past_recording()
     return cache
 
 
@@ -163,18 +184,21 @@ class HFDecoder:
     Face model with a DynamicCache, run eagerly: any architecture transformers runs (sliding windows, Gemma, ...), any drafter
     subclass (its `draft` is called), the drafter on any device.
 
-    Hybrid targets (linear-attention layers): a verify step's recurrent states are snapshotted
-    first, and a step that keeps fewer tokens than it verified is rolled back and its kept tokens
-    re-run (decode/recurrent.py says why cropping alone is lossy there)."""
+    Hybrid targets (linear-attention layers): where transformers records the recurrent state
+    after each verified token (5.25 and later), cropping puts back the one the kept tokens reach;
+    before that, a verify step's states are snapshotted first, and a step that keeps fewer tokens
+    than it verified is rolled back and its kept tokens re-run (decode/recurrent.py says why
+    cropping alone was lossy there). `rollback_unsupported` checks whichever runs."""
 
     kind = "hf"
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None):
         self.target, self.drafter = target, drafter
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
-        self.cache = new_target_cache(target.model)
+        self.cache = new_target_cache(target.model, drafter.config.block_size if drafter is not None else 1)
         self.drafter_cache = DrafterCache(len(drafter.layers)) if drafter is not None else None
         self.recurrent = has_recurrent_layers(target.model.config)
+        self.snapshots = self.recurrent and not RECORDS_RECURRENT_STATES
         if self.recurrent and drafter is not None:
             refusal = rollback_unsupported(target)
             if refusal is not None:
@@ -202,7 +226,7 @@ class HFDecoder:
         return selector.select(hidden[None], logits[None].to(hidden.device), anchor, 0.0)[0][0].to(bonus.device)
 
     def verify(self, block: torch.Tensor, start: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.recurrent and block.shape[1] > 1:
+        if self.snapshots and block.shape[1] > 1:
             self.verified = _Verified(block, start, StateSnapshot(self.cache))
         return _target_forward(self.target, block, start, self.cache, self.layer_ids if features else None)
 
@@ -230,6 +254,8 @@ def rollback_note(target: Target, drafter: DFlashDrafter | None) -> str:
     """What a header line adds for a hybrid target decoded speculatively through this decoder."""
     if drafter is None or not has_recurrent_layers(target.model.config):
         return ""
+    if RECORDS_RECURRENT_STATES:
+        return "; linear-attention states recorded per verified token by transformers, a rejection cropped back to the kept tokens"
     return "; linear-attention states snapshotted per verify step, a rejection rolled back and its kept tokens re-run"
 
 
@@ -251,11 +277,12 @@ def _rollback_probe(target: Target) -> str | None:
         expected = replica.model(ids[:, :8], use_cache=False).logits[0, -1]
         decoder = HFDecoder.__new__(HFDecoder)  # no drafter: only the target's cache is exercised
         decoder.target, decoder.layer_ids, decoder.recurrent = replica, None, True
-        decoder.cache, decoder.verified = new_target_cache(replica.model), None
+        decoder.snapshots = not RECORDS_RECURRENT_STATES
+        decoder.cache, decoder.verified = new_target_cache(replica.model, 4), None
         try:
             decoder.prefill(ids[:, :6])
             decoder.verify(ids[:, 6:10], 6, features=False)
-            if not decoder.verified or not decoder.verified.snapshot:
+            if decoder.snapshots and (not decoder.verified or not decoder.verified.snapshot):
                 return "its cache holds no linear-attention states this decoder can snapshot (conv_states/recurrent_states)"
             decoder.keep(7)
             got = _target_forward(replica, ids[:, 7:8], 7, decoder.cache, None)[0][-1]

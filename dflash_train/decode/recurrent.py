@@ -15,6 +15,12 @@ copy of each linear-attention layer's states (a few MB per layer; keys and value
 The static decoder and the batched generator hold these states themselves, per cache row, and
 never advance them by a rejected draft (target/linear_attention.py, decode/static.py).
 
+transformers 5.25 added the missing half: with `activate_past_recording(recurrent_states_to_keep=n)`
+a linear-attention cache layer keeps the recurrent state after each of a forward's last n tokens,
+and `crop` puts back the one the kept tokens reach. Where it exists the HF decoder records a
+block's worth and only crops (no snapshot, no re-run); the recorded states cost n copies of a
+layer's state per verify step, where a snapshot costs one.
+
 The states are found by what the cache holds (a layer's `conv_states` / `recurrent_states`
 tables, as transformers 5.x lays them out); `rollback_unsupported` checks on a float32 replica
 that snapshot, restore and re-run reproduce the target's own next-token logits, so a cache laid

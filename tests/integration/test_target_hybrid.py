@@ -184,13 +184,19 @@ def test_greedy_speculative_equals_target_only_with_rejections_at_every_position
 
 def test_crop_alone_is_lossy_on_a_hybrid_and_the_rollback_probe_says_so(monkeypatch):
     """The trap itself: cropping after a rejected block leaves the recurrent state advanced. With
-    the snapshot not restored, the rollback probe measures the error and the decoder refuses."""
+    the rollback left out (the snapshot not restored; where transformers records the states a
+    crop puts back, no state recorded), the rollback probe finds it and the decoder refuses."""
     target = family_target("qwen3_5_text", seed=2)
     assert hf_decoder.rollback_unsupported(target) is None
-    monkeypatch.setattr(StateSnapshot, "restore", lambda self: None)
+    if hf_decoder.RECORDS_RECURRENT_STATES:
+        recording = hf_decoder.new_target_cache
+        monkeypatch.setattr(hf_decoder, "new_target_cache", lambda model, rollback_tokens=1: recording(model, 0))
+    else:
+        monkeypatch.setattr(StateSnapshot, "restore", lambda self: None)
     lossy = family_target("qwen3_5_text", seed=3)  # a new model: verdicts are cached per model
     reason = hf_decoder.rollback_unsupported(lossy)
-    assert reason is not None and "differs from the target's own forward" in reason
+    assert reason is not None and ("differs from the target's own forward" in reason
+                                   or "could not be rolled back" in reason), reason
     config = DrafterConfig.from_target(lossy.spec, num_layers=1, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 3])
     with pytest.raises(UserError, match="cannot be lossless"):
         generate(lossy, DFlashDrafter(config).eval(), [1, 2, 3], 8, decoder="hf")
