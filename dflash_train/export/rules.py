@@ -1,6 +1,6 @@
 """What SGLang and vLLM need from a DFlash drafter folder, as one table of named rules.
 
-Read in the released sources of the versions in ENGINES (the PyPI wheels of vLLM 0.33.0 and
+Read in the released sources of the versions in ENGINES (the PyPI wheels of vLLM 0.34.0 and
 SGLang 0.5.23, the reference `dflash` 0.1.0, llama.cpp b11434's converter). Every rule's `source`
 cites where: "ENGINE VERSION path symbol", one per reader, `;`-separated
 (tests/integration/test_export_rules.py checks that every rule has one). Re-read them when a version moves.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # The releases the rules were read in (a rule's citations name one of these each).
-ENGINES = {"vLLM": "0.33.0", "SGLang": "0.5.23", "dflash": "0.1.0", "llama.cpp": "b11434"}
+ENGINES = {"vLLM": "0.34.0", "SGLang": "0.5.23", "dflash": "0.1.0", "llama.cpp": "b11434"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Per drafter layer, the names both loaders map (SGLang stacks q/k/v into qkv_proj and gate/up
@@ -491,6 +491,12 @@ def _dflash2_config(folder: DraftFolder) -> str | None:
         return f"conv_group_size {folder.dflash['conv_group_size']} does not divide hidden_size {hidden}"
     if folder.dflash["selector_top_k"] > vocab:
         return f"selector_top_k {folder.dflash['selector_top_k']} is more than the vocabulary ({vocab})"
+    # vLLM 0.34's hf_config_override serves a DFlash2DraftModel config with a truthy top-level
+    # no_rope_layers as DFlash2RicursiveDraftModel (those layers without RoPE); SGLang and the
+    # reference rotate every layer, so the engines would decode different drafters.
+    if folder.config.get("no_rope_layers"):
+        return (f"no_rope_layers {folder.config['no_rope_layers']!r}: vLLM serves it as another drafter "
+                "(DFlash2RicursiveDraftModel, no RoPE in those layers), SGLang and the reference do not")
     return None
 
 
@@ -569,68 +575,69 @@ def _finite(folder: DraftFolder) -> str | None:
 
 RULES: tuple[Rule, ...] = (
     Rule("architecture", f"architectures [{ARCHITECTURE!r}], model_type 'qwen3'",
-         "vLLM 0.33.0 vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS; "
+         "vLLM 0.34.0 vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py EntryClass", _architecture),
     Rule("config_keys", "every drafter dim written explicitly (no engine default)",
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.__init__", _config_keys),
     Rule("dflash_config", "target_layer_ids and mask_token_id in dflash_config; block_size, num_target_layers resolvable; no disagreement",
          "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config; "
-         "vLLM 0.33.0 vllm/v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.__init__; "
+         "vLLM 0.34.0 vllm/v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.__init__; "
          "dflash 0.1.0 dflash/model.py DFlashDraftModel.__init__; llama.cpp b11434 conversion/qwen.py DFlashModel.set_vocab", _dflash_config),
     Rule("target_layer_ids", "ids in [0, num_target_layers)",
          "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py DFlashDraftConfig.resolve_target_layer_ids; "
-         "vLLM 0.33.0 vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config", _target_layer_ids),
+         "vLLM 0.34.0 vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config", _target_layer_ids),
     Rule("mask_token_id", "an embedding row",
          "SGLang 0.5.23 python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.embed_input_ids", _mask_token_id),
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Model.embed_input_ids", _mask_token_id),
     Rule("block_size", "an integer >= 2",
          "SGLang 0.5.23 python/sglang/srt/arg_groups/speculative_hook.py _handle_dflash; llama.cpp b11434 conversion/qwen.py DFlashModel.set_gguf_parameters",
          _block_size),
     Rule("layer_types", "one allowed type per drafter layer",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py _get_dflash_layer_attention_params; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention", _layer_types_rule),
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py _resolve_layer_attention", _layer_types_rule),
     Rule("causality", "every layer equally causal in SGLang, vLLM and the reference",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py _get_dflash_attention_type; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _dflash_layer_causal; dflash 0.1.0 dflash/model.py Qwen3DFlashAttention.__init__", _causality),
-    Rule("hidden_act", "silu", "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashMLP.__init__; vLLM 0.33.0 vllm/model_executor/models/qwen2.py Qwen2MLP.__init__",
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py _dflash_layer_causal; dflash 0.1.0 dflash/model.py Qwen3DFlashAttention.__init__", _causality),
+    Rule("hidden_act", "silu", "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashMLP.__init__; vLLM 0.34.0 vllm/model_executor/models/qwen2.py Qwen2MLP.__init__",
          _hidden_act),
     Rule("rope", "rope theta, scaling and style written explicitly and consistently",
          "SGLang 0.5.23 python/sglang/srt/utils/hf_transformers/common.py get_rope_config; SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention.__init__; "
-         "vLLM 0.33.0 vllm/transformers_utils/config.py set_default_rope_theta; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__", _rope),
+         "vLLM 0.34.0 vllm/transformers_utils/config.py set_default_rope_theta; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__", _rope),
     Rule("partial_rotary", "no partial rotary factor: the drafter rotates whole heads",
-         "vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
+         "vLLM 0.34.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
          "SGLang 0.5.23 python/sglang/srt/layers/rotary_embedding.py get_rope", _partial_rotary),
     Rule("mrope", "no mRoPE sections: the drafter uses plain RoPE",
-         "vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
+         "vLLM 0.34.0 vllm/model_executor/layers/rotary_embedding/__init__.py get_rope; "
          "SGLang 0.5.23 python/sglang/srt/layers/rotary_embedding.py get_rope", _mrope),
     Rule("target_rope", "the target's rope theta and scaling (YaRN for gpt-oss)",
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3DecoderLayer.__init__; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention.__init__", _target_rope),
     Rule("weight_names", "exactly the names the loaders map",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights", _weight_names),
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights", _weight_names),
     Rule("fc_shape", "fc.weight [hidden, n_ids x hidden]",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _fc_shape),
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _fc_shape),
     Rule("projection_shapes", "every layer weight shaped from the config",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashAttention._build_qkv_proj; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__", _projection_shapes),
-    Rule("dflash2_config", "conv_kernel_size, conv_group_size (divides hidden_size), selector_rank, selector_top_k in dflash_config",
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3DecoderLayer.__init__; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3Model.__init__; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__", _projection_shapes),
+    Rule("dflash2_config", "conv_kernel_size, conv_group_size (divides hidden_size), selector_rank, selector_top_k in dflash_config; no no_rope_layers",
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3DecoderLayer.__init__; "
+         "vLLM 0.34.0 vllm/config/speculative.py SpeculativeConfig.hf_config_override; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash2.py DFlash2Qwen3Model.__init__; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlash2DraftModel.__init__; dflash 0.1.0 dflash/model.py DFlash2DraftModel.__init__", _dflash2_config),
     Rule("dflash2_shapes", "conv kernels, projections and [vocab, rank] codebooks shaped from the config",
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py DFlashGroupedConv.__init__; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash2.py CandidateSelector.__init__; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash2.py DFlashGroupedConv.__init__; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash2.py CandidateSelector.__init__; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py CandidateSelector.__init__; dflash 0.1.0 dflash/model.py CandidateSelector.__init__", _dflash2_shapes),
     Rule("target", "hidden size, vocabulary and layer count of the target",
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.__init__; "
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _target),
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py _get_dflash_fc_input_size", _target),
     Rule("finite", "every weight a finite number (no NaN, no inf)",
-         "vLLM 0.33.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights; "
+         "vLLM 0.34.0 vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights; "
          "SGLang 0.5.23 python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights", _finite),
 )
 

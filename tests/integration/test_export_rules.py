@@ -129,6 +129,8 @@ DFLASH2_BREAKS = {
     "dflash2_config: group size does not divide hidden": ("dflash2_config", _edit_config(
         _set("dflash_config", "conv_group_size", 24))),
     "dflash2_config: top-k past the vocabulary": ("dflash2_config", _edit_config(_set("dflash_config", "selector_top_k", 97))),
+    "dflash2_config: no_rope_layers (vLLM 0.34 serves another drafter)": ("dflash2_config", _edit_config(
+        _set("no_rope_layers", [1]))),
     "dflash2_shapes: codebook of another rank": ("dflash2_shapes", _edit_weights(
         lambda w: w.update({"candidate_selector.successor_codebook": torch.zeros(96, 4)}))),
     "dflash2_shapes: base kernel of other taps": ("dflash2_shapes", _edit_weights(
