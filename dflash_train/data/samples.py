@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 import torch
 
 from ..config import TOKEN_IDS
-from ..processes import WorkerError, available_cores, map_in_processes
+from ..processes import WorkerError, default_workers, map_in_processes
 from ..progress import Progress
 from .readers import FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, RowStats, read_conversations
 from .render import RenderError, render_conversation, tokenizer_fingerprint
@@ -35,7 +35,6 @@ NO_VALID_ANCHOR = "no valid anchor"
 _QUIET_SECONDS = 2.0
 # Files with fewer rows render faster in this process than worker processes start (~3 s).
 PARALLEL_MIN_ROWS = 8192
-MAX_RENDER_WORKERS = 16
 IDS_IGNORED = "token ids ignored (--token-ids ignore)"
 OTHER_TOKENIZER = "token ids of another tokenizer"
 
@@ -68,7 +67,7 @@ def load_training_samples(
     (`token_ids`: see the module doc).
 
     A file of `parallel_min_rows` rows or more is rendered by `workers` processes (None: one per
-    core, at most MAX_RENDER_WORKERS; see dflash_train/processes.py). Same samples, order and stats either way;
+    core, at most processes.MAX_WORKERS; see dflash_train/processes.py). Same samples, order and stats either way;
     if the workers fail, the file is rendered here (with a warning)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -76,7 +75,7 @@ def load_training_samples(
         raise ValueError(f"max_length must be at least 2 (one anchor and its next token), got {max_length}")
     if token_ids not in TOKEN_IDS:
         raise ValueError(f"token_ids must be one of {', '.join(TOKEN_IDS)}, got {token_ids!r}")
-    workers = min(available_cores(), MAX_RENDER_WORKERS) if workers is None else workers
+    workers = default_workers() if workers is None else workers
     fingerprint = tokenizer_fingerprint(tokenizer) if token_ids == "auto" else None
     rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking, fingerprint)
     stats = RowStats()
