@@ -10,18 +10,24 @@ samples/s with every worker's busy fraction, queue depth and compile counts.
     python bench/pipeline.py --dims small --device cuda:0 --cuda-graphs on,off   # both, one after the other
     python bench/pipeline.py --dims small --device cuda:0 --cuda-graphs on --starts 2   # warm-up: first vs second start
     python bench/pipeline.py --tiny --device cpu --steps 6            # smoke test of the script
+    python bench/pipeline.py --tiny --device cuda:0 --steps 30 --slow-target-ms 40 --trace T   # the slowed-target case, traced
 
 GPU busy comes twice: nvidia-smi's utilisation (coarse, any kernel of the process) and each worker's
 own CUDA-event time (pipeline.jsonl, `gpu_busy`). `--starts N` runs the same run N times as
 subprocesses sharing one run folder and fresh compile caches (cold for the first start).
+`--slow-target-ms` adds a GPU spin kernel (no host work) before the target's first layer, so the
+target's GPU is the limit by construction; `--trace T` writes each run's kernel timeline
+(`T-<mode>.json.gz`, CUDA activity only) and its kernel time per stream.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import gzip
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -122,6 +128,22 @@ class GpuUtilization:
                 for g in gpus}
 
 
+def slow_down(target: Target, ms: float) -> None:
+    """A spin kernel of `ms` on the target's GPU before its first decoder layer, in every forward
+    (a pre-hook, so CUDA-graph captures of the feature forward record it too)."""
+    device = target.device
+    calibration = 50_000_000
+    torch.cuda._sleep(calibration)  # the first launch loads the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(device))
+    torch.cuda._sleep(calibration)
+    end.record(torch.cuda.current_stream(device))
+    end.synchronize()
+    cycles = int(calibration * ms / start.elapsed_time(end))
+    print(f"target slowed: {cycles:,} spin cycles per forward (~{ms} ms)", flush=True)
+    target.model.model.layers[0].register_forward_pre_hook(lambda module, inputs: torch.cuda._sleep(cycles))
+
+
 def time_target_alone(target: Target, layer_ids: list[int], batch: int, seq: int, repeats: int) -> float:
     ids = torch.randint(0, target.spec.vocab_size - 2, (batch, seq), device=target.device)
     target.features(ids, layer_ids)
@@ -154,6 +176,11 @@ def main() -> int:
     parser.add_argument("--cuda-graphs", default="auto", help="comma-separated modes to run one after the other: auto, on, off")
     parser.add_argument("--starts", type=int, default=1, help="run N times as subprocesses (warm-up of a second start)")
     parser.add_argument("--out", default="", help="run folder (default: a new temporary one)")
+    parser.add_argument("--compile-target", default="auto", choices=("auto", "on", "off"), help="train --compile-target")
+    parser.add_argument("--slow-target-ms", type=float, default=0.0,
+                        help="GPU spin before the target's first layer, per batch (CUDA only; needs --compile-target off: "
+                             "inductor drops the spin from a compiled forward)")
+    parser.add_argument("--trace", default="", help="write each run's CUDA kernel timeline to TRACE-<mode>.json.gz")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.starts > 1:
@@ -166,6 +193,11 @@ def main() -> int:
     targets = [random_target(dims, torch.device(d)) for d in target_devices]
     for other in targets[1:]:
         other.model.load_state_dict(targets[0].model.state_dict())
+    if args.slow_target_ms:
+        if args.compile_target != "off":
+            parser.error("--slow-target-ms needs --compile-target off: inductor drops the spin from a compiled forward")
+        for target in targets:
+            slow_down(target, args.slow_target_ms)
     layer_ids = {id(QWEN3_8B): [1, 9, 17, 25, 33], id(SMALL): [1, 7, 13, 19, 25], id(TINY): [1, 3, 5]}[id(dims)]
     tokens_per_s = time_target_alone(targets[0], layer_ids, args.batch_size, args.max_seq_len, 3 if args.tiny else 5)
     print(f"target alone: {tokens_per_s:,.0f} tokens/s ({args.batch_size} x {args.max_seq_len})", flush=True)
@@ -224,12 +256,26 @@ def run_once(args, dims, targets, layer_ids, samples, tokens_per_s, min_len, tar
         num_layers=2 if dims is TINY else 5, num_anchors=args.num_anchors, target_layer_ids=layer_ids,
         mask_token_id=dims["vocab_size"] - 1, target_devices=target_devices, drafter_devices=drafter_devices,
         mode=args.mode, save_every=10**9, log_every=10, export_dtype="", compile=args.compile,
+        compile_target=args.compile_target,
         seq_buckets=[int(b) for b in args.buckets.split(",")] if args.buckets else [],
         variants=[{"name": f"v{i}"} for i in range(len(drafter_devices))] if args.mode == "variants" else [],
     )
     utilization = GpuUtilization()
     train_started = time.monotonic()
-    summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
+    if args.trace:
+        from profiling import kernels_by_stream
+
+        activity = torch.profiler.ProfilerActivity
+        with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
+            summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
+        trace = Path(f"{args.trace}-{mode}.json")
+        prof.export_chrome_trace(str(trace))
+        print(json.dumps({"kernel ms per step by stream": kernels_by_stream(trace, args.steps, top=4)}, indent=1))
+        with open(trace, "rb") as plain, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(plain, packed)
+        trace.unlink()
+    else:
+        summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
     gpu_busy = utilization.busy_fraction(train_started)
     warm = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl" if args.mode == "replicas" else "v0/metrics.jsonl"))]
     warm = warm[-summary["steps_done"][next(iter(summary["steps_done"]))]:]  # this start's records

@@ -378,9 +378,17 @@ def test_a_hybrid_target_is_captured_uncompiled_under_compile_target_auto_and_on
 def _slow_gpu_target(seconds: float) -> Target:
     """A live target whose GPU work takes `seconds` longer per batch without host work: a spin
     kernel before its first decoder layer (a forward pre-hook, so Target.features and the graphed
-    feature forward both run it, and the capture records it)."""
+    feature forward both run it, and the capture records it). The cycle count is measured here,
+    because the spin counts clock cycles and the clock differs between GPUs."""
     model = tiny_hf_model("llama", layers=6, hidden=256).to(DEVICE, torch.bfloat16)
-    cycles = int(seconds * 2.0e9)
+    probe = 50_000_000
+    torch.cuda._sleep(probe)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    cycles = int(probe * seconds * 1000 / start.elapsed_time(end))
     model.model.layers[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
     return Target(model)
 
@@ -388,15 +396,21 @@ def _slow_gpu_target(seconds: float) -> Target:
 def test_a_deliberately_slowed_target_gpu_is_named(tmp_path):
     """The target's GPU work made ~40 ms longer per batch (host untouched), graphs on: the step
     line's record in pipeline.jsonl names `target GPU`, with the target's GPU busy fraction high
-    and above the drafter's."""
-    config = _pipeline_config(tmp_path, cuda_graphs="on", steps=30, log_every=10)
-    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=250), target=_slow_gpu_target(0.04),
+    and above the drafter's. The feature forward is captured uncompiled: inductor drops the spin
+    (a call with no tensor result) from a compiled forward, and the replays then ran without it
+    (on an H100, 190 steps/s with a 40 ms spin "in" every batch), so the drafter was the limit."""
+    spin = 0.04
+    config = _pipeline_config(tmp_path, cuda_graphs="on", steps=30, log_every=10, compile_target="off")
+    summary = train(config, samples=pattern_samples(64, min_len=30, max_len=250), target=_slow_gpu_target(spin),
                     log=open(os.devnull, "w"))
-    assert "2/2 feature graphs" in summary["startup"]["warmup_notes"]["target-0"]  # the spin is in the graph
-    last = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()][-1]
+    assert "2/2 feature graphs, 0 compiled" in summary["startup"]["warmup_notes"]["target-0"]  # the spin is in the graph
+    records = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+    last, first = records[-1], records[0]
     workers = last["workers"]
     # Everything a failure needs to be read without another GPU run: both workers' whole records and warm-up notes.
     seen = json.dumps({"record": last, "warmup_notes": summary["startup"]["warmup_notes"]}, indent=1)
+    seconds_per_step = (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"])
+    assert seconds_per_step >= 0.9 * spin, seen  # every replay ran the spin
     assert last["bottleneck"] == "target GPU", seen
     assert workers["target-0"]["gpu_busy"] >= 0.6 and workers["target-0"]["gpu_busy"] > workers["drafter-0"]["gpu_busy"], seen
 
