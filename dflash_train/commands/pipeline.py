@@ -51,7 +51,9 @@ class PipelineConfig:
             raise ConfigError(f"--stages {unknown[0]!r}: use some of {', '.join(STAGES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError(f"--stages {','.join(self.stages)}: a stage is named twice")
-        if self.data and not (Path(self.data).is_file() and self.data.endswith(".jsonl")):
+        if self.data and not Path(self.data).is_file():
+            raise ConfigError(f"--data {self.data}: no such file")
+        if self.data and not self.data.endswith(".jsonl"):
             raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
         check_work_folder(Path(self.out))
         check_outside_inputs(self.out, "--out", [self.target, self.data])
@@ -70,7 +72,9 @@ def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, r
     live process per work folder (its stages resume what they find). `target` may be a function
     that finds it (quickstart's conversion), called once the folder is held."""
     from ..files import hold_output
+    from ..target.model import resolve_device
 
+    resolve_device(device)  # a GPU that is not here is refused now, not after the prompts stage
     with hold_output(folder, "--out"):
         if callable(target):
             target = str(target())

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_generate_regenerate import tiny_smollm_dir
 
 from dflash_train.cli import main
@@ -193,6 +194,24 @@ def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, caps
     err = capsys.readouterr().err
     assert message in err and str(bad) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 8, reason="needs a CUDA device index that is not here")
+@pytest.mark.parametrize("flags, message", [
+    (("--device", "cuda:8"), "device cuda:8: not available here"),
+    (("--device", "gpu0"), "device 'gpu0': use auto, cpu, cuda or cuda:N"),
+    (("--data", "absent.jsonl"), "--data absent.jsonl: no such file"),
+])
+def test_flag_errors_are_one_line_before_any_stage_runs(files, tmp_path, capsys, flags, message):
+    """A device that is not on this machine, or answers that are not there, are refused at once:
+    not after the prompts stage has run (the device was only checked when regenerate loaded the
+    target)."""
+    work = tmp_path / "work"
+    command = args(files, work) + list(flags)  # the later --device wins over args()'s cpu
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not work.exists()
 
 
 def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
