@@ -65,12 +65,18 @@ class CacheFeaturesConfig(SectionedConfig):
     compute: ComputeSettings
 
     def validate(self) -> None:
+        from ..data.readers import CONVERSATION_FORMATS, check_readable
+        from ..target.model import check_target_path
+
         check_target_flags(self.input.target, self.output.out, self.input.thinking, self.output.dtype)
         if not self.input.data:
             raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
+        for path in self.input.data:
+            check_readable(path, CONVERSATION_FORMATS, "--data")  # before the target loads
         if Path(self.output.out).exists() and not Path(self.output.out).is_dir():
             raise ConfigError(f"--out {self.output.out} is a file; the cache is a folder (new, empty, or an "
                               "interrupted cache to resume)")
+        check_target_path(self.input.target, "--target")
         check_outside_inputs(self.output.out, "--out", [self.input.target, *self.input.data])
         if self.input.token_ids not in TOKEN_IDS:
             raise ConfigError(f"--token-ids {self.input.token_ids!r}: use {' or '.join(TOKEN_IDS)}")

@@ -76,6 +76,11 @@ class EvalConfig(SectionedConfig):
             raise ConfigError(f"dtype {self.models.dtype!r}: use auto, {', '.join(DTYPE_NAMES)}")
         if self.prompts.thinking not in THINKING:
             raise ConfigError(f"thinking {self.prompts.thinking!r}: use {', '.join(THINKING)}")
+        from ..export.hf import read_export_config
+        from ..target.model import check_target_path
+
+        check_target_path(self.models.target, "--target")
+        read_export_config(Path(self.models.drafter), "--drafter")
         if self.output.json:
             inputs = [self.models.target, self.models.drafter, *(b for b in self.prompts.bench if Path(b).exists())]
             check_new_output(self.output.json, "--json", inputs)

@@ -40,8 +40,9 @@ class PipelineConfig:
     def validate(self) -> None:
         if not self.target:
             raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file)")
-        if not Path(self.target).exists():
-            raise ConfigError(f"--target {self.target}: no such file or folder")
+        from ..target.model import check_target_path
+
+        check_target_path(self.target, "--target")
         if not self.recipe:
             raise ConfigError(f"no recipe: pass --recipe NAME ({', '.join(builtin_recipes())}) or --recipe FILE.toml")
         if not self.out:

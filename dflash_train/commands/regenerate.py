@@ -120,6 +120,10 @@ class RegenerateConfig(SectionedConfig):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file (it is appended to, and resumed)")
         if self.input.split not in SPLIT_CHOICES:
             raise ConfigError(f"--split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
+        if self.input.target:
+            from ..target.model import check_target_path
+
+            check_target_path(self.input.target, "--target")
         inputs = [self.input.target, *([self.input.prompts] if self.input.prompts != "default" else [])]
         check_outside_inputs(self.output.out, "--out", inputs)
 

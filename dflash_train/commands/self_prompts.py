@@ -5,7 +5,6 @@ when they end properly, look like text, are new and overlap no benchmark; writte
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from ..config import ConfigError, Section, SectionedConfig, option
 from ..data.prompts.sets import SPLITS
@@ -76,10 +75,11 @@ class SelfPromptsConfig(SectionedConfig):
         if self.output.count is None:
             raise ConfigError("--count is required: how many requests to keep")
         check_target_flags(self.input.target, self.output.out, "auto", self.local.dtype)
-        if not Path(self.input.target).exists():
-            raise ConfigError(f"--target {self.input.target}: no such file or folder")
         if not self.output.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file")
+        from ..target.model import check_target_path
+
+        check_target_path(self.input.target, "--target")
         check_new_output(self.output.out, "--out", [self.input.target])
         if self.output.split not in SPLITS:
             raise ConfigError(f"--split {self.output.split!r}: use {', '.join(SPLITS)}")

@@ -204,17 +204,26 @@ def _text_error(value: str) -> str | None:
     return None
 
 
+def check_readable(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS, flag: str = "") -> str:
+    """The file's format (its suffix), once it is one of `formats` and the file is there; the
+    error names `flag` when given (a check at start, before any model loads)."""
+    path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
+    suffix = _format_suffix(path)
+    if suffix not in formats:
+        raise DataError(where, "", f"unsupported file type; expected one of {', '.join(formats)}")
+    if not path.is_file():
+        raise DataError(where, "", "no such file")
+    return suffix
+
+
 def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> Iterator[tuple[str, Any]]:
     """Yield `(location, row)` for every row of a file; a row that cannot be parsed is yielded as a DataError.
 
     Text files yield `{"prompt": line}` rows.
     """
     path = Path(path)
-    suffix = _format_suffix(path)
-    if suffix not in formats:
-        raise DataError(str(path), "", f"unsupported file type; expected one of {', '.join(formats)}")
-    if not path.is_file():
-        raise DataError(str(path), "", "no such file")
+    suffix = check_readable(path, formats)
     if suffix == ".parquet":
         yield from _parquet_rows(path)
         return

@@ -192,12 +192,12 @@ def export_model(
                           source=source, force=force, log=log)
 
 
-def _read_export_config(folder: Path) -> dict[str, Any]:
+def read_export_config(folder: Path, flag: str = "") -> dict[str, Any]:
     """config.json of a DFlash drafter export; ExportError for anything else (a target model's
-    folder, a damaged file)."""
-    config_path = folder / "config.json"
+    folder, a damaged file), naming `flag` when given."""
+    config_path, where = folder / "config.json", f"{flag} {folder}" if flag else str(folder)
     if not config_path.is_file():
-        raise ExportError(f"{folder}: no config.json; expected an exported DFlash drafter folder")
+        raise ExportError(f"{where}: no config.json; expected an exported DFlash drafter folder")
     try:
         raw = json.loads(config_path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -208,7 +208,7 @@ def _read_export_config(folder: Path) -> dict[str, Any]:
         architectures = raw.get("architectures") or []
         what = f"architectures {architectures}" if architectures else f"model_type {raw.get('model_type')!r}"
         raise ExportError(
-            f"{folder}: not a DFlash drafter (its config.json has {what} and no dflash_config; a target model's "
+            f"{where}: not a DFlash drafter (its config.json has {what} and no dflash_config; a target model's "
             "folder?); pass the folder `dflash-train export` wrote"
         )
     return raw
@@ -219,7 +219,7 @@ def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu"
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    raw = _read_export_config(folder)
+    raw = read_export_config(folder)
     try:
         config = _drafter_config_from_hf(raw)
     except KeyError as error:

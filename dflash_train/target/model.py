@@ -445,6 +445,17 @@ def model_folder(path: str | Path) -> Path:
     return path
 
 
+def check_target_path(path: str | Path, flag: str = "") -> None:
+    """A target path that can load: a .gguf file, or a folder with a config.json. Commands check
+    it before anything loads, naming their `flag`."""
+    path = Path(path)
+    where = f"{flag} {path}" if flag else str(path)
+    if not path.exists():
+        raise TargetError(f"{where}: no such file or folder")
+    if not (path.suffix == ".gguf" and path.is_file()) and not (path / "config.json").is_file():
+        raise TargetError(f"{where}: not a Hugging Face model folder (no config.json) and not a .gguf file")
+
+
 def load_target(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -455,9 +466,8 @@ def load_target(
     """Load a target from a Hugging Face folder or a `.gguf` file (converted once, cached)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_target_path(path)
     path = model_folder(path)
-    if not (path / "config.json").is_file():
-        raise TargetError(f"{path}: not a Hugging Face model folder (no config.json) and not a .gguf file")
     config = AutoConfig.from_pretrained(path)
     TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device), output_loading_info=True)

@@ -109,6 +109,25 @@ def evaluation_thinking(config: TrainConfig, supply: FeatureSupply) -> bool | No
     return THINKING[config.data.thinking]
 
 
+def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool) -> None:
+    """The target and the data files a run reads, checked before anything loads or is written
+    (a target that takes minutes to load is not loaded for a --data path with a typo)."""
+    from ..data.readers import CONVERSATION_FORMATS, check_readable
+    from ..target.model import check_target_path
+
+    if not target_given:
+        if config.model.target:
+            check_target_path(config.model.target, "--target")
+        elif not config.data.features:
+            raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file), or --features CACHE")
+    if samples_given or config.data.features:
+        return
+    if not config.data.data:
+        raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
+    for path in config.data.data:
+        check_readable(path, CONVERSATION_FORMATS, "--data")
+
+
 def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> list:
     """The training rows: from the feature cache, or rendered from --data with the target's tokenizer."""
     if supply.cache is not None:
@@ -126,8 +145,6 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
     from ..data.samples import load_training_samples
 
     tokenizer = supply.first.tokenizer
-    if not config.data.data:
-        raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
     if tokenizer is None:
         raise ConfigError(f"{config.model.target}: no tokenizer next to the model; it is needed to render --data")
     samples, stats = load_training_samples(

@@ -40,7 +40,7 @@ from .precision import uncompiled_target_note
 from .reporting import Sink, open_sinks
 from .resume import ResumePoint, find_resume_point, run_target_identity, set_aside_later_checkpoints, step_range
 from .startup import choose_cuda_graphs
-from .supply import check_batch_size, load_feature_supply, load_samples
+from .supply import check_batch_size, check_inputs, load_feature_supply, load_samples
 from .tensorboard import tensorboard_enabled
 
 
@@ -68,6 +68,7 @@ def train(
     if not config.checkpoint.out:
         raise ConfigError("no run folder: pass --out RUN_DIR")
     out = Path(config.checkpoint.out)
+    check_inputs(config, samples_given=samples is not None, target_given=target is not None)
     launch = detect_launch()
     check_launch(config.parallel.mode, launch)
     layout = resolve_layout(config, launch)

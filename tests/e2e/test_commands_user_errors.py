@@ -302,3 +302,42 @@ def test_paths_of_the_wrong_kind_are_refused_at_start(tiny, tmp_path, capsys, mo
         assert main(args) == 2, case
         assert expected in _last_line(capsys.readouterr().err), case
     assert a_file.read_text() == "mine" and data.is_file()
+
+
+def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_path, capsys):
+    """train without a target, a target or --data path that is not there or not a model folder,
+    data of a type train cannot read, no data at all; cache-features, eval and regenerate the same:
+    one line naming the flag, before `loading target` (minutes for a big target) and before the
+    output exists."""
+    target, data = tiny
+    toml = tmp_path / "answers.toml"
+    toml.write_text("x = 1\n")
+    out = tmp_path / "run"
+    common = ["train", "--out", str(out), "--steps", "2", "--device", "cpu"]
+    cases = {
+        "no target": ([*common, "--data", str(data)], "no target: pass --target DIR"),
+        "a target not there": ([*common, "--target", str(tmp_path / "absent"), "--data", str(data)],
+                               f"--target {tmp_path / 'absent'}: no such file or folder"),
+        "data not there": ([*common, "--target", str(target), "--data", f"{data},{tmp_path / 'gone.jsonl'}"],
+                           f"--data {tmp_path / 'gone.jsonl'}: no such file"),
+        "data train cannot read": ([*common, "--target", str(target), "--data", str(toml)],
+                                   f"--data {toml}: unsupported file type; expected one of .jsonl"),
+        "no data": ([*common, "--target", str(target)], "no training data: pass --data FILE.jsonl"),
+        "cache-features data not there": (["cache-features", "--target", str(target), "--data", str(tmp_path / "gone.jsonl"),
+                                           "--out", str(out), "--device", "cpu"], f"--data {tmp_path / 'gone.jsonl'}: no such file"),
+        "cache-features data it cannot read": (["cache-features", "--target", str(target), "--data", str(toml), "--out", str(out)],
+                                               f"--data {toml}: unsupported file type"),
+        "train on a folder that is not a model": ([*common, "--target", str(tmp_path), "--data", str(data)],
+                                                  f"--target {tmp_path}: not a Hugging Face model folder (no config.json)"),
+        "regenerate with a target that is not a model": (["regenerate", "--target", str(toml), "--prompts", str(data), "--out",
+                                                          str(out / "rows.jsonl")], f"--target {toml}: not a Hugging Face model folder"),
+        "eval with a drafter that is not an export": (["eval", "--target", str(target), "--drafter", str(tmp_path)],
+                                                      f"--drafter {tmp_path}: no config.json; expected an exported DFlash drafter"),
+        "eval with a target's folder as the drafter": (["eval", "--target", str(target), "--drafter", str(target)],
+                                                       f"--drafter {target}: not a DFlash drafter"),
+    }
+    for case, (args, expected) in cases.items():
+        assert main(args) == 2, case
+        captured = capsys.readouterr()
+        assert expected in _last_line(captured.err), (case, captured.err)
+        assert "loading target" not in captured.out and not out.exists(), case

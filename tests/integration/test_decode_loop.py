@@ -885,7 +885,8 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
     record = data["benchmarks"]["humaneval"]["prompts"][0]
     assert record["id"] == "HumanEval/0" and record["new_tokens"] >= 1 and record["error"] is None
 
-    assert cli.main(["eval", "--target", "x", "--drafter", "y", "--bench", "gsm8k"]) == 2
+    assert cli.main(["eval", "--target", str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"),
+                     "--bench", "gsm8k"]) == 2
     assert "gsm8k is not available offline" in capsys.readouterr().err
     assert cli.main(["eval", "--target", "x", "--drafter", "y", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be at least 1" in capsys.readouterr().err

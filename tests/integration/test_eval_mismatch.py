@@ -84,7 +84,7 @@ def test_eval_refuses_a_drafter_of_another_vocabulary(models, capsys):
 def test_eval_with_a_target_folder_as_drafter_is_one_line(models, capsys):
     assert cli.main(_eval(models / "target", models / "finetune")) == 2
     line = _one_error_line(capsys)
-    assert line.startswith(f"dflash-train eval: {models / 'finetune'}: not a DFlash drafter (its config.json has "
+    assert line.startswith(f"dflash-train eval: --drafter {models / 'finetune'}: not a DFlash drafter (its config.json has "
                            "architectures ['LlamaForCausalLM'] and no dflash_config"), line
 
 

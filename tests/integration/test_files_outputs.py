@@ -222,6 +222,9 @@ def test_every_writing_command_refuses_an_output_another_process_holds(tmp_path,
     """Each command takes its output before it loads anything, and names the holder."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Hi?"}) + "\n")
+    drafter = tmp_path / "drafter"  # what eval checks of its --drafter before taking its output: a drafter's config.json
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dflash_config": {}}))
     commands = {
         "export": ["export", str(run_dir), "--out", str(tmp_path / "exp")],
         "cache-features": ["cache-features", "--target", str(tiny_dir), "--data", str(REGENERATED_64), "--out",
@@ -234,7 +237,7 @@ def test_every_writing_command_refuses_an_output_another_process_holds(tmp_path,
         "quickstart": ["quickstart", "--out", str(tmp_path / "qs"), "--device", "cpu"],
         "pipeline": ["pipeline", "--target", str(tiny_dir), "--recipe", "quickstart", "--out", str(tmp_path / "work"),
                      "--device", "cpu"],
-        "eval": ["eval", "--target", str(tiny_dir), "--drafter", str(run_dir), "--bench", str(prompts), "--json",
+        "eval": ["eval", "--target", str(tiny_dir), "--drafter", str(drafter), "--bench", str(prompts), "--json",
                  str(tmp_path / "eval.json"), "--device", "cpu"],
     }
     for name, args in commands.items():

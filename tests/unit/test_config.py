@@ -7,6 +7,7 @@ import dataclasses
 import json
 import types
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -370,7 +371,17 @@ retries = 2
     assert not (tmp_path / "answers.jsonl").exists()
 
 
-def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path):
+def _model_folders(root: Path, **configs: dict) -> None:
+    """Folders named after the keys, each with that config.json: a target and a drafter are checked
+    before anything loads, so they must be there."""
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+
+
+def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _model_folders(tmp_path, t={}, d={"dflash_config": {}})
     path = tmp_path / "eval.toml"
     path.write_text('target = "t"\n[models]\ndrafter = "d"\ndecoder = "hf"\n[prompts]\nbench = ["mtbench"]\n'
                     'offset = 2\n[decoding]\nstop_token_ids = [7]\nbaseline = false\n')
@@ -384,7 +395,11 @@ def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_sta
         from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
 
 
-def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
+def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _model_folders(tmp_path, t={})
+    for name in ("a.jsonl", "b.jsonl"):  # --data files are checked before anything loads: they must exist
+        (tmp_path / name).write_text("")
     path = tmp_path / "cache.toml"
     path.write_text('[input]\ntarget = "t"\ndata = ["a.jsonl", "b.jsonl"]\nmax_seq_len = 96\n[layers]\n'
                     'target_layer_ids = [1, 3]\n[output]\nout = "features"\nshard_size_mb = 8\n[compute]\nbatch_size = 2\n')
@@ -408,7 +423,7 @@ def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_sectio
 
 def test_a_self_prompts_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
     target, out = tmp_path / "target", tmp_path / "asked.jsonl"
-    target.mkdir()  # checked before anything loads: it must exist
+    _model_folders(tmp_path, target={})  # checked before anything loads: it must be a model folder
     path = tmp_path / "requests.toml"
     path.write_text(f'[input]\ntarget = "{target}"\n[output]\ncount = 12\nout = "{out}"\nsplit = "dev"\n'
                     '[generation]\nseed = 3\ntop_p = 0.5\n[local]\nbatch_size = 4\n')
