@@ -120,7 +120,7 @@ class RegenerateConfig(SectionedConfig):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file (it is appended to, and resumed)")
         if self.input.split not in SPLIT_CHOICES:
             raise ConfigError(f"--split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
-        if self.input.target:
+        if not self.server.endpoint:  # with --endpoint, --target may be a folder holding only the tokenizer
             from ..target.model import check_target_path
 
             check_target_path(self.input.target, "--target")
