@@ -447,6 +447,10 @@ class ModelSettings(Section):
     selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)", at_least=1)
     selector_top_k: int = option(16, "dflash2: candidates per draft position the selector chooses among", at_least=1)
 
+    def check(self) -> None:
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ConfigError(f"--target-layer-ids {','.join(map(str, self.target_layer_ids))}: a layer is named twice")
+
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSettings(Section):

@@ -430,6 +430,14 @@ class OutputLock:
         self.release()
 
 
+def remove_if_empty(folder: Path) -> None:
+    """Remove `folder` if it holds nothing (what was written into it keeps it)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
 def hold_output(output: str | Path, flag: str) -> OutputLock:
     """Take the output `output` (named by `flag` in messages) for this process, or refuse with
     `OutputInUse` naming the live holder's pid. Use as `with hold_output(out, "--out"):`."""

@@ -84,11 +84,13 @@ def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, r
 
 def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
                 footer: list[str], answers: str) -> int:
+    from ..target.model import check_layer_ids_fit
+
     check_work_folder(folder)
     work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)
     stages = plan(work, book, requested)
-    check_layer_ids(work.train_config().model.target_layer_ids, Path(work.target))  # its values, with this target and folder
+    check_layer_ids_fit(work.train_config().model.target_layer_ids, work.target)  # not after minutes of regenerating
     if "eval" in stages:
         check_benchmarks(recipe)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,18 +106,6 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
         return 130
     print(summary_screen(work, book, command, time.monotonic() - started, footer))
     return 0
-
-
-def check_layer_ids(layer_ids: list[int], target: Path) -> None:
-    """Layer ids beyond a target folder's depth are refused now, not after minutes of regenerating
-    (a .gguf target is checked when it loads)."""
-    from ..target.model import check_target_layer_ids
-
-    config = _read(target / "config.json") if target.is_dir() else None
-    if config and layer_ids:
-        layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
-        if layers:
-            check_target_layer_ids(list(layer_ids), int(layers))
 
 
 def _read(path: Path) -> dict[str, Any] | None:

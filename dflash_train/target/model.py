@@ -10,6 +10,7 @@ embedding and LM head; they are exposed here and never copied into a drafter che
 from __future__ import annotations
 
 import hashlib
+import json
 import inspect
 import re
 from dataclasses import dataclass
@@ -443,6 +444,23 @@ def model_folder(path: str | Path) -> Path:
 
         return hf_folder_from_gguf(path)
     return path
+
+
+def check_layer_ids_fit(layer_ids: list[int], target: str | Path) -> None:
+    """Layer ids beyond a target folder's depth, refused from its config.json before any weight
+    loads (a .gguf target's depth is known once it is read: checked when it loads)."""
+    path = Path(target) / "config.json"
+    if not layer_ids or not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # the loader names what is wrong with it
+    if not isinstance(config, dict):
+        return
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 0:
+        check_target_layer_ids(list(layer_ids), layers)
 
 
 def check_target_path(path: str | Path, flag: str = "") -> None:

@@ -113,11 +113,14 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
     """The target and the data files a run reads, checked before anything loads or is written
     (a target that takes minutes to load is not loaded for a --data path with a typo)."""
     from ..data.readers import CONVERSATION_FORMATS, check_readable
-    from ..target.model import check_target_path
+    from ..target.model import check_layer_ids_fit, check_target_path
 
     if not target_given:
         if config.model.target:
             check_target_path(config.model.target, "--target")
+            chosen = [config.model.target_layer_ids, *(v.target_layer_ids or [] for v in config.parallel.variants)]
+            for layer_ids in chosen:
+                check_layer_ids_fit(layer_ids, config.model.target)
         elif not config.data.features:
             raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file), or --features CACHE")
     if samples_given or config.data.features:

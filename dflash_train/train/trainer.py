@@ -25,7 +25,7 @@ from typing import Any, Sequence, TextIO
 
 from ..config import PER_NODE_SETTINGS, ConfigError, TrainConfig
 from ..decode.families import describe_target
-from ..files import hold_output
+from ..files import hold_output, remove_if_empty
 from ..parallel.launch import check_launch, detect_launch, gradient_backend
 from ..parallel.nodes import NodeGroup
 from ..target.model import Target
@@ -82,6 +82,8 @@ def train(
         plans = plan_drafters(config, layout)
         if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
             owned.enter_context(hold_output(out, "--out"))
+            if not out.exists():  # a run that fails before writing anything leaves no empty folder behind
+                owned.callback(remove_if_empty, out)
             prepare_run_folder(config, plans)
         supply = load_feature_supply(config, layout, target, log)
         if samples is None:

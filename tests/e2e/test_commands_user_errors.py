@@ -335,9 +335,29 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
                                                       f"--drafter {tmp_path}: no config.json; expected an exported DFlash drafter"),
         "eval with a target's folder as the drafter": (["eval", "--target", str(target), "--drafter", str(target)],
                                                        f"--drafter {target}: not a DFlash drafter"),
+        "train on layers the target does not have": ([*common, "--target", str(target), "--data", str(data),
+                                                      "--target-layer-ids", "1,99"], "target_layer_ids [99] out of range"),
     }
     for case, (args, expected) in cases.items():
         assert main(args) == 2, case
         captured = capsys.readouterr()
         assert expected in _last_line(captured.err), (case, captured.err)
         assert "loading target" not in captured.out and not out.exists(), case
+
+
+def test_a_train_run_that_fails_before_writing_leaves_no_empty_run_folder(tiny, tmp_path, capsys):
+    """A failure found once the data is read (here: fewer rows than one batch) ends the run before
+    it writes anything: the run folder it made is gone again, and a folder that was there stays."""
+    target, data = tiny
+    rows = len(data.read_text().splitlines())
+    out = tmp_path / "new" / "run"
+    args = ["train", "--target", str(target), "--data", str(data), "--steps", "1", "--device", "cpu",
+            "--batch-size", str(rows + 1), "--eval-every", "0"]
+    assert main([*args, "--out", str(out)]) == 2
+    assert "--batch-size" in _last_line(capsys.readouterr().err)
+    assert not out.exists() and not out.parent.exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    assert main([*args, "--out", str(kept)]) == 2
+    capsys.readouterr()
+    assert kept.is_dir() and not any(kept.iterdir())

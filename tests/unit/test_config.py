@@ -164,6 +164,7 @@ gamma = 4
     (dict(min_lr_ratio=2.0), "--min-lr-ratio"),
     (dict(keep_checkpoints=0), "--keep-checkpoints must be at least 1"),
     (dict(stop_after_bad_steps=-1), "--stop-after-bad-steps must be at least 0"),
+    (dict(target_layer_ids=[1, 3, 1]), "--target-layer-ids 1,3,1: a layer is named twice"),
 ])
 def test_bad_values_are_refused_where_the_config_is_made(values, match):
     with pytest.raises(ConfigError, match=match):
