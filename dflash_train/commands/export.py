@@ -110,6 +110,10 @@ def run_check(folder: str, target: str = "") -> int:
 
     if not Path(folder).is_dir():
         raise UserError(f"--check {folder}: no such folder")
+    if not (Path(folder) / "config.json").is_file():
+        run = (Path(folder) / "checkpoints").is_dir() or (Path(folder) / "state.json").is_file()
+        hint = f"; a training run or checkpoint: export it first (dflash-train export {folder} --out DIR)" if run else ""
+        raise UserError(f"--check {folder}: no config.json, so not a drafter folder{hint}")
     shape = None
     if target:
         try:

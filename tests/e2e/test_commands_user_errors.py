@@ -289,6 +289,8 @@ def test_paths_of_the_wrong_kind_are_refused_at_start(tiny, tmp_path, capsys, mo
     target, data = tiny
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
+    run = tmp_path / "run"  # what a training run folder holds that an export does not
+    (run / "checkpoints").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     cases = {
         "cache-features --out the data file": (["cache-features", "--target", str(target), "--data", str(data),
@@ -297,6 +299,10 @@ def test_paths_of_the_wrong_kind_are_refused_at_start(tiny, tmp_path, capsys, mo
         "quickstart --out a file": (["quickstart", "--out", str(a_file)], f"--out {a_file} is a file"),
         "export --out .": (["export", str(tmp_path), "--out", ".", "--force"], "--out . is the current folder"),
         "eval-merge a folder": (["eval-merge", str(tmp_path)], f"{tmp_path}: a folder"),
+        "export --check a folder without config.json": (["export", "--check", str(tmp_path)],
+                                                         f"--check {tmp_path}: no config.json, so not a drafter folder"),
+        "export --check a run": (["export", "--check", str(run)], f"a training run or checkpoint: export it first "
+                                                                    f"(dflash-train export {run} --out DIR)"),
     }
     for case, (args, expected) in cases.items():
         assert main(args) == 2, case
