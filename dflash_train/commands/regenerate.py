@@ -145,7 +145,12 @@ def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats
     rows = read_prompts(config.input.prompts, stats)
     if config.input.split not in ("auto", "all"):
         rows = _in_split(rows, config.input.split, stats)
-    return list(itertools.islice(rows, config.input.limit) if config.input.limit else rows), stats
+    prompts = list(itertools.islice(rows, config.input.limit) if config.input.limit else rows)
+    if not prompts:  # an empty answers file and exit 0 would hide the mistake; the target is not loaded yet
+        print(stats.summary())
+        raise ConfigError(f"--prompts {config.input.prompts}: no prompt to answer in it"
+                          + (" (see the skipped rows above)" if stats.skipped else " (the file has no rows)"))
+    return prompts, stats
 
 
 def _in_split(rows, split: str, stats):

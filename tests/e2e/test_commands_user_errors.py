@@ -367,3 +367,19 @@ def test_a_train_run_that_fails_before_writing_leaves_no_empty_run_folder(tiny, 
     assert main([*args, "--out", str(kept)]) == 2
     capsys.readouterr()
     assert kept.is_dir() and not any(kept.iterdir())
+
+
+def test_regenerate_with_no_prompt_to_answer_is_one_line_and_writes_nothing(tiny, tmp_path, capsys):
+    """An empty prompts file, or one whose every row is skipped: refused before the target loads,
+    with the skipped rows' reasons, instead of an empty answers file and exit 0."""
+    target, _ = tiny
+    empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("")
+    bad.write_text('{"bad": 1}\n{"prompt": ""}\n')
+    for prompts, expected in ((empty, "(the file has no rows)"), (bad, "(see the skipped rows above)")):
+        out = tmp_path / "answers.jsonl"
+        assert main(["regenerate", "--target", str(target), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"]) == 2
+        captured = capsys.readouterr()
+        assert _last_line(captured.err) == f"dflash-train regenerate: --prompts {prompts}: no prompt to answer in it {expected}"
+        assert "loading target" not in captured.out and not list(tmp_path.glob("answers.jsonl*")), prompts
+    assert "skipped 1: prompt: empty" in captured.out
