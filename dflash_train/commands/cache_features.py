@@ -107,7 +107,7 @@ def _run_cache_features(config: CacheFeaturesConfig) -> int:
     )
     if not samples:
         print(stats.summary())
-        raise ConfigError(f"no usable rows in {', '.join(config.input.data)} (see the reasons above)")
+        raise ConfigError(f"no usable rows in {', '.join(config.input.data)} {stats.why_none_used()}")
     layers = config.layers
     layer_ids = list(layers.target_layer_ids) or default_target_layer_ids(target.spec.num_hidden_layers, layers.num_layers)
     dtype = DTYPES[config.output.dtype] if config.output.dtype != "auto" else target.embed_weight.dtype

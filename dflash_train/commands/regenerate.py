@@ -148,8 +148,7 @@ def read_input_prompts(config: RegenerateConfig) -> tuple[list[Prompt], RowStats
     prompts = list(itertools.islice(rows, config.input.limit) if config.input.limit else rows)
     if not prompts:  # an empty answers file and exit 0 would hide the mistake; the target is not loaded yet
         print(stats.summary())
-        raise ConfigError(f"--prompts {config.input.prompts}: no prompt to answer in it"
-                          + (" (see the skipped rows above)" if stats.skipped else " (the file has no rows)"))
+        raise ConfigError(f"--prompts {config.input.prompts}: no prompt to answer in it {stats.why_none_used()}")
     return prompts, stats
 
 

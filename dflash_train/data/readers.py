@@ -99,6 +99,10 @@ class RowStats:
     def used(self) -> int:
         return self.read - self.skipped
 
+    def why_none_used(self) -> str:
+        """The end of a "no usable rows" error: where to look, or that there was nothing to read."""
+        return "(see the skipped rows above)" if self.skipped else "(it has no rows)"
+
     def count_read(self, rows: int = 1) -> None:
         self.read += rows
 

@@ -143,7 +143,7 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
                               f"{stats.answers[FROM_TOKEN_IDS]} answers from their generated token ids; make one with "
                               "`dflash-train cache-features --token-ids ignore` to train on the re-tokenized text")
         if not samples:
-            raise ConfigError(f"no usable training rows in the feature cache {config.data.features} (see the reasons above)")
+            raise ConfigError(f"no usable training rows in the feature cache {config.data.features} {stats.why_none_used()}")
         return samples
     from ..data.samples import load_training_samples
 
@@ -156,7 +156,7 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
     )
     print(stats.summary(), file=log)
     if not samples:
-        raise ConfigError(f"no usable training rows in {', '.join(config.data.data)} (see the reasons above)")
+        raise ConfigError(f"no usable training rows in {', '.join(config.data.data)} {stats.why_none_used()}")
     return samples
 
 

@@ -376,7 +376,7 @@ def test_regenerate_with_no_prompt_to_answer_is_one_line_and_writes_nothing(tiny
     empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
     empty.write_text("")
     bad.write_text('{"bad": 1}\n{"prompt": ""}\n')
-    for prompts, expected in ((empty, "(the file has no rows)"), (bad, "(see the skipped rows above)")):
+    for prompts, expected in ((empty, "(it has no rows)"), (bad, "(see the skipped rows above)")):
         out = tmp_path / "answers.jsonl"
         assert main(["regenerate", "--target", str(target), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"]) == 2
         captured = capsys.readouterr()
