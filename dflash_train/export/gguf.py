@@ -215,7 +215,7 @@ def check_gguf_output(out_path: str | Path, target: str | Path) -> None:
         raise GGUFExportError(
             f"--target {target}: is a folder; a GGUF drafter takes its tokenizer from the target's GGUF file, the "
             "one llama-server loads with -m (convert a Hugging Face folder with llama.cpp's convert_hf_to_gguf.py)")
-    check_gguf_file(target)
+    check_gguf_file(target, "--target")
 
 
 def write_gguf_drafter(

@@ -200,16 +200,17 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
     step("done")
 
 
-def check_gguf_file(gguf_path: str | Path) -> None:
-    """Raise GGUFError unless `gguf_path` is a file that begins with the GGUF magic."""
+def check_gguf_file(gguf_path: str | Path, flag: str = "") -> None:
+    """Raise GGUFError (naming `flag` when given) unless `gguf_path` is a file that begins with the GGUF magic."""
     gguf_path = Path(gguf_path)
+    where = f"{flag} {gguf_path}" if flag else str(gguf_path)
     if not gguf_path.is_file():
-        raise GGUFError(f"{gguf_path}: no such GGUF file")
+        raise GGUFError(f"{where}: no such GGUF file")
     with open(gguf_path, "rb") as handle:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
         size = gguf_path.stat().st_size
-        raise GGUFError(f"{gguf_path}: not a GGUF file ({size} bytes, beginning {magic!r}, not {GGUF_MAGIC!r}); "
+        raise GGUFError(f"{where}: not a GGUF file ({size} bytes, beginning {magic!r}, not {GGUF_MAGIC!r}); "
                         "an unfinished copy or download?")
 
 

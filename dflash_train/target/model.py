@@ -470,7 +470,12 @@ def check_target_path(path: str | Path, flag: str = "") -> None:
     where = f"{flag} {path}" if flag else str(path)
     if not path.exists():
         raise TargetError(f"{where}: no such file or folder")
-    if not (path.suffix == ".gguf" and path.is_file()) and not (path / "config.json").is_file():
+    if path.suffix == ".gguf" and path.is_file():
+        from .gguf import check_gguf_file
+
+        check_gguf_file(path, flag)  # 4 bytes: an unfinished copy is named now, not when it loads
+        return
+    if not (path / "config.json").is_file():
         raise TargetError(f"{where}: not a Hugging Face model folder (no config.json) and not a .gguf file")
 
 

@@ -318,6 +318,8 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
     target, data = tiny
     toml = tmp_path / "answers.toml"
     toml.write_text("x = 1\n")
+    half = tmp_path / "half.gguf"  # a download that never got its first bytes
+    half.write_bytes(b"")
     out = tmp_path / "run"
     common = ["train", "--out", str(out), "--steps", "2", "--device", "cpu"]
     cases = {
@@ -341,6 +343,8 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
                                                       f"--drafter {tmp_path}: no config.json; expected an exported DFlash drafter"),
         "eval with a target's folder as the drafter": (["eval", "--target", str(target), "--drafter", str(target)],
                                                        f"--drafter {target}: not a DFlash drafter"),
+        "train on an unfinished .gguf": ([*common, "--target", str(half), "--data", str(data)],
+                                         f"--target {half}: not a GGUF file (0 bytes"),
         "train on layers the target does not have": ([*common, "--target", str(target), "--data", str(data),
                                                       "--target-layer-ids", "1,99"], "target_layer_ids [99] out of range"),
     }
