@@ -19,6 +19,11 @@ class RunFailed(Exception):
     step); the message says why and what was kept."""
 
 
+def named_by_flag(path: object, flag: str = "") -> str:
+    """How a message names a path: after the flag the user gave it with (`--data x.jsonl`), if any."""
+    return f"{flag} {path}" if flag else str(path)
+
+
 # OS errors about the user's paths and disks: the user can fix them, so they are one line, exit 2.
 _USER_ERRNOS = {errno.EACCES: "permission denied (this user may not read or write it)",
                 errno.EPERM: "operation not permitted", errno.EISDIR: "is a folder, a file was expected",

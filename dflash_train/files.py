@@ -30,7 +30,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import ConfigError, UserError, os_error_reason
+from .errors import ConfigError, UserError, named_by_flag, os_error_reason
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -177,7 +177,7 @@ def write_new_file_atomic(path: str | Path, data: bytes, flag: str = "") -> Path
     refuses (full, a size limit, read-only), or no free name, is one `UserError` naming `flag`
     (the user's flag for `path`, if any) and the file; nothing is left under any of the names."""
     path = Path(path)
-    named = f"{flag} {path}" if flag else str(path)
+    named = named_by_flag(path, flag)
     try:
         temp = _fsynced_sibling(path, data, None)
     except OSError as error:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..config import UserError
+from ..errors import named_by_flag
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ def check_readable(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS, 
     """The file's format (its suffix), once it is one of `formats` and the file is there; the
     error names `flag` when given (a check at start, before any model loads)."""
     path = Path(path)
-    where = f"{flag} {path}" if flag else str(path)
+    where = named_by_flag(path, flag)
     suffix = _format_suffix(path)
     if suffix not in formats:
         raise DataError(where, "", f"unsupported file type; expected one of {', '.join(formats)}")

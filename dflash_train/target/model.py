@@ -10,8 +10,8 @@ embedding and LM head; they are exposed here and never copied into a drafter che
 from __future__ import annotations
 
 import hashlib
-import json
 import inspect
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import UserError
+from ..errors import named_by_flag
 
 # Model types whose decoder is `model.model.layers` of pre-norm blocks, which is what the DFlash
 # drafter (Qwen3-style layers) is built to pair with: dense attention-only families, MoE ones
@@ -467,7 +468,7 @@ def check_target_path(path: str | Path, flag: str = "") -> None:
     """A target path that can load: a .gguf file, or a folder with a config.json. Commands check
     it before anything loads, naming their `flag`."""
     path = Path(path)
-    where = f"{flag} {path}" if flag else str(path)
+    where = named_by_flag(path, flag)
     if not path.exists():
         raise TargetError(f"{where}: no such file or folder")
     if path.suffix == ".gguf" and path.is_file():
