@@ -20,7 +20,7 @@ stage() {
     echo "=== $name (limit ${limit}s) $(date +%T)"
     # -k: on SIGTERM the trainer finishes its step first, which can be a minutes-long compile.
     # Test stages end with SIGABRT: with PYTHONFAULTHANDLER set, a hang leaves every thread's stack.
-    local signal=TERM
+    local signal=${STAGE_SIGNAL:-TERM}
     [ "$3" = pytest ] && signal=ABRT
     PYTHONFAULTHANDLER=1 timeout -s "$signal" -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
@@ -130,6 +130,19 @@ for name in "${stages[@]}"; do
         # step after warm-up; the bench writes every thread's stack before its box ends.
         graphed-fp8) stage graphed-fp8 ${GRAPHED_LIMIT:-290} python3 bench/graphed_step.py --gguf "$GGUF" --data "$DATA" \
             --steps ${GRAPHED_STEPS:-240} --run-timeout 120 --fp8 all --cache-dir /tmp/dflash-cache --json "$OUT/graphed_fp8.json" ;;
+        # The smollm2-quality recipe through `dflash-train pipeline` (needs GGUF= and PROMPTS=, the default prompt
+        # set as `dflash-train prompts --split all` writes it: the lent machine has no evals registry; its train
+        # and dev splits and their order are the built-in set's). WORK outlives the call on a warm machine, so the
+        # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
+        # come back under $OUT/quality-pipeline.
+        quality-pipeline) WORK=${WORK:-$HOME/stage/quality}
+            sed "s|^source = \"default\".*|source = \"$PROMPTS\"|" dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
+            STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
+                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0
+            mkdir -p "$OUT/quality-pipeline"
+            for file in stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl; do
+                [ -f "$WORK/$file" ] && cp "$WORK/$file" "$OUT/quality-pipeline/"
+            done ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

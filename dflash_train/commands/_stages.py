@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from ..recipe import Recipe
 STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "eval", "export", "export-gguf")
 EXPORTS = ("export", "export-gguf")  # each reads the training's checkpoint only
 BOOK = "stages.json"
+BOOK_EVERY_SECONDS = 30.0  # a running stage's seconds are written this often: a killed run keeps them
 DATA_STAGES = ("prompts", "self-prompts", "regenerate")  # what answers given with --data replace
 
 # What each stage's output depends on, as recipe tables (a whole table) or "table.key": a stage
@@ -71,6 +73,7 @@ class StageBook:
     def __init__(self, work: Path):
         self.path = work / BOOK
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self._lock = threading.Lock()  # the stage clock's thread saves too
 
     def check(self, work: Work, stages: list[str]) -> None:
         """Refuse, before anything runs, a stage that started with other settings."""
@@ -98,7 +101,45 @@ class StageBook:
         return self.data.get(stage, {})
 
     def save(self) -> None:
-        write_json_atomic(self.path, self.data)
+        with self._lock:
+            write_json_atomic(self.path, self.data)
+
+
+class StageClock:
+    """Adds a running stage's seconds to its book entry every `every` seconds and at its end, so
+    a run killed outright (SIGKILL, a machine taken back, a second Ctrl-C) leaves its time
+    recorded to within `every` seconds instead of losing the whole run's."""
+
+    def __init__(self, book: StageBook, entry: dict[str, Any], every: float = BOOK_EVERY_SECONDS):
+        self.book, self.entry, self.every = book, entry, every
+        self._before = float(entry["seconds"])
+        self._started = time.monotonic()
+        self._ended: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="stage-clock", daemon=True)
+
+    @property
+    def seconds(self) -> float:
+        """This run's seconds so far."""
+        return (self._ended or time.monotonic()) - self._started
+
+    def __enter__(self) -> "StageClock":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._ended = time.monotonic()
+        self._record()
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.every):
+            self._record()
+
+    def _record(self) -> None:
+        self.entry["seconds"] = round(self._before + self.seconds, 1)
+        self.book.save()
 
 
 @dataclasses.dataclass
@@ -440,13 +481,12 @@ def run_stages(work: Work, book: StageBook, stages: list[str]) -> dict[str, floa
         settings = stage_settings(work, stage)
         entry = book.start(stage, settings)
         say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
-        started = time.monotonic()
+        clock = StageClock(book, entry)
         try:
-            rows, note = STAGE_FUNCTIONS[stage](work)
+            with clock:
+                rows, note = STAGE_FUNCTIONS[stage](work)
         finally:
-            spent[stage] = time.monotonic() - started
-            entry["seconds"] = round(entry["seconds"] + spent[stage], 1)
-            book.save()
+            spent[stage] = clock.seconds
         entry.update(done=True, rows=rows, note=note)
         book.save()
         say(f"{where}: done in {format_seconds(spent[stage])}: {note}")

@@ -15,7 +15,6 @@ vote through the store for as long as its heartbeat ticks, so no collective time
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -23,8 +22,6 @@ import torch
 
 from .nodes import NodeGroup
 from .threads import StopSignal
-
-SIGNAL_ECHO_SECONDS = 2.0  # a SIGINT this soon after the first is torchrun forwarding the same Ctrl-C
 
 CONTINUE, FINISHED, STOPPING, FAILED = 0, 1, 2, 3  # what a rank votes
 
@@ -38,17 +35,15 @@ class StopRequest:
 
     def __init__(self, nodes: NodeGroup):
         self.nodes = nodes
-        self.first: float | None = None
+        self.requested = False
 
     @property
     def stopped(self) -> bool:
-        """Whether a further Ctrl-C should abort. torchrun forwards the terminal's Ctrl-C to its
-        workers, which then see it twice within milliseconds: that copy does not abort."""
-        return self.first is not None and time.monotonic() - self.first > SIGNAL_ECHO_SECONDS
+        return self.requested
 
     def stop(self, reason: str) -> None:
-        if self.first is None:
-            self.first = time.monotonic()
+        if not self.requested:
+            self.requested = True
             self.nodes.stop_requested = reason
 
 

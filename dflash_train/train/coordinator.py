@@ -55,13 +55,20 @@ from .startup import StartupClock
 JOIN_SECONDS = 30.0  # how long workers may take to stop once asked
 
 
+# A SIGINT this soon after the first is the same Ctrl-C delivered twice: torchrun forwards the
+# terminal's to its workers, and `timeout -s INT` signals the process and then its process group.
+SIGNAL_ECHO_SECONDS = 2.0
+
+
 class InterruptHandler:
-    """Ctrl-C / SIGTERM: finish the current step, checkpoint, exit. A second Ctrl-C aborts.
-    Installed only in the main thread (signals can only be handled there)."""
+    """Ctrl-C / SIGTERM: finish the current step, checkpoint, exit. A second Ctrl-C (not its echo,
+    see SIGNAL_ECHO_SECONDS) aborts. Installed only in the main thread (signals can only be
+    handled there)."""
 
     def __init__(self, stop: StopSignal):
         self.stop = stop
         self.signal_name: str | None = None  # the first signal received
+        self._first_at: float | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "InterruptHandler":
@@ -72,8 +79,12 @@ class InterruptHandler:
         return self
 
     def _handle(self, signum: int, _frame) -> None:
+        now = time.monotonic()
         if self.stop.stopped and signum == signal.SIGINT:
+            if self._first_at is not None and now - self._first_at <= SIGNAL_ECHO_SECONDS:
+                return
             raise KeyboardInterrupt
+        self._first_at = self._first_at if self._first_at is not None else now
         name = signal.Signals(signum).name
         print(f"\n{name}: stopping after the current step and saving a checkpoint (Ctrl-C again to abort)",
               file=sys.stderr)

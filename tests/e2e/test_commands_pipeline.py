@@ -140,6 +140,23 @@ def test_training_stopped_by_a_signal_resumes_from_its_checkpoint(files, tmp_pat
     assert steps[-1] == 4 and json.loads((work / "train.json").read_text())["steps_done"] == 4
 
 
+def test_a_running_stage_has_its_seconds_on_disk_before_it_ends(tmp_path):
+    """A run killed outright (SIGKILL, a machine taken back) cannot write its stage's time at its
+    end; the stage clock writes it while the stage runs, so the book keeps it to within `every`
+    (a 10-minute box on the GPU machine once lost a whole run's training time so)."""
+    from dflash_train.commands._stages import StageBook, StageClock
+
+    book = StageBook(tmp_path)
+    entry = book.start("train", {"target": "t"})
+    entry["seconds"] = 100.0  # what earlier runs spent
+    with StageClock(book, entry, every=0.05) as clock:
+        time.sleep(0.5)
+        on_disk = json.loads((tmp_path / "stages.json").read_text())["train"]["seconds"]
+        assert 100.25 <= on_disk <= 100.0 + clock.seconds
+    final = json.loads((tmp_path / "stages.json").read_text())["train"]
+    assert final["seconds"] == round(100.0 + clock.seconds, 1) and final["runs"] == 1 and not final["done"]
+
+
 def test_a_started_stage_refuses_other_settings_naming_the_setting(files, tmp_path, capsys):
     work = tmp_path / "work"
     assert main(args(files, work, "--stages", "prompts")) == 0

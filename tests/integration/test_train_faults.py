@@ -335,6 +335,24 @@ def test_a_signal_saves_and_exits_128_plus_its_number(tiny_dir, tmp_path, signum
     assert 2 <= done < 100000 and latest_checkpoint(tmp_path).name == f"step-{done:08d}"
 
 
+def test_one_ctrl_c_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):
+    """`timeout -s INT` signals the process and then its process group, so the trainer may see one
+    interrupt twice, a moment apart (a time-boxed run on the GPU machine was aborted so, 2 of 6
+    times on this CPU). The copy must not count as the second Ctrl-C, which aborts without a
+    checkpoint; a Ctrl-C after the echo window still does. Real signals, the real handler."""
+    from dflash_train.parallel.threads import StopSignal
+    from dflash_train.train import coordinator
+
+    stop = StopSignal()
+    with coordinator.InterruptHandler(stop) as handler:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.stopped and handler.signal_name == "SIGINT" and stop.reason == "interrupted by SIGINT"
+        signal.raise_signal(signal.SIGINT)  # the echo: ignored
+        monkeypatch.setattr(coordinator, "SIGNAL_ECHO_SECONDS", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
 def test_cli_exit_codes_for_a_diverged_run_and_a_reused_folder(tiny_dir, tmp_path, capsys):
     assert main(_cli(tiny_dir, tmp_path, "--steps", "30", "--lr", "1e30", "--stop-after-bad-steps", "3")) == 1
     assert "steps in a row" in capsys.readouterr().err
