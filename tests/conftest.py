@@ -1,4 +1,5 @@
-"""Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1; the
+"""Shared test setup: GPU tests skip without CUDA; slow tests run only with DFLASH_SLOW=1, engine
+tests with DFLASH_ENGINE=1, bench scripts' smoke tests with DFLASH_BENCH=1; the
 run's header names the versions and the CPU it ran on; tests may leave a `report` line."""
 
 import contextlib
@@ -94,6 +95,7 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow: set DFLASH_SLOW=1 to run")
     skip_engine = pytest.mark.skip(reason="engine: ./bootstrap.sh engine builds llama-server once and runs these")
+    skip_bench = pytest.mark.skip(reason="bench: a bench/ script's smoke test; DFLASH_BENCH=1 runs them (.ci/run does)")
     for item in items:
         if item.get_closest_marker("timeout") is None:
             limits = [seconds for mark, seconds in CLASS_TIME_LIMITS.items() if mark in item.keywords]
@@ -105,6 +107,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "engine" in item.keywords and os.environ.get("DFLASH_ENGINE") != "1":
             item.add_marker(skip_engine)
+        if "bench" in item.keywords and os.environ.get("DFLASH_BENCH") != "1":
+            item.add_marker(skip_bench)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -16,6 +16,9 @@ import torch
 from test_commands_pipeline import prompt_files
 from test_generate_regenerate import tiny_smollm_dir
 
+# Lab tooling, not the product: out of the default suite (its 10-minute aim); .ci/run runs them after it.
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "quality_run.py"
 NOT_FINISHED = 3  # the script's exit status when time ran out before every stage was done

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# Lab tooling, not the product: out of the default suite (its 10-minute aim); .ci/run runs them after it.
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_DATA = REPO / "tests" / "data" / "smollm2_regenerated_64.jsonl.gz"
 
