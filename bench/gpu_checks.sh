@@ -134,9 +134,10 @@ for name in "${stages[@]}"; do
         # set as `dflash-train prompts --split all` writes it: the lent machine has no evals registry; its train
         # and dev splits and their order are the built-in set's). WORK outlives the call on a warm machine, so the
         # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
-        # come back under $OUT/quality-pipeline.
-        quality-pipeline) WORK=${WORK:-$HOME/stage/quality}
-            sed "s|^source = \"default\".*|source = \"$PROMPTS\"|" dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
+        # come back under $OUT/quality-pipeline. ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
+        quality-pipeline) WORK=${WORK:-$HOME/stage/quality-${ARCH:-dflash}}
+            sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
+                dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
                 --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0
             mkdir -p "$OUT/quality-pipeline"
