@@ -365,6 +365,25 @@ def check_benchmarks(recipe: Recipe) -> None:
             raise ConfigError(f"recipe {recipe.name}: [eval] or [speed] bench: {error}") from None
 
 
+def check_decontamination(work: Work, stages: list[str]) -> None:
+    """The stages that keep benchmark prompts out of the training prompts read every built-in
+    benchmark: self-prompts, and the built-in prompt set (its prompts, and the eval's `dev`
+    prompts). A missing or broken benchmark package fails now, not after the stages before them."""
+    from ..assets import MissingAsset
+    from ._common import benchmark_prompt_texts
+
+    default = work.recipe.prompts.source == "default"
+    needs = [stage for stage in stages if stage == "self-prompts" or default and (
+        stage == "prompts" or stage == "eval" and "dev" in work.recipe.eval.bench)]
+    if not needs:
+        return
+    try:
+        benchmark_prompt_texts()
+    except MissingAsset as error:
+        raise MissingAsset(f"stage {needs[0]} keeps benchmark prompts out of the training prompts, so it reads "
+                           f"every built-in benchmark: {error}") from None
+
+
 def stage_eval(work: Work) -> tuple[int, str]:
     from .eval import EvalConfig, run_eval
 

@@ -20,7 +20,7 @@ from ..config import ConfigError, option
 from ..files import check_outside_inputs
 from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
-from ._stages import STAGES, Interrupted, StageBook, Work, check_benchmarks, check_work_folder, plan, run_stages, say
+from ._stages import STAGES, Interrupted, StageBook, Work, check_benchmarks, check_decontamination, check_work_folder, plan, run_stages, say
 
 
 @dataclasses.dataclass
@@ -93,6 +93,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     check_layer_ids_fit(work.train_config().model.target_layer_ids, work.target)  # not after minutes of regenerating
     if "eval" in stages:
         check_benchmarks(recipe)
+    check_decontamination(work, stages)
     folder.mkdir(parents=True, exist_ok=True)
     say(f"recipe {recipe.name} ({recipe.description}); stages {', '.join(stages)}; work folder {folder}")
     started = time.monotonic()

