@@ -145,6 +145,18 @@ def test_spec_decode_compares_ours_with_target_only_and_the_reference(chat_pair,
     assert summary["same_as_baseline"] == "2/2"
 
 
+def test_feature_compile_error_compares_both_forwards_with_float32(chat_pair, tmp_path):
+    """bench/feature_compile_error.py on a tiny target: the summary line is the JSON's, and a
+    forward compared with itself would read 0 (each figure is a real difference)."""
+    out = tmp_path / "error.json"
+    printed = ok(bench("feature_compile_error.py", "--target", str(chat_pair / "target"), "--device", "cpu",
+                       "--batch", "1", "--length", "16", "--layers", "1", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["summary"] in printed and result["summary"].startswith("feature compile error target: compiled ")
+    assert 0 < result["eager_vs_float32"]["max"] < 0.1 and 0 < result["compiled_vs_float32"]["max"] < 0.1
+    assert 0 <= result["compiled_vs_eager"]["norm"] < 0.1 and result["tolerance"] == 2e-2
+
+
 # --- bench/graphed_step.py (CPU smoke mode on the shared 64-row file) --------------------------
 
 def graphed_step(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
