@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=768)
     parser.add_argument("--layers", default="1,8,14,20,27", help="target layer ids, comma-separated")
+    parser.add_argument("--name", default="", help="the target's name in the summary line (default: SmolLM2, or the path's stem)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     if not args.target:
         from dflash_train.target.gguf import smollm2_target_dir
 
-        args.target = str(smollm2_target_dir())
+        args.target, args.name = str(smollm2_target_dir()), args.name or "SmolLM2"
     layers = [int(x) for x in args.layers.split(",")]
     half = load_target(args.target, device=device, dtype=torch.bfloat16, load_tokenizer=False)
     full = load_target(args.target, device=device, dtype=torch.float32, load_tokenizer=False)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "eager_vs_float32": relative(eager, reference), "compiled_vs_float32": relative(compiled, reference),
         "compiled_vs_eager": relative(compiled, eager),
     }
-    name = "SmolLM2" if "SmolLM2" in Path(args.target).name else Path(args.target).name
+    name = args.name or Path(args.target).stem
     result["summary"] = (f"feature compile error {name}: compiled {result['compiled_vs_float32']['max']:.2e} "
                          f"(eager {result['eager_vs_float32']['max']:.2e}) of float32, compiled vs eager "
                          f"{result['compiled_vs_eager']['max']:.2e}")

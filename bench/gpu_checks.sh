@@ -146,7 +146,7 @@ for name in "${stages[@]}"; do
             done ;;
         # The compiled feature forward against float32 and the eager one, at the smollm2-quality recipe's shape.
         feature-compile-error) stage feature-compile-error 200 python3 bench/feature_compile_error.py --device cuda:0 \
-            --target "${GGUF:?GGUF= the SmolLM2 GGUF}" --json "$OUT/feature_compile_error.json" ;;
+            --target "${GGUF:?GGUF= the SmolLM2 GGUF}" --name SmolLM2 --json "$OUT/feature_compile_error.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac
