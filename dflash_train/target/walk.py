@@ -89,10 +89,16 @@ class LayerWalk:
         self.sections = sections
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: LayerStep, through: int,
-                 layer_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 layer_ids: list[int], dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the final-normed hidden states [b, q, hidden] when `through` is the last layer, else
-        None; the states of `layer_ids` concatenated [b, q, n·hidden], or None when none asked)."""
+        None; the states of `layer_ids` concatenated [b, q, n·hidden], or None when none asked).
+        With `dtype`, the states are cast to it after the embedding and the final norm runs as a
+        copy in it (a reference in another precision: `step` casts its layers)."""
         x = self.body.embed_tokens(ids)
+        final_norm = self.final_norm
+        if dtype is not None:
+            x = x.to(dtype)
+            final_norm = copy.deepcopy(final_norm).to(dtype) if isinstance(final_norm, nn.Module) else final_norm
         rotary = self.body.rotary_emb(x, positions if not self.sections else positions.expand(self.sections, *positions.shape))
         wanted = set(layer_ids)
         states: dict[int, torch.Tensor] = {}
@@ -100,7 +106,7 @@ class LayerWalk:
             x = step(index, x, rotary)
             if index in wanted:
                 states[index] = x
-        hidden = self.final_norm(x) if through == self.last else None
+        hidden = final_norm(x) if through == self.last else None
         if self.last in states:  # Hugging Face's last hidden state is the normed one
             states[self.last] = hidden
         return hidden, (torch.cat([states[k] for k in layer_ids], dim=-1) if layer_ids else None)
@@ -131,7 +137,25 @@ class FeatureForward:
         layers = self.walk.layers
 
         def whole_layer(index: int, x: torch.Tensor, rotary: object) -> torch.Tensor:
-            out = layers[index](x, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False)
-            return out[0] if isinstance(out, tuple) else out
+            return _run_layer(layers[index], x, positions, rotary)
 
         return self.walk(input_ids, positions, whole_layer, self.deepest, self.layer_ids)[1]
+
+    @torch.no_grad()
+    def float32(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same features in float32 arithmetic from the same weights: each layer copied to
+        float32 in its turn, so the extra memory is one layer's, not a float32 target's. What a
+        compiled forward's rounding is judged against (train/feature_graphs.py)."""
+        positions = self.positions(input_ids.shape[1])
+        layers = self.walk.layers
+
+        def float32_layer(index: int, x: torch.Tensor, rotary: object) -> torch.Tensor:
+            return _run_layer(copy.deepcopy(layers[index]).float(), x, positions, rotary)
+
+        return self.walk(input_ids, positions, float32_layer, self.deepest, self.layer_ids, dtype=torch.float32)[1]
+
+
+def _run_layer(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor, rotary: object) -> torch.Tensor:
+    """A decoder layer called whole, as the model's own forward calls it for features: no mask."""
+    out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False)
+    return out[0] if isinstance(out, tuple) else out

@@ -2,6 +2,8 @@
 embedding takes, found once by calling it; a shape it does not know is refused by the probe with
 one line, never guessed."""
 
+import copy
+
 import pytest
 import torch
 from tiny import tiny_hf_model
@@ -54,3 +56,21 @@ def test_a_rotary_taking_neither_shape_is_refused_with_one_line():
     assert static_unsupported(target, 64) == reason and feature_forward_unsupported(target, 9) == reason
     with pytest.raises(ValueError, match="does not run as rotary"):
         FeatureForward(target, [0])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_float32_features_are_a_float32_targets_from_the_same_weights(family):
+    """`FeatureForward.float32` (what a compiled forward's rounding is judged against) copies one
+    layer at a time to float32: it must give what a float32 copy of the whole bf16 target gives,
+    the last layer's final norm included, and leave the bf16 target as it was."""
+    model = tiny_hf_model(family, layers=3).to(torch.bfloat16)
+    ids = (torch.arange(2 * 11) * 37 % 96).view(2, 11)
+    layer_ids = [0, 2]  # 2 is the last layer: its features are after the final norm
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    got = FeatureForward(Target(model), layer_ids).float32(ids)
+    whole = FeatureForward(Target(copy.deepcopy(model).float()), layer_ids)(ids)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[name]) for name, p in model.named_parameters())
+    bf16 = FeatureForward(Target(model), layer_ids)(ids)
+    assert 0 < float((bf16.float() - got).abs().max())  # a real rounding difference to judge against
