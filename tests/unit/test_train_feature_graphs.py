@@ -43,3 +43,13 @@ def test_a_wrong_one_is_refused_with_both_errors(features):
     reason = judge_compiled_features(swapped, eager, lambda: reference)
     assert reason is not None and reason.startswith("a replay differs from Target.features (relative error")
     assert "from the float32 features by" in reason and "where the eager forward differs by" in reason
+
+
+def test_without_float32_features_it_is_refused_naming_why(features):
+    eager, reference = features
+
+    def fails() -> torch.Tensor:
+        raise RuntimeError("no float32 kernel for this layer")
+
+    reason = judge_compiled_features(reference.to(torch.bfloat16), eager, fails, tolerance=0.0)
+    assert reason is not None and "no float32 features to judge it by (RuntimeError: no float32 kernel" in reason
