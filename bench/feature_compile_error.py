@@ -1,7 +1,7 @@
 """How far the target's feature forward moves when torch.compile'd, against the error bf16 has
 anyway: the eager and the compiled bf16 forward (`FeatureForward`, the training's) each compared
 with the same weights in float32 arithmetic (`FeatureForward.float32`) and with each other, and
-what the training's start-up check (`judge_compiled_features`) makes of them: a compiled forward
+what the training's start-up check (`judge_features`) makes of them: a compiled forward
 within `FEATURE_TOLERANCE` of the eager one passes, and so does one that differs more but is no
 further from float32 than the eager one (rounded elsewhere, not wrong).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_train.target.model import load_target, resolve_device  # noqa: E402
 from dflash_train.target.walk import FeatureForward  # noqa: E402
-from dflash_train.train.feature_graphs import FEATURE_TOLERANCE, judge_compiled_features, relative_difference  # noqa: E402
+from dflash_train.train.feature_graphs import FEATURE_TOLERANCE, judge_features, relative_difference  # noqa: E402
 
 
 def relative(got: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_seconds": round(compile_seconds, 1),
         "eager_vs_float32": relative(eager, reference), "compiled_vs_float32": relative(compiled, reference),
         "compiled_vs_eager": relative(compiled, eager),
-        "check": judge_compiled_features(compiled, eager, lambda: reference) or "passes",
+        "check": judge_features(compiled, eager, lambda: reference) or "passes",
     }
     name = args.name or Path(args.target).stem
     result["summary"] = (f"feature compile error {name}: compiled {result['compiled_vs_float32']['max']:.2e} "

@@ -23,6 +23,7 @@ target's GPU is the limit by construction; `--trace T` writes each run's kernel 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import gzip
 import json
@@ -262,20 +263,20 @@ def run_once(args, dims, targets, layer_ids, samples, tokens_per_s, min_len, tar
     )
     utilization = GpuUtilization()
     train_started = time.monotonic()
+    activity = torch.profiler.ProfilerActivity
+    profiler = (torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+                if args.trace else contextlib.nullcontext())
+    with profiler as prof:
+        summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
     if args.trace:
         from profiling import kernels_by_stream
 
-        activity = torch.profiler.ProfilerActivity
-        with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
-            summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
         trace = Path(f"{args.trace}-{mode}.json")
         prof.export_chrome_trace(str(trace))
         print(json.dumps({"kernel ms per step by stream": kernels_by_stream(trace, args.steps, top=4)}, indent=1))
         with open(trace, "rb") as plain, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(plain, packed)
         trace.unlink()
-    else:
-        summary = train(config, samples=samples, target=targets, log=sys.stdout, save_checkpoints=False)
     gpu_busy = utilization.busy_fraction(train_started)
     warm = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl" if args.mode == "replicas" else "v0/metrics.jsonl"))]
     warm = warm[-summary["steps_done"][next(iter(summary["steps_done"]))]:]  # this start's records

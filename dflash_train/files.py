@@ -417,9 +417,7 @@ class OutputLock:
             self._fd = None
         if not os.path.lexists(self._final):
             for folder in reversed(self._made):
-                try:
-                    folder.rmdir()  # only an empty folder: whatever was written into it keeps it
-                except OSError:
+                if not remove_if_empty(folder):
                     break
         self._made = []
 
@@ -430,12 +428,13 @@ class OutputLock:
         self.release()
 
 
-def remove_if_empty(folder: Path) -> None:
-    """Remove `folder` if it holds nothing (what was written into it keeps it)."""
+def remove_if_empty(folder: Path) -> bool:
+    """Remove `folder` if it holds nothing (what was written into it keeps it); whether it went."""
     try:
         folder.rmdir()
     except OSError:
-        pass
+        return False
+    return True
 
 
 def hold_output(output: str | Path, flag: str) -> OutputLock:

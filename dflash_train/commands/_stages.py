@@ -500,12 +500,9 @@ def run_stages(work: Work, book: StageBook, stages: list[str]) -> dict[str, floa
         settings = stage_settings(work, stage)
         entry = book.start(stage, settings)
         say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
-        clock = StageClock(book, entry)
-        try:
-            with clock:
-                rows, note = STAGE_FUNCTIONS[stage](work)
-        finally:
-            spent[stage] = clock.seconds
+        with StageClock(book, entry) as clock:  # records the seconds however the stage ends
+            rows, note = STAGE_FUNCTIONS[stage](work)
+        spent[stage] = clock.seconds
         entry.update(done=True, rows=rows, note=note)
         book.save()
         say(f"{where}: done in {format_seconds(spent[stage])}: {note}")

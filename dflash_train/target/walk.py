@@ -95,10 +95,8 @@ class LayerWalk:
         With `dtype`, the states are cast to it after the embedding and the final norm runs as a
         copy in it (a reference in another precision: `step` casts its layers)."""
         x = self.body.embed_tokens(ids)
-        final_norm = self.final_norm
         if dtype is not None:
             x = x.to(dtype)
-            final_norm = copy.deepcopy(final_norm).to(dtype) if isinstance(final_norm, nn.Module) else final_norm
         rotary = self.body.rotary_emb(x, positions if not self.sections else positions.expand(self.sections, *positions.shape))
         wanted = set(layer_ids)
         states: dict[int, torch.Tensor] = {}
@@ -106,10 +104,15 @@ class LayerWalk:
             x = step(index, x, rotary)
             if index in wanted:
                 states[index] = x
-        hidden = final_norm(x) if through == self.last else None
+        hidden = self._final_norm(dtype)(x) if through == self.last else None
         if self.last in states:  # Hugging Face's last hidden state is the normed one
             states[self.last] = hidden
         return hidden, (torch.cat([states[k] for k in layer_ids], dim=-1) if layer_ids else None)
+
+    def _final_norm(self, dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        if dtype is None or not isinstance(self.final_norm, nn.Module):
+            return self.final_norm
+        return copy.deepcopy(self.final_norm).to(dtype)
 
 
 class FeatureForward:

@@ -14,7 +14,7 @@ SmolLM2 such kernels led the target's profile (1,036 kernels a batch eagerly). A
 compiled forward fails to compile, to capture or to pass the replay check captures the plain
 forward instead, and the warning says why. The check: a replay within FEATURE_TOLERANCE of
 `Target.features`, or, for the compiled forward, no further from the float32 features of the same
-weights than the eager forward is (`judge_compiled_features`): it rounds elsewhere, so it may
+weights than the eager forward is (`judge_features`): it rounds elsewhere, so it may
 differ from the eager one and be as right. (On SmolLM2 in bf16 the compiled forward differed from
 the eager one by 3.1-3.7e-2 at 512 and 768 tokens on an H200 and an H100, and was refused before
 this rule; on the CPU it is closer to float32 than the eager one: bench/feature_compile_error.py.)
@@ -53,20 +53,24 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[floa
             float(difference.norm() / expected.norm().clamp(min=1e-12)))
 
 
-def judge_compiled_features(compiled: torch.Tensor, eager: torch.Tensor, float32: Callable[[], torch.Tensor],
-                            tolerance: float = FEATURE_TOLERANCE) -> str | None:
-    """None when a compiled forward's features may stand in for the eager ones: within `tolerance`
-    of them, or no further from the float32 features (`float32()`, computed only then) than the
-    eager ones are, times ROUNDING_MARGIN. Else why not, with the figures."""
-    largest, spread = relative_difference(compiled, eager)
+def judge_features(replayed: torch.Tensor, eager: torch.Tensor, float32: Callable[[], torch.Tensor] | None = None,
+                   tolerance: float = FEATURE_TOLERANCE) -> str | None:
+    """None when a replay's features may stand in for the eager ones: within `tolerance` of them,
+    or, for a compiled forward (`float32` given), no further from the float32 features
+    (`float32()`, computed only then) than the eager ones are, times ROUNDING_MARGIN. Else why
+    not, with the figures."""
+    largest, spread = relative_difference(replayed, eager)
     if largest <= tolerance:
         return None
+    # The norm figure too: whether the largest error is one outlier or everywhere.
     differs = f"a replay differs from Target.features (relative error {largest:.1e}; {spread:.1e} in norm)"
+    if float32 is None:
+        return differs
     try:
         reference = float32()
     except Exception as error:  # noqa: BLE001 - a layer that will not run in float32: the plain forward instead
         return f"{differs}, and no float32 features to judge it by ({error_summary(error)})"
-    compiled_error, eager_error = relative_difference(compiled, reference), relative_difference(eager, reference)
+    compiled_error, eager_error = relative_difference(replayed, reference), relative_difference(eager, reference)
     if all(c <= ROUNDING_MARGIN * e for c, e in zip(compiled_error, eager_error)):
         return None
     return (f"{differs} and from the float32 features by {compiled_error[0]:.1e} ({compiled_error[1]:.1e} in norm), where the eager "
@@ -139,7 +143,7 @@ class GraphedFeatures:
     def _capture_checked(self, forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, stream: Any,
                          pool: GraphPool) -> str | None:
         """Capture `forward(ids)` and check that a replay on other ids equals Target.features (a
-        compiled forward: or rounds no worse, `judge_compiled_features`); returns why not, or None
+        compiled forward: or rounds no worse, `judge_features`); returns why not, or None
         with the graph kept for this length."""
         length, vocab = ids.shape[1], self.target.embed_weight.shape[0]
         ids.copy_(_synthetic_ids(self.batch_size, length, vocab, 0))
@@ -149,13 +153,8 @@ class GraphedFeatures:
             ids.copy_(other)
             graph.replay()
             expected = self.target.features(other, self.layer_ids)
-            if forward is not self.forward:
-                return judge_compiled_features(output, expected, lambda: self.forward.float32(other))
-            error, spread = relative_difference(output, expected)
-            if error <= FEATURE_TOLERANCE:
-                return None
-            # The whole-tensor figure too: whether the largest error is one outlier or everywhere.
-            return f"a replay differs from Target.features (relative error {error:.1e}; {spread:.1e} in norm)"
+            compiled = forward is not self.forward
+            return judge_features(output, expected, (lambda: self.forward.float32(other)) if compiled else None)
 
         captured = checked_capture(lambda: forward(ids), self.device, stream, equals_the_target_features, pool)
         if captured.reason is None:
