@@ -63,6 +63,7 @@ def run_export(config: ExportConfig) -> int:
     from safetensors import SafetensorError
 
     from ..export.hf import export_model
+    from ..export.rules import architecture_name
     from ..train.checkpoint import load_drafter, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(config.checkpoint)
@@ -75,7 +76,7 @@ def run_export(config: ExportConfig) -> int:
                         "whole or not at all") from None
     cfg = drafter.config
     print(f"exported {checkpoint} -> {out} (passes every SGLang/vLLM loader rule: dflash-train export --check {out})")
-    print(f"  DFlashDraftModel: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
+    print(f"  {architecture_name(cfg.arch)}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}, {config.dtype}")
     return 0
 
@@ -92,7 +93,8 @@ def _export_gguf(config: ExportConfig) -> int:
     cfg = drafter.config
     out = write_gguf_drafter(cfg, drafter.state_dict(), config.out, target=config.target,
                              dtype=getattr(torch, config.dtype), model_dir=checkpoint.parent.parent)
-    print(f"exported {config.checkpoint} -> {out} (llama.cpp DFlash GGUF, tokenizer of {config.target})")
+    kind = "DFlash2" if cfg.arch == "dflash2" else "DFlash"
+    print(f"exported {config.checkpoint} -> {out} (llama.cpp {kind} GGUF, tokenizer of {config.target})")
     print(f"  dflash: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, "
           f"target layers {cfg.target_layer_ids} (+1 in the file), mask token {cfg.mask_token_id}, {config.dtype}")
     print(f"  serve: llama-server -m {config.target} -md {out} --spec-type draft-dflash "

@@ -151,8 +151,10 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
     if (work.folder / "training_curve.png").is_file():
         lines.append(f"  curve       {work.folder / 'training_curve.png'}")
     drafter = work.drafter if book.done("export") else work.run / "export"
-    if (drafter / "config.json").is_file():
-        lines.append(f"  drafter     {drafter}  (Hugging Face folder; dflash.DFlashDraftModel.from_pretrained loads it)")
+    exported = _read(drafter / "config.json")
+    if exported:
+        architecture = (exported.get("architectures") or ["DFlashDraftModel"])[0]
+        lines.append(f"  drafter     {drafter}  (Hugging Face folder; dflash.{architecture}.from_pretrained loads it)")
         lines += serve_commands(work.target, work.run, drafter, work.drafter_gguf if book.done("export-gguf") else None)
     return "\n".join([*lines, *footer, "=" * 96])
 

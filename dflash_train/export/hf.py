@@ -24,7 +24,7 @@ from ..config import UserError
 from ..errors import named_by_flag
 from ..core.drafter import DFlashDrafter, DrafterConfig
 from ..files import hold_output, recover_interrupted_write, write_dir_atomically
-from .rules import DFLASH2_KEYS, TargetShape, check_folder, expected_weight_names, failures
+from .rules import DFLASH2_KEYS, TargetShape, architecture_name, check_folder, expected_weight_names, failures
 
 __all__ = ["ExportError", "check_export_target", "expected_weight_names", "export_drafter", "export_model",
            "hf_config", "load_exported_drafter"]
@@ -51,9 +51,8 @@ def hf_config(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         dflash_config["input_embedding_scale"] = config.input_embedding_scale
     if config.final_logit_softcapping:
         dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
-    architecture = "DFlashDraftModel"
+    architecture = architecture_name(config.arch)
     if config.arch == "dflash2":
-        architecture = "DFlash2DraftModel"  # the reference's class; vLLM and SGLang register the same name
         dflash_config.update({key: getattr(config, key) for key in DFLASH2_KEYS})
     legacy_scaling = None if rope.get("rope_type", "default") == "default" else {
         k: v for k, v in rope.items() if k != "rope_theta"

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 ARCHITECTURE = "DFlashDraftModel"
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # the reference's class; vLLM and SGLang register the same name
+
+
+def architecture_name(arch: str) -> str:
+    """The class an export of a drafter of `arch` ('dflash' or 'dflash2') names in config.json."""
+    return DFLASH2_ARCHITECTURE if arch == "dflash2" else ARCHITECTURE
+
 # The releases the rules were read in (a rule's citations name one of these each).
 ENGINES = {"vLLM": "0.34.0", "SGLang": "0.5.23", "dflash": "0.1.0", "llama.cpp": "b11434"}
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -97,6 +97,7 @@ def test_a_tiny_recipe_runs_every_stage_then_a_rerun_skips_them(files, tmp_path,
     # The one screen: tau, speed-up, and the three engines' commands with B = 4.
     assert "dflash-train pipeline finished in" in out and "dev         tau " in out and "speed-up" in out
     assert "llama-server" in out and "--spec-draft-n-max 3" in out
+    assert "(Hugging Face folder; dflash.DFlashDraftModel.from_pretrained loads it)" in out
     assert '"num_speculative_tokens": 3' in out and "--speculative-num-draft-tokens 4" in out
 
     assert main(args(files, work)) == 0
@@ -332,20 +333,25 @@ def answers_file(path: Path, count: int) -> Path:
 
 @pytest.mark.timeout(600)
 def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys, one_thread):
+    """...with a DFlash2 drafter: the summary names the class that loads its export."""
     given = answers_file(tmp_path / "answers.jsonl", 8)
     before = given.read_bytes()
     work = tmp_path / "work"
-    assert main(args(files, work, "--data", str(given))) == 0
+    recipe = tmp_path / "dflash2.toml"
+    recipe.write_text(files["recipe"].read_text().replace("[train]\n", '[train]\narch = "dflash2"\nselector_top_k = 4\n'))
+    assert main(args(files, work, "--data", str(given), recipe=recipe)) == 0
     out = capsys.readouterr().out
     assert "stages train, eval, export" in out and f"data        the answers given: {given}" in out
+    assert "(Hugging Face folder; dflash.DFlash2DraftModel.from_pretrained loads it)" in out
+    assert json.loads((work / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     recorded = book(work)
     assert list(recorded) == ["train", "eval", "export"] and recorded["train"]["rows"] == 8
     assert recorded["train"]["settings"]["data"] == str(given) and "prompts.count" not in recorded["train"]["settings"]
     assert given.read_bytes() == before and not (work / "data.jsonl").exists()
     other = answers_file(tmp_path / "other.jsonl", 6)
-    assert main(args(files, work, "--data", str(other))) == 2
+    assert main(args(files, work, "--data", str(other), recipe=recipe)) == 2
     assert f"stage train was started with other settings (data '{given}' then, '{other}' now)" in capsys.readouterr().err
-    assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"))) == 2
+    assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"), recipe=recipe)) == 2
     assert "--data " in capsys.readouterr().err
 
 

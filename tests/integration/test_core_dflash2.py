@@ -413,7 +413,7 @@ def test_dflash2_sampling_matches_the_targets_own_distribution(monkeypatch):
 # --- everything else a DFlash drafter has: variants, in-training tau, checkpoints, resume, export --
 
 
-def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_resume_and_export(tmp_path):
+def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_resume_and_export(tmp_path, capsys):
     import os
     from pathlib import Path
 
@@ -421,6 +421,7 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
     from test_decode_loop import char_tokenizer
     from tiny import pattern_samples, tiny_hf_model, tiny_train_config
 
+    from dflash_train import cli
     from dflash_train.train.checkpoint import latest_checkpoint, load_drafter
     from dflash_train.train.trainer import train
 
@@ -446,6 +447,9 @@ def test_variants_train_dflash_and_dflash2_from_one_stream_with_tau_checkpoints_
     assert exported["architectures"] == ["DFlash2DraftModel"]
     assert json.loads((tmp_path / "dflash" / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert not failures(check_folder(tmp_path / "dflash2" / "export"))
+    # The export command names the class that loads what it wrote.
+    assert cli.main(["export", str(tmp_path / "dflash2"), "--out", str(tmp_path / "again")]) == 0
+    assert "  DFlash2DraftModel: 1 layers" in capsys.readouterr().out
 
 
 def test_eval_command_decodes_a_dflash2_export_losslessly(tmp_path, capsys):
