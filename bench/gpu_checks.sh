@@ -147,6 +147,9 @@ for name in "${stages[@]}"; do
         # The compiled feature forward against float32 and the eager one, at the smollm2-quality recipe's shape.
         feature-compile-error) stage feature-compile-error 200 python3 bench/feature_compile_error.py --device cuda:0 \
             --target "${GGUF:?GGUF= the SmolLM2 GGUF}" --name SmolLM2 --json "$OUT/feature_compile_error.json" ;;
+        # The smollm2-quality recipe's drafter step, DFlash and DFlash2, eager (kernel profile) and graphed.
+        step-recipe) stage step-recipe ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S \
+            --arch dflash,dflash2 --cuda-graphs off,on --profile S --profile-dir "$OUT" --json "$OUT/step_recipe.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

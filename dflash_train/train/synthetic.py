@@ -14,8 +14,8 @@ TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, voca
             layer_ids=[1, 3, 5])
 
 
-def drafter_config(dims: dict, block_size: int) -> DrafterConfig:
-    return DrafterConfig(
+def drafter_config(dims: dict, block_size: int, arch: str = "dflash") -> DrafterConfig:
+    return DrafterConfig(arch=arch,
         hidden_size=dims["hidden"], num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
         num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], intermediate_size=dims["mlp"],
         rms_norm_eps=1e-6, vocab_size=dims["vocab"], rope_parameters={"rope_type": "default", "rope_theta": 1e6},

@@ -127,6 +127,21 @@ def test_static_decode_speed_times_a_dflash2_drafter(tmp_path):
     assert result["arch"] == "dflash2" and result["static"]["draft_step_ms"] > 0 and result["static"]["greedy_step_ms"] > 0
 
 
+def test_drafter_step_times_the_recipe_step_of_both_drafters_and_profiles_it(tmp_path):
+    """bench/drafter_step.py at the tiny shape: config S (the smollm2-quality recipe's batch) for
+    DFlash and DFlash2, one training step each timed, the kernel table written per drafter."""
+    out = tmp_path / "step.json"
+    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "S", "--arch", "dflash,dflash2",
+                      "--compile", "off", "--warmup", "1", "--steps", "2", "--profile", "S", "--profile-dir",
+                      str(tmp_path), "--json", str(out)))
+    results = json.loads(out.read_text())["results"]
+    assert [(r["config"], r["arch"]) for r in results] == [("S", "dflash"), ("S", "dflash2")], results
+    for r in results:
+        assert r["ms_per_step"] > 0 and r["last_loss"] == r["last_loss"] and "speedup_vs_specforge" not in r
+        assert "Self CPU" in (tmp_path / f"profile_S{'' if r['arch'] == 'dflash' else '_dflash2'}.txt").read_text()
+    assert "drafter-step S dflash2 (8b): " not in stdout and re.search(r"drafter-step S dflash2 \(tiny\): [0-9.]+ ms", stdout)
+
+
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     from test_decode_loop import write_chat_pair

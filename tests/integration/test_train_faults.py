@@ -208,12 +208,16 @@ def test_variants_stopped_at_different_steps_resume_from_their_common_step(tmp_p
 
     variants = [{"name": "fast"}, {"name": "slow", "lr": 3e-3}]
     config = dict(mode="variants", drafter_devices=["cpu", "cpu"], variants=variants, steps=8, save_every=2)
-    slow_may_go_on = threading.Event()
+    slow_at_its_second_step, slow_may_go_on = threading.Event(), threading.Event()
 
     def stop_with_slow_behind(worker, step):
+        # Each waits for the other, so on a busy machine too the stop comes when fast has done 4
+        # steps and slow exactly 2 (without the first wait slow could still be in its second).
         if worker.replica.name == "slow" and step == 1:
+            slow_at_its_second_step.set()
             assert slow_may_go_on.wait(60), "the fast variant never reached step 3"
         if worker.replica.name == "fast" and step == 3:
+            assert slow_at_its_second_step.wait(60), "the slow variant never finished its second step"
             worker.stop_signal.stop("stopped by the test")
             slow_may_go_on.set()
 
