@@ -144,6 +144,15 @@ for name in "${stages[@]}"; do
             for file in stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl; do
                 [ -f "$WORK/$file" ] && cp "$WORK/$file" "$OUT/quality-pipeline/"
             done ;;
+        # Issue #35: DFlash2's selector weight, 0.5 / 1.0 (base) / 2.0, trained from one target stream on 30k of
+        # 40k answers for 3,000 steps, ranked by tau on 40 dev prompts (needs GGUF=, PROMPTS= and DEV= the
+        # `dflash-train prompts --split dev` file); resumable: the same command continues in the next call.
+        selector-weight) stage selector-weight ${SWEEP_LIMIT:-570} python3 bench/quality_run.py run --target "$GGUF" \
+            --prompts "${PROMPTS:?PROMPTS= the prompts file}" --dev-prompts "${DEV:?DEV= the dev prompts file}" \
+            --work "${WORK:-$HOME/stage/selector-weight}" --samples 40000 --self-prompts 11000 --arch dflash2 \
+            --stages prompts,self-prompts,regenerate,recipe --recipe-rows 30000 --recipe-steps 3000 \
+            --recipe-variants selector_weight=0.5,selector_weight=2.0 --deadline-seconds $(( ${SWEEP_LIMIT:-570} - 20 )) \
+            --no-send-back --json-dir "$OUT" ;;
         # The compiled feature forward against float32 and the eager one, at the smollm2-quality recipe's shape.
         feature-compile-error) stage feature-compile-error 200 python3 bench/feature_compile_error.py --device cuda:0 \
             --target "${GGUF:?GGUF= the SmolLM2 GGUF}" --name SmolLM2 --json "$OUT/feature_compile_error.json" ;;

@@ -30,6 +30,10 @@ curve and recipe stages train on those answers or the pipeline's, and measure ta
     python3 bench/quality_run.py run --target smol.gguf --answers-from answers.tar.xz --dev-prompts dev.jsonl \\
         --work ~/stage/curve --stages curve --curve-sizes 2600,10000,30000,100000 --curve-steps 2000
     python3 bench/quality_run.py plot WORK/curve.json --png docs/tau_vs_data.png
+    # the selector weight of a DFlash2 drafter: base (1.0) and two more from one target stream
+    python3 bench/quality_run.py run --target smol.gguf --work ~/stage/sw --samples 40000 --self-prompts 11000 \
+        --arch dflash2 --stages prompts,self-prompts,regenerate,recipe --recipe-rows 30000 --recipe-steps 3000 \
+        --recipe-variants selector_weight=0.5,selector_weight=2.0
 
 Exit status of `run`: 0 when every requested stage is done, 3 when time ran out first (run the
 same command again), 1 when a stage failed, 2 for bad arguments (one line, before any model
@@ -136,6 +140,8 @@ class QualityRunConfig:
     num_layers: int | None = option(None, "drafter layers (empty = the recipe's)")
     num_anchors: int | None = option(None, "anchors per sequence (empty = the recipe's)")
     block_size: int | None = option(None, "draft block size (empty = the recipe's)")
+    arch: str = option("dflash", "drafter architecture of the recipe (and of the recipe stage's base): dflash or "
+                                 "dflash2", choices=("dflash", "dflash2"))
     loss: str = option("dpace", "dpace (chosen on the dev split: docs/RESULTS.md) or decay")
     gamma: float | None = option(None, "decay gamma (empty = the recipe's)")
     buckets: list[int] = option([768], "padded sequence lengths (`train --seq-buckets`)")
@@ -271,7 +277,7 @@ def bench_recipe(config: QualityRunConfig) -> dict[str, Any]:
                              batch_size=config.regen_batch_size)
     train = raw["train"]
     train.update(steps=config.steps, seq_buckets=list(config.buckets), save_every=min(config.save_every, config.steps),
-                 loss=config.loss)
+                 loss=config.loss, arch=config.arch)
     if config.smoke:
         train.update(batch_size=2, num_anchors=8, num_layers=1, max_seq_len=256, min_supervised_tokens=8, log_every=5,
                      seq_buckets=[b for b in config.buckets if b <= 256] or [256])
@@ -285,7 +291,7 @@ def bench_recipe(config: QualityRunConfig) -> dict[str, Any]:
 
 # What each experiment's result depends on: a stage started with some values refuses others later.
 SOURCE_KEYS = ("target", "prompts", "samples", "self_prompts", "max_new_tokens", "max_prompt_tokens", "smoke")
-RECIPE_KEYS = ("lr", "num_layers", "num_anchors", "block_size", "loss", "gamma", "buckets")
+RECIPE_KEYS = ("arch", "lr", "num_layers", "num_anchors", "block_size", "loss", "gamma", "buckets")
 STAGE_KEYS = {
     # Points are keyed by (rows, steps): other sizes, steps or epochs add points, they change none.
     "curve": (*SOURCE_KEYS, *RECIPE_KEYS, "dev_prompts", "curve_limit", "decoder"),

@@ -263,6 +263,23 @@ def test_recipe_stage_trains_every_variant_in_one_run_and_ranks_them_on_dev(file
     assert again.returncode == 0 and "recipe: done in an earlier call" in again.stdout
 
 
+@pytest.mark.timeout(900)
+def test_recipe_stage_with_arch_dflash2_sweeps_the_selector_weight(files, tmp_path):
+    """--arch dflash2 makes the base a DFlash2 drafter, so `selector_weight=K` variants sweep its weight."""
+    work = tmp_path / "work"
+    earlier = earlier_answers(tmp_path / "earlier" / "answers.jsonl", 6)
+    done = quality_run(*recipe_args(files, work, earlier, "--arch", "dflash2", "--recipe-variants", "selector_weight=2.0"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    recipe = json.loads((work / "recipe.json").read_text())
+    assert [v["name"] for v in recipe["variants"]] == ["base", "selector_weight-2.0"]
+    run = work / "recipe" / "run"
+    trained = [json.loads((run / v["name"] / "run.json").read_text())["train_config"] for v in recipe["variants"]]
+    assert [(c["arch"], c["selector_weight"]) for c in trained] == [("dflash2", 1.0), ("dflash2", 2.0)]
+    for variant in recipe["variants"]:
+        exported = json.loads((run / variant["name"] / "export" / "config.json").read_text())
+        assert exported["architectures"] == ["DFlash2DraftModel"] and variant["tau"]["tau_mean"] >= 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_recipe_stage_in_turn_gives_every_variant_the_weights_of_one_variants_run(files, tmp_path):
