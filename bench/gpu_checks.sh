@@ -124,6 +124,10 @@ for name in "${stages[@]}"; do
         selector) stage selector 120 python3 bench/selector_cost.py --json "$OUT/selector_cost.json" ;;
         decode-speed-dflash2) stage decode-speed-dflash2 150 python3 bench/static_decode_speed.py --dims smollm2 --arch dflash2 \
             --decoders static --json "$OUT/decode_speed_dflash2.json" ;;
+        # Issue #35's speed-up: both drafters' decode steps with the drafter's forward compiled before capture.
+        decode-speed-compiled) stage decode-speed-compiled 300 bash -c 'for arch in dflash dflash2; do
+                python3 bench/static_decode_speed.py --dims smollm2 --arch $arch --decoders static --compile-draft \
+                    --json "$0/decode_speed_${arch}_compiled.json" || exit; done' "$OUT" ;;
         hybrid-train) stage hybrid-train ${HYBRID_LIMIT:-400} python3 bench/hybrid_targets.py --device cuda:0 --family qwen3_5 \
             --steps 12 --train-batch 4 --max-seq-len 2048 --buckets 2048 --skip regenerate ;;
         # `--fp8 all` under graphs at recipe size (needs GGUF= and DATA=): its 2026-12-02 run printed no

@@ -227,15 +227,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length-new-tokens", type=int, default=48, help="new tokens per prompt of --lengths")
     parser.add_argument("--profile", default="", help="also profile one decode of each kind (torch.profiler): "
                         "GPU idle time per step, and kernel and host tables in PROFILE.<decoder>.<kind>.txt")
+    parser.add_argument("--compile-draft", action="store_true",
+                        help="experiment: the static drafter's forward compiled (torch.compile, inductor) before its "
+                             "graphs are captured: do fused kernels shorten the draft step (DFlash2's convolutions)?")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.compile_draft:
+        from dflash_train.decode.static import StaticDrafter
+
+        # Compiled at the eager warm-up each captured step runs first; the replay check compares with it.
+        StaticDrafter.hidden = torch.compile(StaticDrafter.hidden, dynamic=False)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     target, drafter = build(args.dims, device, dtype, args.block_size, args.arch)
     log(f"torch {torch.__version__} | {device} | {args.dtype} | {args.dims}: {target.spec.num_hidden_layers} target "
-        f"layers, {args.arch} drafter {drafter.config.num_hidden_layers} layers, B = {args.block_size}, context {args.context}")
-    results = {"dims": args.dims, "arch": args.arch, "dtype": args.dtype, "context": args.context, "torch": torch.__version__,
+        f"layers, {args.arch} drafter {drafter.config.num_hidden_layers} layers{' (compiled)' if args.compile_draft else ''}, "
+        f"B = {args.block_size}, context {args.context}")
+    results = {"dims": args.dims, "arch": args.arch, "compile_draft": args.compile_draft, "dtype": args.dtype, "context": args.context, "torch": torch.__version__,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     for kind in [k.strip() for k in args.decoders.split(",") if k.strip()]:
         started = time.perf_counter()

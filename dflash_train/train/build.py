@@ -40,7 +40,7 @@ from .compile_gate import CompileGate, recompile_limit_for
 from .drafter_worker import DrafterSetup, DrafterWorker, StepHook
 from .layout import DrafterPlan, Layout, layer_union, step_share
 from .precision import attention_backends, check_fp8_support, compiles_drafter, compiles_target, uses_fused_head
-from .rank_zero import Checkpointer, EvaluationSchedule, RankZeroWork
+from .rank_zero import Checkpointer, EvaluationSchedule, LoggedSteps, RankZeroWork
 from .replicas import FrozenPartsByDevice, build_replicas
 from .resume import ResumePoint, StepRange
 from .routing import BatchRouter, FeatureSource
@@ -197,6 +197,7 @@ class Pipeline:
     targets: list[Target]
     warmup: Warmup | None = None
     gate: CompileGate | None = None  # when the run compiles
+    logged: LoggedSteps | None = None  # the coordinator marks each step's written line; checkpoints wait for it
 
     @property
     def workers(self) -> list:
@@ -214,6 +215,7 @@ class Shared:
     reports: queue.Queue  # StepReports for the coordinator
     router: BatchRouter
     warmup: Warmup
+    logged: LoggedSteps  # the steps whose metrics lines are on disk
 
 
 def build_pipeline(run: Run, *, step_hook: StepHook | None = None, save_checkpoints: bool = True) -> Pipeline:
@@ -229,7 +231,7 @@ def build_pipeline(run: Run, *, step_hook: StepHook | None = None, save_checkpoi
     planner = plan_batches(run)
     target_workers = build_target_workers(run, planner, shared)
     return Pipeline(shared.stop, shared.reports, shared.router, planner, target_workers, drafter_workers, reducers,
-                    run.supply.targets, shared.warmup, run.gate)
+                    run.supply.targets, shared.warmup, run.gate, shared.logged)
 
 
 def share_between_threads(run: Run) -> Shared:
@@ -243,7 +245,7 @@ def share_between_threads(run: Run) -> Shared:
     router = BatchRouter(len(run.supply.targets), len(run.drafter_threads), batches_per_step=len(share),
                          grad_accum=config.optimizer.grad_accum, every_drafter_trains_every_batch=config.parallel.mode == "variants",
                          depth=config.parallel.prefetch)
-    return Shared(stop, queue.Queue(), router, warmup)
+    return Shared(stop, queue.Queue(), router, warmup, LoggedSteps())
 
 
 def build_drafter_workers(
@@ -264,7 +266,7 @@ def build_drafter_workers(
         plan.run_dir, config.checkpoint.save_every, config.checkpoint.keep_checkpoints,
         {"train_config": plan.config.flat_values(), "layer_union": layer_union(run.plans), "stream": run.stream,
          "target": run.target},
-        saved_step=steps.start,
+        saved_step=steps.start, logged=shared.logged, line_lag=1 if nodes.distributed else 0,
     ) if save_checkpoints and nodes.writes else None
     vote = StepVote(
         nodes, drafter=plan.name, start=steps.start, end=steps.end, local_replicas=len(replicas),

@@ -227,7 +227,7 @@ class DrafterWorker(Worker):
             if setup.hook is not None:
                 setup.hook(self, step)
             if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
-                setup.checkpointer.save(self.completed_step, replica)
+                setup.checkpointer.save_periodic(self.completed_step, replica, self.stop_signal)
 
     def _every_node_goes_on(self, reducer: GradientReducer) -> bool:
         """This step's vote (the node's first replica, after every local backward, before the

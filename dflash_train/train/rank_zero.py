@@ -6,12 +6,41 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from ..parallel.threads import StopSignal
 from .checkpoint import save_checkpoint
 from .replicas import Replica
+
+
+class LoggedSteps:
+    """The newest step whose line each drafter's metrics log holds, written and flushed by the
+    coordinator's thread, which may fall behind the drafters'. A periodic checkpoint waits for
+    its step's line, so a run killed (-9) at any moment resumes with every step logged once:
+    resuming drops the lines after the checkpoint, and none can be missing before it."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._through: dict[str, int] = {}
+        self._closed = False
+
+    def mark(self, drafter: str, step: int) -> None:
+        with self._changed:
+            self._through[drafter] = max(step, self._through.get(drafter, 0))
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """The coordinator writes no more lines: nobody waits for them."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_through(self, drafter: str, step: int, give_up: Callable[[], bool]) -> None:
+        with self._changed:
+            while not self._closed and self._through.get(drafter, 0) < step and not give_up():
+                self._changed.wait(timeout=0.5)
 
 
 @dataclass
@@ -24,10 +53,21 @@ class Checkpointer:
     state: dict  # written into each checkpoint's state.json (the run's config, the layer union)
     saved_step: int  # the newest step on disk (the resumed step at start)
     last: Path | None = None
+    logged: LoggedSteps | None = None  # where this process writes the metrics log
+    # On several nodes a step's line waits for its totals, which come with the next step's vote
+    # (cast by this very thread after the save): a periodic save then waits for the step before.
+    line_lag: int = 0
 
     def due(self, completed_step: int, end_step: int) -> bool:
         """A periodic save; the final one is `save` from the worker's exit path."""
         return completed_step % self.every == 0 and completed_step < end_step
+
+    def save_periodic(self, step: int, replica: Replica, stop: StopSignal) -> None:
+        """A periodic save, once the metrics log holds the step's line (or the run is stopping:
+        the coordinator then writes every line left before the process ends)."""
+        if self.logged is not None:
+            self.logged.wait_through(replica.name, step - self.line_lag, give_up=lambda: stop.stopped)
+        self.save(step, replica)
 
     def save(self, step: int, replica: Replica) -> None:
         if step <= self.saved_step:

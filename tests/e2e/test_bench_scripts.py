@@ -127,6 +127,15 @@ def test_static_decode_speed_times_a_dflash2_drafter(tmp_path):
     assert result["arch"] == "dflash2" and result["static"]["draft_step_ms"] > 0 and result["static"]["greedy_step_ms"] > 0
 
 
+def test_static_decode_speed_with_the_draft_forward_compiled(tmp_path):
+    """--compile-draft: the drafter's forward through torch.compile (inductor) before the timed steps."""
+    out = tmp_path / "speed.json"
+    ok(bench("static_decode_speed.py", "--dims", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "2",
+             "--new-tokens", "6", "--decoders", "static", "--arch", "dflash2", "--compile-draft", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["compile_draft"] is True and result["static"]["draft_step_ms"] > 0
+
+
 def test_drafter_step_times_the_recipe_step_of_both_drafters_and_profiles_it(tmp_path):
     """bench/drafter_step.py at the tiny shape: config S (the smollm2-quality recipe's batch) for
     DFlash and DFlash2, one training step each timed, the kernel table written per drafter."""

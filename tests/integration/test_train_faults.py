@@ -199,6 +199,37 @@ def test_resume_after_kill_9_logs_each_step_once_and_cleans_staging(tmp_path, ta
     assert pipeline == sorted(set(pipeline))
 
 
+def test_a_checkpoint_is_never_on_disk_before_its_steps_metrics_lines(tmp_path, target, monkeypatch):
+    """The coordinator writes metrics.jsonl in its own thread and may fall behind the drafter's
+    (seen on a busy CI machine: a kill -9 after the checkpoint of step 336 left lines only up to
+    288, and the resumed run's log had a hole). With its lines written slowly here, every periodic
+    checkpoint must still find its step's line on disk, so a kill at any moment resumes with
+    every step logged once."""
+    from dflash_train.train import reporting
+
+    write_step = reporting.JsonlSink.write_step
+
+    def slowly(self, drafter, record):
+        time.sleep(0.05)
+        write_step(self, drafter, record)
+
+    monkeypatch.setattr(reporting.JsonlSink, "write_step", slowly)
+    behind = []
+
+    def check_the_log_reaches_the_newest_checkpoint(worker, step):
+        saved = latest_checkpoint(tmp_path)
+        if saved is not None:
+            newest = int(saved.name.removeprefix("step-"))
+            logged = _steps_tolerant(tmp_path / "metrics.jsonl")
+            if not logged or logged[-1] < newest:
+                behind.append((newest, logged[-1] if logged else 0))
+
+    train(_config(tmp_path, steps=12, save_every=2), samples=pattern_samples(16), target=target, log=_quiet(),
+          step_hook=check_the_log_reaches_the_newest_checkpoint)
+    assert not behind, f"(checkpoint step, last logged step) when a checkpoint was ahead of the log: {behind}"
+    assert _steps(tmp_path / "metrics.jsonl") == list(range(1, 13))
+
+
 def test_variants_stopped_at_different_steps_resume_from_their_common_step(tmp_path, target):
     """A stop ends each drafter after its own current step, so a slower variant stops a few steps
     behind (on the H200, after a time box: 2,793 against 2,790). --resume continues all of them
