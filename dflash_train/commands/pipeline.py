@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, option
+from ..export.rules import ARCHITECTURE
 from ..files import check_outside_inputs
 from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
@@ -153,7 +154,7 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
     drafter = work.drafter if book.done("export") else work.run / "export"
     exported = _read(drafter / "config.json")
     if exported:
-        architecture = (exported.get("architectures") or ["DFlashDraftModel"])[0]
+        architecture = (exported.get("architectures") or [ARCHITECTURE])[0]
         lines.append(f"  drafter     {drafter}  (Hugging Face folder; dflash.{architecture}.from_pretrained loads it)")
         lines += serve_commands(work.target, work.run, drafter, work.drafter_gguf if book.done("export-gguf") else None)
     return "\n".join([*lines, *footer, "=" * 96])

@@ -195,9 +195,9 @@ class Pipeline:
     drafter_workers: list[DrafterWorker]
     reducers: list[GradientReducer]
     targets: list[Target]
+    logged: LoggedSteps  # the coordinator marks each step's written line; checkpoints wait for it
     warmup: Warmup | None = None
     gate: CompileGate | None = None  # when the run compiles
-    logged: LoggedSteps | None = None  # the coordinator marks each step's written line; checkpoints wait for it
 
     @property
     def workers(self) -> list:
@@ -231,7 +231,7 @@ def build_pipeline(run: Run, *, step_hook: StepHook | None = None, save_checkpoi
     planner = plan_batches(run)
     target_workers = build_target_workers(run, planner, shared)
     return Pipeline(shared.stop, shared.reports, shared.router, planner, target_workers, drafter_workers, reducers,
-                    run.supply.targets, shared.warmup, run.gate, shared.logged)
+                    run.supply.targets, shared.logged, shared.warmup, run.gate)
 
 
 def share_between_threads(run: Run) -> Shared:

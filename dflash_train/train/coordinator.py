@@ -191,8 +191,7 @@ class Coordinator:
             raise
         finally:
             torch.set_num_threads(threads_before)
-            if self.pipeline.logged is not None:
-                self.pipeline.logged.close()
+            self.pipeline.logged.close()
             for sink in self.sinks:
                 sink.close()
         self.stop.stop("finished")
@@ -245,8 +244,7 @@ class Coordinator:
                 self.progress.print(startup)
         for sink in self.sinks:
             sink.write_step(name, record)
-        if self.pipeline.logged is not None:
-            self.pipeline.logged.mark(name, record["step"])
+        self.pipeline.logged.mark(name, record["step"])
         self._watch_health(self.health.after_step(name, record))
         if first:
             self.progress.update(1, note=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")

@@ -52,8 +52,8 @@ class Checkpointer:
     keep: int
     state: dict  # written into each checkpoint's state.json (the run's config, the layer union)
     saved_step: int  # the newest step on disk (the resumed step at start)
+    logged: LoggedSteps  # the steps whose lines this process's metrics log holds
     last: Path | None = None
-    logged: LoggedSteps | None = None  # where this process writes the metrics log
     # On several nodes a step's line waits for its totals, which come with the next step's vote
     # (cast by this very thread after the save): a periodic save then waits for the step before.
     line_lag: int = 0
@@ -65,8 +65,7 @@ class Checkpointer:
     def save_periodic(self, step: int, replica: Replica, stop: StopSignal) -> None:
         """A periodic save, once the metrics log holds the step's line (or the run is stopping:
         the coordinator then writes every line left before the process ends)."""
-        if self.logged is not None:
-            self.logged.wait_through(replica.name, step - self.line_lag, give_up=lambda: stop.stopped)
+        self.logged.wait_through(replica.name, step - self.line_lag, give_up=lambda: stop.stopped)
         self.save(step, replica)
 
     def save(self, step: int, replica: Replica) -> None:
