@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,10 +90,34 @@ class StepWindowProfiler:
                 trace.unlink()
 
 
+def dump_stacks_after(seconds: float) -> None:
+    """Every thread's stack to stderr `seconds` from now; the run goes on (its parent kills it at its box).
+
+    A Python thread takes the dump under the GIL, where every frame is consistent: faulthandler's
+    watchdog reads other threads' frames without the GIL and crashed a run that was still
+    importing (SIGSEGV, Python 3.11). Its dump, armed 1.5 s later, is only the fallback for a
+    thread that holds the GIL and never lets go; the Python dump disarms it."""
+    faulthandler.dump_traceback_later(seconds + 1.5)
+
+    def dump() -> None:
+        time.sleep(seconds)
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        lines = [f"\nevery thread's stack at {seconds:g} s:\n"]
+        for ident, frame in sys._current_frames().items():
+            if ident != threading.get_ident():
+                lines.append(f"Thread {names.get(ident, ident)} (most recent call last):\n")
+                lines.extend(traceback.format_stack(frame))
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+        faulthandler.cancel_dump_traceback_later()
+
+    threading.Thread(target=dump, name="stack-dump", daemon=True).start()
+
+
 def child(args: argparse.Namespace) -> int:
     """One training run; writes its numbers to --result."""
     if args.run_timeout > 5:  # a run that hangs shows where: every thread's stack, just before the parent kills it
-        faulthandler.dump_traceback_later(args.run_timeout - 3)
+        dump_stacks_after(args.run_timeout - 3)
     from dflash_train.target.gguf import hf_folder_from_gguf, smollm2_target_dir
 
     from bench.quality_smollm2 import quality_config
