@@ -72,7 +72,10 @@ class Decontaminator:
 
     def match(self, text: str) -> Contamination | None:
         """The first benchmark overlap of `text`, or None if it is clean."""
-        words = normalized_words(text)
+        return self.match_words(normalized_words(text))
+
+    def match_words(self, words: list[str]) -> Contamination | None:
+        """`match` of a text whose `normalized_words` are `words` (`normalized_key(text).split()`)."""
         # A copy of a benchmark prompt of 13+ words also hits the anchors, so the exact test
         # (which needs the joined key) waits for a hit, except for texts too short for a 13-gram.
         if len(words) >= NGRAM:

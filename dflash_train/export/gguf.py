@@ -37,6 +37,7 @@ import torch
 from ..config import UserError
 from ..core.drafter import DrafterConfig
 from ..files import NewFileOutput, check_new_output
+from ..target.gguf_header import GGUFField, read_gguf_header
 
 __all__ = ["ARCH", "GGUFExportError", "check_gguf_output", "gguf_tensor_name", "read_target_vocabulary",
            "write_gguf_drafter", "write_gguf_from_export"]
@@ -87,32 +88,27 @@ def gguf_tensor_name(name: str) -> str:
     raise GGUFExportError(f"weight {name!r} has no llama.cpp DFlash tensor name")
 
 
-def _field_value(field: Any) -> tuple[Any, Any, Any]:
-    """(value, value type, array element type) of a GGUFReader field, as GGUFWriter takes them."""
+def _field_value(field: GGUFField) -> tuple[Any, Any, Any]:
+    """(value, value type, array element type) of a header field, as GGUFWriter takes them."""
     import gguf
 
-    kind = gguf.GGUFValueType(field.types[0])
-    if kind == gguf.GGUFValueType.ARRAY:
-        return list(field.contents()), kind, gguf.GGUFValueType(field.types[-1])
-    return field.contents(), kind, None
+    element = None if field.element_type is None else gguf.GGUFValueType(field.element_type)
+    return field.value, gguf.GGUFValueType(field.type), element
 
 
 def read_target_vocabulary(target_gguf: str | Path) -> dict[str, Any]:
     """The target GGUF's tokenizer keys and the dims the drafter must match:
     {"tokenizer": {key: (value, type, element type)}, "arch", "hidden", "layers", "vocab", "mrope"}."""
-    import gguf
-
     from ..target.gguf import check_gguf_file
 
     check_gguf_file(target_gguf)
     try:
-        reader = gguf.GGUFReader(str(target_gguf))
+        fields = read_gguf_header(target_gguf).fields
     except (ValueError, OSError) as error:
         raise GGUFExportError(f"--target {target_gguf}: cannot be read as GGUF ({error})") from None
-    fields = reader.fields
 
     def scalar(key: str) -> Any:
-        return fields[key].contents() if key in fields else None
+        return fields[key].value if key in fields else None
 
     arch = scalar("general.architecture")
     tokenizer = {key: _field_value(field) for key, field in fields.items() if key.startswith("tokenizer.")}

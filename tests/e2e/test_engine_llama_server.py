@@ -27,7 +27,6 @@ engine` does both); minutes on a CPU.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time

@@ -99,6 +99,8 @@ def test_dev_split_is_a_stable_one_percent_never_in_train(default_set):
     assert not {p.id for p in train} & {p.id for p in dev}
     assert abs(len(dev) / len(prompts) - DEV_PER_MILLE / 1000) < 0.002
     assert all(n > 0 for n in default_set.counts(dev).values()) and len(default_set.counts(dev)) == len(SOURCES)
+    # The build's split (from the normalised texts it worked out once) is the rule's, prompt by prompt.
+    assert all(in_dev_split(p) for p in dev) and not any(in_dev_split(p) for p in train[::40])
     # Membership follows the normalised text alone: another id, spacing or case does not move a prompt.
     for prompt in dev[:20] + train[:20]:
         text = prompt_text(prompt)

@@ -342,6 +342,7 @@ class RegistrySelection:
 
     open: list[Prompt] = field(default_factory=list)  # pass every filter
     short_answer: list[Prompt] = field(default_factory=list)  # pass all but "asks for a short answer"
+    keys: dict[str, str] = field(default_factory=dict)  # prompt id -> its normalised text (decontaminate.normalized_key)
 
 
 OVER_FILE_CAP = "short-answer prompt over the per-file cap"
@@ -387,7 +388,7 @@ def capped_registry_prompts(
         for scan in itertools.islice(scans, len(files)):
             if scan is None:
                 continue
-            file_open, file_short = _take_from_file(scan, seen, stats, limits)
+            file_open, file_short = _take_from_file(scan, seen, stats, limits, selection.keys)
             task_open += file_open
             task_short += file_short
         rng = random.Random(f"{seed}:{task_dir.name}")
@@ -405,10 +406,11 @@ def capped_registry_prompts(
     return selection
 
 
-def _take_from_file(scan: FileScan, seen: set[str], stats: RowStats,
-                    limits: ScanLimits) -> tuple[list[Prompt], list[Prompt]]:
+def _take_from_file(scan: FileScan, seen: set[str], stats: RowStats, limits: ScanLimits,
+                    keys: dict[str, str]) -> tuple[list[Prompt], list[Prompt]]:
     """A file's open and short-answer prompts within its quota: the worker's judged rows first,
-    then (where duplicates left the quota unfilled) rows judged here, in the same seeded order."""
+    then (where duplicates left the quota unfilled) rows judged here, in the same seeded order.
+    Each prompt's normalised text goes into `keys`."""
     file_open: list[Prompt] = []
     file_short: list[Prompt] = []
     rows = _rows_of(scan, limits.seed)
@@ -430,6 +432,7 @@ def _take_from_file(scan: FileScan, seen: set[str], stats: RowStats,
             stats.skip(reason, row.where)
             continue
         (file_short if short else file_open).append(Prompt(id=row.where, messages=row.messages, source=row.where))
+        keys[row.where] = row.key
     room = limits.max_per_file - len(file_open)
     for prompt in file_short[room:]:
         stats.skip(OVER_FILE_CAP, prompt.id)

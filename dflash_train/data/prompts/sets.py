@@ -87,7 +87,12 @@ def prompt_text(prompt: Prompt) -> str:
 
 def in_dev_split(prompt: Prompt) -> bool:
     """Whether `prompt` is in the dev split: a stable hash of its normalised text (see the module doc)."""
-    digest = hashlib.sha256(b"dflash-train dev split\0" + normalized_key(prompt_text(prompt)).encode()).digest()
+    return key_in_dev_split(normalized_key(prompt_text(prompt)))
+
+
+def key_in_dev_split(key: str) -> bool:
+    """`in_dev_split` of a prompt whose `normalized_key(prompt_text(prompt))` is `key`."""
+    digest = hashlib.sha256(b"dflash-train dev split\0" + key.encode()).digest()
     return int.from_bytes(digest[:8], "little") % 1000 < DEV_PER_MILLE
 
 
@@ -253,12 +258,13 @@ CODE_SOURCES: tuple[tuple[str, Callable[[], list[Prompt]]], ...] = (
 )
 
 
-def _decontaminated(prompts: list[Prompt], decontaminator: Decontaminator, source_of: dict[str, str],
-                    stats: RowStats, overlaps: Counter) -> list[Prompt]:
-    """`prompts` without those overlapping a benchmark, which are counted (by source and benchmark) and forgotten."""
+def _decontaminated(prompts: list[Prompt], decontaminator: Decontaminator, keys: dict[str, str],
+                    source_of: dict[str, str], stats: RowStats, overlaps: Counter) -> list[Prompt]:
+    """`prompts` without those overlapping a benchmark, which are counted (by source and benchmark)
+    and forgotten. `keys`: each prompt's normalised text, by id."""
     kept = []
     for prompt in prompts:
-        hit = decontaminator.match(prompt_text(prompt))
+        hit = decontaminator.match_words(keys[prompt.id].split())
         if hit is None:
             kept.append(prompt)
             continue
@@ -297,7 +303,7 @@ def build_prompt_set(
                 prompt_set.seconds = time.monotonic() - started
                 return prompt_set
     print("building the default prompt set from the evals registry, Python source and reasoning-gym "
-          f"(about 80 s of one core's work, spread over {default_workers()} processes; once: it is cached)", file=log, flush=True)
+          f"(about 70 s of one core's work, spread over {default_workers()} processes; once: it is cached)", file=log, flush=True)
     stats = RowStats()
     seen: set[str] = set()
     progress = _RegistryProgress(log)
@@ -308,6 +314,7 @@ def build_prompt_set(
     )
     progress.close()
     source_of = {p.id: "evals" for p in registry.open} | {p.id: "evals-short-answer" for p in registry.short_answer}
+    keys = registry.keys  # each prompt's normalised text, worked out once: dedup, overlaps and the dev split read it
     code = []
     for source, read in code_sources:
         source_started = time.monotonic()
@@ -320,19 +327,20 @@ def build_prompt_set(
                 stats.skip("duplicate prompt", prompt.id)
                 continue
             seen.add(key)
+            keys[prompt.id] = key
             source_of[prompt.id] = source
             code.append(prompt)
     decontaminator = Decontaminator(benchmarks)
     overlaps: Counter = Counter()
-    open_part = _decontaminated(registry.open + code, decontaminator, source_of, stats, overlaps)
-    short_part = _decontaminated(registry.short_answer, decontaminator, source_of, stats, overlaps)
+    open_part = _decontaminated(registry.open + code, decontaminator, keys, source_of, stats, overlaps)
+    short_part = _decontaminated(registry.short_answer, decontaminator, keys, source_of, stats, overlaps)
     rng = random.Random(f"{settings.seed}:order")
     streams = [_round_robin([p for p in open_part if source_of[p.id] == "evals"], rng)]
     for source, _ in code_sources:
         streams.append([p for p in open_part if source_of[p.id] == source])
         rng.shuffle(streams[-1])
     prompts = spread(streams) + _round_robin(short_part, rng)
-    dev_ids = {p.id for p in prompts if in_dev_split(p)}
+    dev_ids = {p.id for p in prompts if key_in_dev_split(keys[p.id])}
     prompt_set = PromptSet(prompts, source_of, dev_ids, stats, overlaps, settings, cache_file=cache_file)
     prompt_set.seconds = time.monotonic() - started
     if cache_file is not None:
