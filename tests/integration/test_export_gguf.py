@@ -222,14 +222,15 @@ def test_gguf_export_carries_the_target_gguf_tokenizer(tmp_path, tiny_run, capsy
     assert _fields(again) == written and _tensors(again) == _tensors(out)
 
 
-@pytest.mark.parametrize("case", ["folder target", "wrong vocabulary", "wrong hidden size", "existing out",
-                                  "no target", "force"])
+@pytest.mark.parametrize("case", ["folder target", "wrong vocabulary", "wrong hidden size", "truncated target",
+                                  "existing out", "no target", "force"])
 def test_gguf_export_refusals(tmp_path, tiny_run, capsys, case):
     target = _fake_gguf(tmp_path / "target.gguf", tokens=96)
     out = tmp_path / "drafter.gguf"
     args = ["export", str(tiny_run), "--format", "gguf", "--target", str(target), "--out", str(out)]
     expected = {"folder target": "is a folder", "wrong vocabulary": "vocabulary has 100 tokens",
                 "wrong hidden size": "hidden size is 32", "existing out": "--out", "no target": "needs --target",
+                "truncated target": "target.gguf: cannot be read as GGUF (the file ends inside its header",
                 "force": "without --force"}[case]
     if case == "folder target":
         (tmp_path / "target_hf").mkdir()
@@ -240,6 +241,8 @@ def test_gguf_export_refusals(tmp_path, tiny_run, capsys, case):
     elif case == "wrong hidden size":
         _fake_gguf(target.with_name("other.gguf"), tokens=96, hidden=32)
         args[args.index("--target") + 1] = str(target.with_name("other.gguf"))
+    elif case == "truncated target":  # an unfinished download: the magic is there, the vocabulary is cut
+        target.write_bytes(target.read_bytes()[:200])
     elif case == "existing out":
         out.write_bytes(b"the user's file")
     elif case == "no target":
