@@ -3,6 +3,7 @@
 gguf-py's `GGUFReader` parses the same bytes into a numpy view per value: 2.1–2.7 s for SmolLM2's
 file (49k tokens and merges), against 0.1 s here (2026-12-06, 2-core CPU machine); longer for
 150k-token vocabularies.
+
 It follows the GGUF layout (versions 2 and 3, little-endian): magic `GGUF`, version u32, tensor
 count u64, key count u64; each key a string, a value type u32 and its value (a string is a u64
 length and UTF-8 bytes; an array is an element type u32, a count u64 and the elements); each
