@@ -115,7 +115,10 @@ def _parse(cursor: _Cursor, file_size: int) -> GGUFHeader:
     cursor.take(4)
     version = cursor.fixed("<I")
     if version not in VERSIONS:
-        raise ValueError(f"GGUF version {version} (read as little-endian) is not one of {VERSIONS}")
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if swapped in VERSIONS:
+            raise ValueError(f"a big-endian GGUF file (version {swapped}): only little-endian files are read")
+        raise ValueError(f"GGUF version {version} is not one of {VERSIONS}")
     tensor_count, key_count = cursor.fixed("<Q"), cursor.fixed("<Q")
     fields: dict[str, GGUFField] = {}
     for _ in range(key_count):
