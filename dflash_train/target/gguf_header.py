@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARRAY", "STRING", "GGUFField", "GGUFHeader", "GGUFTensorInfo", "read_gguf_header"]
+__all__ = ["ARRAY", "GGUF_MAGIC", "STRING", "GGUFField", "GGUFHeader", "GGUFTensorInfo", "read_gguf_header"]
 
-MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY = 8, 9
@@ -101,7 +101,7 @@ class _Cursor:
 def read_gguf_header(path: str | Path) -> GGUFHeader:
     """The metadata and tensor table of the GGUF file at `path` (its data is not read)."""
     with open(path, "rb") as handle:
-        if handle.read(4) != MAGIC:
+        if handle.read(4) != GGUF_MAGIC:
             raise ValueError("it does not begin with the GGUF magic")
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
