@@ -16,7 +16,11 @@ With `--cuda-graphs on` the step is `train.step_graphs.GraphedStep` (its warm-up
 captures the shape first, reported as `prepare_s`); ms/step is then also measured back to back
 (`pipelined_ms`: N steps, one synchronize at the end), which is how training runs them.
 
-MFU follows the issue's formula (see `step_flops`), against 790 TFLOP/s.
+MFU follows the issue's formula (see `step_flops`), against 790 TFLOP/s. Each Qwen3-8B config
+ends in the summary line of docs/PERF.md:
+
+    drafter-step A (bf16): <ms> ms, MFU <x>%, <r>x SpecForge
+    drafter-step D (--fp8 all): <ms> ms, MFU <x>%, <r>x SpecForge
 """
 
 from __future__ import annotations
@@ -288,9 +292,10 @@ def main() -> int:
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
     for r in results:
         if "speedup_vs_specforge" in r:
-            mode = "" if r["fp8"] == "off" else f" (--fp8 {r['fp8']})"
-            graphs = " (--cuda-graphs on)" if r["cuda_graphs"] == "on" else ""
-            print(f"drafter-step {r['config']}{mode}{graphs}: {r['ms_per_step']:.1f} ms, {r['speedup_vs_specforge']:.2f}x SpecForge")
+            mode = "bf16" if r["fp8"] == "off" else f"--fp8 {r['fp8']}"
+            graphs = ", --cuda-graphs on" if r["cuda_graphs"] == "on" else ""
+            print(f"drafter-step {r['config']} ({mode}{graphs}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
+                  f"{r['speedup_vs_specforge']:.2f}x SpecForge")
     for r in results:
         if r["config"] in RECIPE_SHAPES and "error" not in r:
             mode = "" if r["fp8"] == "off" else f", --fp8 {r['fp8']}"

@@ -133,21 +133,24 @@ for name in "${stages[@]}"; do
         # `--fp8 all` under graphs at recipe size (needs GGUF= and DATA=): its 2026-12-02 run printed no
         # step after warm-up; the bench writes every thread's stack before its box ends.
         graphed-fp8) stage graphed-fp8 ${GRAPHED_LIMIT:-290} python3 bench/graphed_step.py --gguf "$GGUF" --data "$DATA" \
-            --steps ${GRAPHED_STEPS:-240} --run-timeout 120 --fp8 all --cache-dir /tmp/dflash-cache --json "$OUT/graphed_fp8.json" ;;
+            --steps ${GRAPHED_STEPS:-240} --run-timeout ${RUN_TIMEOUT:-120} --fp8 all --runs ${GRAPHED_RUNS:-fp8} --compile-target off \
+            --cache-dir /tmp/dflash-cache --json "$OUT/graphed_fp8.json" ;;
         # The smollm2-quality recipe through `dflash-train pipeline` (needs GGUF= and PROMPTS=, the default prompt
         # set as `dflash-train prompts --split all` writes it: the lent machine has no evals registry; its train
         # and dev splits and their order are the built-in set's). WORK outlives the call on a warm machine, so the
         # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
-        # come back under $OUT/quality-pipeline. ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
+        # come back under $OUT/quality-pipeline (records.tar.gz and the drafter). ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
         quality-pipeline) WORK=${WORK:-$HOME/stage/quality-${ARCH:-dflash}}
             sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
                 dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
                 --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0
             mkdir -p "$OUT/quality-pipeline"
-            for file in stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl; do
-                [ -f "$WORK/$file" ] && cp "$WORK/$file" "$OUT/quality-pipeline/"
-            done ;;
+            (cd "$WORK" && tar czf "$OUT/quality-pipeline/records.tar.gz" \
+                $(ls stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl 2>/dev/null))
+            # The exported drafter in 15 MiB pieces (a call sends back 8 files of 16 MiB), so a later call can carry
+            # it back to time its decoding on another card without training it again: cat drafter.tar.part* | tar x
+            [ -f "$WORK/drafter/config.json" ] && tar cf - -C "$WORK" drafter | split -b 15M -d - "$OUT/quality-pipeline/drafter.tar.part" ;;
         # Issue #35: DFlash2's selector weight, 0.5 / 1.0 (base) / 2.0, trained from one target stream on 30k of
         # 40k answers for 3,000 steps, ranked by tau on 40 dev prompts (needs GGUF=, PROMPTS= and DEV= the
         # `dflash-train prompts --split dev` file); resumable: the same command continues in the next call.
@@ -163,6 +166,9 @@ for name in "${stages[@]}"; do
         # The smollm2-quality recipe's drafter step, DFlash and DFlash2, eager (kernel profile) and graphed.
         step-recipe) stage step-recipe ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S \
             --arch dflash,dflash2 --cuda-graphs off,on --profile S --profile-dir "$OUT" --json "$OUT/step_recipe.json" ;;
+        # Issue #40 item 1: the Qwen3-8B-shaped step as train runs it on CUDA (the fused head), with a kernel profile of A.
+        step-fused) stage step-fused ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A,D --head fused --profile A \
+            --profile-dir "$OUT" --json "$OUT/step_fused.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac
