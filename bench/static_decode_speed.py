@@ -49,6 +49,8 @@ from dflash_train.config import ModelSettings  # noqa: E402
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.decode.loop import generate, make_decoder  # noqa: E402
 
+COMPILE_DRAFT = False  # --compile-draft: every decoder this bench makes compiles its drafter's block forward
+
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)
 DIMS = {"smollm2": ("llama", SMOLLM2), "qwen3-8b": ("qwen3", QWEN3_8B), "tiny": ("qwen3", TINY)}
@@ -103,7 +105,7 @@ def step_latencies(target, drafter, kind: str, context: int, repeats: int) -> di
 
     results["target_only_step_ms"] = timed(one_token, device, repeats)
 
-    runner = make_decoder(target, drafter, context + 64, kind)
+    runner = make_decoder(target, drafter, context + 64, kind, compile_draft=COMPILE_DRAFT)
     _, features = runner.prefill(prompt)  # static: the prompt's context goes into the drafter's cache here
     runner.draft(features, context, bonus, block)  # hf: here
     new_rows = runner.state.new_features if kind == "static" else features[:, -block:]  # B new context rows
@@ -139,8 +141,8 @@ def end_to_end(target, drafter, kind: str, context: int, new_tokens: int) -> dic
     prompt = torch.randint(0, target.spec.vocab_size, (context,)).tolist()
     out = {}
     for name, model in (("target_only", None), ("speculative_tau1", drafter)):
-        generate(target, model, prompt, new_tokens, decoder=kind)  # warm-up: the same cache size, so captures happen here
-        result = generate(target, model, prompt, new_tokens, decoder=kind)
+        generate(target, model, prompt, new_tokens, decoder=kind, compile_draft=COMPILE_DRAFT)  # warm-up: the same cache size, so captures happen here
+        result = generate(target, model, prompt, new_tokens, decoder=kind, compile_draft=COMPILE_DRAFT)
         out[f"{name}_tokens_per_s"] = len(result.tokens) / result.decode_seconds if result.decode_seconds else None
         out[f"{name}_decoder"] = result.decoder
     return out
@@ -165,13 +167,13 @@ def varied_prompts(target, drafter, kind: str, lengths: list[int], new_tokens: i
     out: dict[str, float] = {}
     for name, model in (("target_only", None), ("speculative", drafter)):
         if kind == "static":
-            make_decoder(target, model, 0, kind, cache_tokens).prepare()
-        runs = [generate(target, model, p, new_tokens, decoder=kind, cache_tokens=cache_tokens) for p in prompts]
+            make_decoder(target, model, 0, kind, cache_tokens, COMPILE_DRAFT).prepare()
+        runs = [generate(target, model, p, new_tokens, decoder=kind, cache_tokens=cache_tokens, compile_draft=COMPILE_DRAFT) for p in prompts]
         out[f"{name}_prefill_ms"] = 1000 * statistics.median(r.prefill_seconds for r in runs)
         out[f"{name}_decode_ms_per_step"] = 1000 * statistics.median(
             r.decode_seconds / max(decode_steps(r), 1) for r in runs)
     if kind == "static":
-        state = make_decoder(target, drafter, 0, kind, cache_tokens).state
+        state = make_decoder(target, drafter, 0, kind, cache_tokens, COMPILE_DRAFT).state
         eager = []
         for n in [length + 1 for length in lengths]:  # lengths this process has not run eagerly yet
             ids = torch.randint(0, target.spec.vocab_size, (1, n), device=device)
@@ -195,9 +197,9 @@ def profile_decoding(target, drafter, kind: str, context: int, new_tokens: int, 
     prompt = torch.randint(0, target.spec.vocab_size, (context,)).tolist()
     found: dict[str, float] = {}
     for name, model in (("target_only", None), ("speculative", drafter)):
-        generate(target, model, prompt, new_tokens, decoder=kind)
+        generate(target, model, prompt, new_tokens, decoder=kind, compile_draft=COMPILE_DRAFT)
         with profile(activities=activities) as prof:
-            result = generate(target, model, prompt, new_tokens, decoder=kind)
+            result = generate(target, model, prompt, new_tokens, decoder=kind, compile_draft=COMPILE_DRAFT)
         busy, span = gpu_busy(prof)
         steps = decode_steps(result)
         found[f"{name}_steps"] = steps
@@ -228,16 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="", help="also profile one decode of each kind (torch.profiler): "
                         "GPU idle time per step, and kernel and host tables in PROFILE.<decoder>.<kind>.txt")
     parser.add_argument("--compile-draft", action="store_true",
-                        help="experiment: the static drafter's forward compiled (torch.compile, inductor) before its "
-                             "graphs are captured: do fused kernels shorten the draft step (DFlash2's convolutions)?")
+                        help="the static decoder's drafter block forward compiled before its graphs are captured "
+                             "(`eval --compile-draft`, on by default on CUDA)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if args.compile_draft:
-        from dflash_train.decode.static import StaticDrafter
-
-        # Compiled at the eager warm-up each captured step runs first; the replay check compares with it.
-        StaticDrafter.hidden = torch.compile(StaticDrafter.hidden, dynamic=False)
+    global COMPILE_DRAFT
+    COMPILE_DRAFT = args.compile_draft
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     target, drafter = build(args.dims, device, dtype, args.block_size, args.arch)

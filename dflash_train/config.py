@@ -558,7 +558,7 @@ class ParallelSettings(Section):
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off", choices=ON_OFF, per_node=True)
     compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles, dense targets only: a hybrid or MoE target's compile took minutes at real shapes and yielded no compiled graph), on (hybrids and MoE too), off", choices=("auto", "on", "off"), per_node=True)
-    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA without --fp8, eager where a capture is refused), on, off", choices=ON_OFF, per_node=True)
+    cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA, eager where a capture is refused), on, off", choices=ON_OFF, per_node=True)
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md", choices=FP8_CHOICES)
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1, per_node=True)
     fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")

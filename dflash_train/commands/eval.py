@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import DECODERS, DTYPE_NAMES, THINKING, ConfigError, Section, SectionedConfig, UserError, option
+from ..config import DECODERS, DTYPE_NAMES, ON_OFF, THINKING, ConfigError, Section, SectionedConfig, UserError, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
 from ..files import NewFileOutput, check_new_output
 
@@ -24,6 +24,7 @@ class ModelsSettings(Section):
     device: str = option("auto", "auto (cuda if present, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or float32")
     decoder: str = option("auto", "auto (static where the target passes its probe, else hf), static (preallocated caches, CUDA graphs on GPU) or hf (Hugging Face, eager)")
+    compile_draft: str = option("auto", "torch.compile the static decoder's drafter block forward before its graphs are captured: auto (on CUDA), on, off", choices=ON_OFF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,8 @@ class EvalConfig(SectionedConfig):
     def validate(self) -> None:
         if self.models.decoder not in DECODERS:
             raise ConfigError(f"decoder {self.models.decoder!r}: use {', '.join(DECODERS)}")
+        if self.models.compile_draft == "on" and self.models.decoder == "hf":
+            raise ConfigError("--compile-draft on compiles the static decoder's drafter; --decoder hf has none (use auto or static)")
         if not self.models.target or not self.models.drafter:
             raise ConfigError("eval needs --target DIR and --drafter DIR")
         if not self.prompts.bench:
@@ -104,6 +107,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
 
     device = resolve_device(config.models.device)
     dtype = dtype_from_name(config.models.dtype, device)
+    compile_draft = config.models.compile_draft == "on" or (config.models.compile_draft == "auto" and device.type == "cuda")
     thinking = THINKING[config.prompts.thinking]
     # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
     benches = {}
@@ -134,10 +138,10 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     cache_tokens = longest + config.decoding.max_new_tokens
     for warm_drafter in (drafter, None):
         generate(target, warm_drafter, warm_ids, min(16, config.decoding.max_new_tokens), stops,
-                 decoder=config.models.decoder, cache_tokens=cache_tokens)
+                 decoder=config.models.decoder, cache_tokens=cache_tokens, compile_draft=compile_draft)
         with torch.no_grad():
-            make_decoder(target, warm_drafter, 0, config.models.decoder, cache_tokens).prepare()
-    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder), flush=True)
+            make_decoder(target, warm_drafter, 0, config.models.decoder, cache_tokens, compile_draft).prepare()
+    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder, compile_draft), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
@@ -146,7 +150,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
             target, drafter, prompts, max_new_tokens=config.decoding.max_new_tokens,
             temperature=config.decoding.temperature, baseline=config.decoding.baseline, stop_token_ids=stops,
             seed=config.decoding.seed, label=name, decoder=config.models.decoder, cache_tokens=cache_tokens,
-            enable_thinking=thinking,
+            enable_thinking=thinking, compile_draft=compile_draft,
         )
         summaries[name] = summarize(results, block_size)
         records[name] = [dataclasses.asdict(r) for r in results]

@@ -151,25 +151,28 @@ def _static_capacity(drafter: DFlashDrafter | None, tokens: int) -> int:
 
 
 def make_decoder(
-    target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto", cache_tokens: int = 0
+    target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str = "auto", cache_tokens: int = 0,
+    compile_draft: bool = False,
 ):
     """`static` (preallocated caches, CUDA graphs on GPU; see decode/static.py), `hf` (Hugging
     Face eagerly) or `auto`: static where the model passes its probe, else hf. Static caches hold
     at least max(max_length, cache_tokens) tokens: a run that passes its longest prompt + new
-    tokens as `cache_tokens` captures its graphs once, not once per cache size."""
+    tokens as `cache_tokens` captures its graphs once, not once per cache size. `compile_draft`:
+    the static decoder's drafter block forward compiled first (decode/static.py); hf ignores it."""
     if choice not in DECODERS:
         raise ConfigError(f"decoder {choice!r}: choose one of {', '.join(DECODERS)}")
     if choice != "hf":
         capacity = _static_capacity(drafter, max(max_length, cache_tokens))
         refusal = static_refusal(target, drafter, capacity)
         if refusal is None:
-            return StaticDecoder(static_state(target, drafter, capacity), drafter.config.block_size if drafter else 1)
+            return StaticDecoder(static_state(target, drafter, capacity, compile_draft), drafter.config.block_size if drafter else 1)
         if choice == "static":
             raise UserError(f"the static decoder cannot run this target/drafter: {refusal}; use --decoder hf")
     return HFDecoder(target, drafter)
 
 
-def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str) -> str:
+def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: int, choice: str,
+                     compile_draft: bool = False) -> str:
     """One line for a run's header: which decoder a prompt of `max_length` tokens gets, and why."""
     if choice == "hf":
         return f"decoder: hf (Hugging Face, eager; asked for){rollback_note(target, drafter)}"
@@ -178,7 +181,8 @@ def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: 
     if refusal is not None:
         return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}{rollback_note(target, drafter)}"
     graphs = "CUDA graphs" if target.device.type == "cuda" else "no CUDA graphs on CPU"
-    return f"decoder: static ({capacity}-position caches, {graphs})"
+    compiled = ", the drafter's block forward compiled" if compile_draft and drafter is not None else ""
+    return f"decoder: static ({capacity}-position caches, {graphs}{compiled})"
 
 
 @torch.no_grad()
@@ -193,13 +197,14 @@ def generate(
     generator: torch.Generator | None = None,
     decoder: str = "auto",
     cache_tokens: int = 0,
+    compile_draft: bool = False,
 ) -> Generation:
     """Decode one prompt: speculatively with `drafter`, or target-only with `drafter=None`.
 
     The loop is the reference's (module docstring). `generator` seeds sampling at T > 0; it
     must live on the target's device. The drafter is used as it is (call `.eval()` first).
-    `decoder` picks how the forwards run (`make_decoder`, also for `cache_tokens`); the loop is
-    the same for all.
+    `decoder` picks how the forwards run (`make_decoder`, also for `cache_tokens` and
+    `compile_draft`); the loop is the same for all.
     """
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number ≥ 0, got {temperature}")
@@ -215,7 +220,7 @@ def generate(
     if drafter is not None:
         drafter = unwrap_drafter(drafter)
     block_size = drafter.config.block_size if drafter is not None else 1
-    runner = make_decoder(target, drafter, max_length, decoder, cache_tokens)
+    runner = make_decoder(target, drafter, max_length, decoder, cache_tokens, compile_draft)
 
     started = _clock(device)
     logits, features = runner.prefill(prompt)

@@ -20,6 +20,11 @@ verified tokens overwrite them.
 The same functions run without graphs on CPU and for odd shapes (the prefill, a short last
 block), so the fast CPU suite checks all of the logic; only capture and replay need a GPU.
 
+`compile_draft` compiles the drafter's forward over a full block (torch.compile, inductor) before
+the graphs holding it are captured: under a graph a draft step's time is set by its kernel count,
+and inductor fuses most of them (a DFlash2 drafter's four convolutions a layer above all). The
+first call compiles, one thread at a time; `eval` turns it on for CUDA (`--compile-draft`).
+
 The target's forward over the caches is `target.static_cache.StaticTarget` (the layer walk of
 target/walk.py); which targets it runs (the Llama/Qwen block, a hybrid's Gated DeltaNet layers in
 a layout it knows, no sliding window shorter than the cache) is the walk's probe,
@@ -46,6 +51,7 @@ replay starts from the states its warm-up started from.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -57,6 +63,7 @@ from ..core.drafter import DFlashDrafter, embed_block_tokens
 from ..target.model import Target
 from ..target.static_cache import StaticTarget, attention_bias, grouped_attention
 
+_COMPILE_LOCK = threading.Lock()  # compiles of drafters' block forwards, one at a time in the process
 CAPACITY_STEP = 512  # caches are sized in multiples of this, so most prompts share captured graphs
 PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: a few prefill shapes, each captured once
 
@@ -91,9 +98,15 @@ class StaticDrafter:
     only grows, written with verified context before any later step can see them; the last slot
     is never seen (the cache holds B more positions than a decode reaches)."""
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int):
+    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int, compiled: bool = False):
         self.drafter, self.target = drafter, target
         config = drafter.config
+        self.block_size = config.block_size
+        # Compiled at the full block only: nearly every step has it, and one shape is one compile.
+        # Inductor fuses the norms, rotations, convolutions and gates of the ~300–450 small kernels
+        # of a draft step; under a CUDA graph their count, not their work, sets the step's time.
+        self.compiled_hidden = torch.compile(self.eager_hidden, dynamic=False) if compiled else None
+        self.compile_done = False
         weight = drafter.fc.weight
         self.device = weight.device
         shape = (len(drafter.layers), 1, config.num_key_value_heads, capacity, config.head_dim)
@@ -117,7 +130,26 @@ class StaticDrafter:
         return self.head_logits(self.hidden(features, count, start, block_ids))
 
     def hidden(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """The drafter's final hidden states [L − 1, hidden] of draft positions 1..L−1 (see `step`)."""
+        """The drafter's final hidden states [L − 1, hidden] of draft positions 1..L−1 (see `step`):
+        compiled for a full block when the state was made with `compile_draft`."""
+        if self.compiled_hidden is None or block_ids.shape[1] != self.block_size:
+            return self.eager_hidden(features, count, start, block_ids)
+        if self.compile_done:
+            return self.compiled_hidden(features, count, start, block_ids)
+        # The first call compiles: one thread at a time (torch.compile is not thread-safe), and a
+        # compiler that fails costs speed, not the decode.
+        with _COMPILE_LOCK:
+            try:
+                hidden = self.compiled_hidden(features, count, start, block_ids)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+                warnings.warn(f"the drafter's block forward runs uncompiled: torch.compile failed: "
+                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                self.compiled_hidden = None
+                return self.eager_hidden(features, count, start, block_ids)
+        self.compile_done = True
+        return hidden
+
+    def eager_hidden(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         drafter, config = self.drafter, self.drafter.config
         length, rows = block_ids.shape[1], features.shape[1]
         row = torch.arange(rows, device=self.device)
@@ -195,7 +227,7 @@ class StaticState:
                       context is in the drafter's cache already.
     """
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int):
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, capacity: int, compile_draft: bool = False):
         device = target.device
         self.capacity, self.device = capacity, device
         # Steps call the state through a weak proxy: a state that owned steps which owned it would
@@ -224,7 +256,7 @@ class StaticState:
         self.drafter = None
         if drafter is not None:
             block = drafter.config.block_size
-            self.drafter = StaticDrafter(drafter, target, capacity)
+            self.drafter = StaticDrafter(drafter, target, capacity, compiled=compile_draft)
             self.block = torch.full((1, block), drafter.config.mask_token_id, dtype=torch.long, device=device)
             self.new_features = torch.zeros(1, block, drafter.fc.in_features, dtype=target.embed_weight.dtype, device=device)
             self.count = torch.zeros((), dtype=torch.long, device=device)
@@ -364,9 +396,10 @@ def _thread_ref() -> weakref.ref:
     return token.ref
 
 
-def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int) -> StaticState:
+def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int, compile_draft: bool = False) -> StaticState:
     """The cached state for this target, drafter, capacity and thread: graphs are captured once
     per capacity and reused by every later prompt (two threads never share caches).
+    `compile_draft`: the drafter's block forward compiled before its graphs are captured.
 
     Lifetime: a state lives on its drafter (target-only states on the target model), so it goes
     when that module goes; it is released when its thread ends; at most `_MAX_STATES` per module
@@ -380,14 +413,14 @@ def static_state(target: Target, drafter: DFlashDrafter | None, capacity: int) -
             shelf = vars(owner)[_SHELF] = _StateShelf()
         _SHELVES.add(shelf)
         states = shelf.states
-        key = (_thread_ref(), weakref.ref(target.model), capacity)
+        key = (_thread_ref(), weakref.ref(target.model), capacity, compile_draft and drafter is not None)
         # Captured graphs read weights at fixed addresses: in-place updates (an optimizer step,
         # load_state_dict) are seen, a replaced tensor (`param.data = ...`) is not, so rebuild then.
         if key not in states or states[key][0] != storage:
             states.pop(key, None)
             if len(states) >= _MAX_STATES:  # bounded: drop the oldest
                 states.pop(next(iter(states)))
-            states[key] = (storage, StaticState(target, drafter, capacity))
+            states[key] = (storage, StaticState(target, drafter, capacity, compile_draft))
         return states[key][1]
 
 

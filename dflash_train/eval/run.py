@@ -90,6 +90,7 @@ def run_benchmark(
     decoder: str = "auto",
     cache_tokens: int = 0,
     enable_thinking: bool | None = None,
+    compile_draft: bool = False,
 ) -> list[PromptResult]:
     """Decode every prompt speculatively (and target-only when `baseline`), one at a time.
     A prompt that fails is recorded with its error and the run goes on."""
@@ -104,7 +105,7 @@ def run_benchmark(
         result = PromptResult(prompt.id, len(ids))
         try:
             spec = generate(target, drafter, ids, max_new_tokens, stop_token_ids, temperature=temperature,
-                            generator=generator, decoder=decoder, cache_tokens=cache_tokens)
+                            generator=generator, decoder=decoder, cache_tokens=cache_tokens, compile_draft=compile_draft)
             result.new_tokens, result.acceptance_lengths, result.tau = len(spec.tokens), spec.acceptance_lengths, spec.tau
             result.seconds, result.decode_seconds, result.decoder = spec.seconds, spec.decode_seconds, spec.decoder
             if baseline:

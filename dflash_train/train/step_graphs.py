@@ -180,7 +180,8 @@ def _probe_update(device: torch.device) -> str | None:
                 grads[0].copy_(base * scale)
                 lrs[0].fill_(lr)
                 graph.replay()
-                error = float((graphed.weight - eager.weight).abs().max()) / float(eager.weight.abs().max())
+                difference = (graphed.weight - eager.weight).detach()
+                error = float(difference.abs().max()) / float(eager.weight.detach().abs().max())
                 if not error <= 1e-5:
                     return f"a replayed fused AdamW update differs from the eager one at probe step {step} (relative {error:.1e})"
                 if (lr == 0.0 or scale == float("inf")) and not torch.equal(graphed.weight, before):

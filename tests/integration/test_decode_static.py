@@ -277,6 +277,38 @@ def test_states_are_shared_per_capacity_and_never_between_threads():
     assert len(states) == 2 and len(results) == 6
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_compiled_draft_decodes_the_uncompiled_tokens_and_steps(arch):
+    """`compile_draft`: the full block's drafter forward runs compiled (inductor, on the CPU here),
+    shorter blocks eagerly; greedy output and every step's acceptance are the uncompiled run's.
+    Two threads then compile their own states at once; each must decode the same tokens. That part
+    proves the compiles cannot break each other's results here, not that a race would show."""
+    from test_core_dflash2 import random_dflash2
+
+    target = tiny_target("qwen3", head_scale=8)
+    drafter = random_drafter(target, block_size=5) if arch == "dflash" else random_dflash2(target, block_size=5)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
+    expected = [generate(target, drafter, p, 23, decoder="static") for p in prompts]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = [generate(target, drafter, p, 23, decoder="static", compile_draft=True) for p in prompts]
+    assert not [w for w in caught if "uncompiled" in str(w.message)], [str(w.message) for w in caught]
+    state = make_decoder(target, drafter, 30, "static", compile_draft=True).state
+    assert state.drafter.compile_done and state is not make_decoder(target, drafter, 30, "static").state
+    for got, want, prompt in zip(compiled, expected, prompts):
+        assert got.tokens == want.tokens == generate(target, None, prompt, 23, decoder="static").tokens
+        assert got.acceptance_lengths == want.acceptance_lengths
+
+    results: dict[int, list[list[int]]] = {}
+
+    def worker(index: int) -> None:
+        results[index] = [generate(target, drafter, p, 23, decoder="static", compile_draft=True).tokens for p in prompts]
+        assert static_state(target, drafter, 512, compile_draft=True).drafter.compile_done
+
+    assert not run_in_threads(worker, range(2), timeout=300)
+    assert results[0] == results[1] == [e.tokens for e in expected]
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
@@ -314,6 +346,25 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
         assert make_decoder(target, None, len(prompt) + len(extra) + 40).state.next_greedy.graph is not None
         if dtype == torch.float32:
             assert static.tokens == base.tokens == generate(target, None, prompt + extra, 40, decoder="hf").tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_compiled_draft_is_captured_and_decodes_the_target_only_tokens_on_the_gpu(arch):
+    """`eval --compile-draft` on CUDA: the compiled full-block forward inside the captured greedy
+    step (float32: greedy output must equal target-only decoding exactly)."""
+    from test_core_dflash2 import random_dflash2
+
+    target = tiny_target("qwen3", head_scale=8)
+    target.model.to("cuda")
+    drafter = (random_drafter(target, block_size=4) if arch == "dflash" else random_dflash2(target, block_size=4)).to("cuda")
+    prompt = [5, 17, 3, 60, 2, 9, 41, 8, 8, 1]
+    runner = make_decoder(target, drafter, len(prompt) + 40, "static", compile_draft=True)
+    runner.prepare()
+    assert runner.state.drafter.compile_done and runner.state.greedy(4).graph is not None
+    spec = generate(target, drafter, prompt, 40, decoder="static", compile_draft=True)
+    assert spec.tokens == generate(target, None, prompt, 40, decoder="static").tokens
+    assert spec.tokens == generate(target, drafter, prompt, 40, decoder="static").tokens
 
 
 @pytest.mark.gpu

@@ -318,17 +318,15 @@ def test_cuda_graphs_choices_and_configuration_errors(tmp_path):
     assert not choose_cuda_graphs(TrainConfig(cuda_graphs="auto"), cpu).enabled
     assert not choose_cuda_graphs(TrainConfig(cuda_graphs="off"), [torch.device("cuda:0")]).enabled
     assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto"), [torch.device("cuda:0")]).enabled
-    # auto is on only where proven: --fp8 head trained the recipe graphed, --fp8 all not yet
+    # Both FP8 modes have trained the recipe graphed on a GPU (docs/PERF.md): auto captures them,
+    # each bucket still checked against its eager step at capture.
     cuda = [torch.device("cuda:0")]
-    choice = choose_cuda_graphs(TrainConfig(cuda_graphs="auto", fp8="all"), cuda)
-    assert not choice.enabled and "--fp8 all" in choice.reason and "--cuda-graphs on" in choice.reason
-    assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto", fp8="head"), cuda).enabled
-    for fp8 in ("head", "all"):
-        assert choose_cuda_graphs(TrainConfig(cuda_graphs="on", fp8=fp8), cuda).enabled
+    for mode in ("auto", "on"):
+        for fp8 in ("head", "all"):
+            choice = choose_cuda_graphs(TrainConfig(cuda_graphs=mode, fp8=fp8), cuda)
+            assert choice.enabled and "eager where refused" in choice.reason
     variants = [{"name": "plain"}, {"name": "fp8", "fp8": "all"}]
-    assert not choose_cuda_graphs(TrainConfig(cuda_graphs="auto", mode="variants", variants=variants), cuda).enabled
-    assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto", mode="variants", fp8="all",
-                                          variants=[{"name": "a", "fp8": "off"}]), cuda).enabled
+    assert choose_cuda_graphs(TrainConfig(cuda_graphs="auto", mode="variants", variants=variants), cuda).enabled
 
 
 def test_compile_target_decides_which_graphed_sources_compile_the_feature_forward(target):

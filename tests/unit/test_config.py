@@ -390,7 +390,11 @@ def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_sta
     assert (config.models.drafter, config.models.decoder, config.prompts.offset, config.prompts.limit) == ("d", "hf", 2, 4)
     assert config.decoding.stop_token_ids == [7] and config.decoding.baseline is False
     assert config == EvalConfig(target="t", drafter="d", decoder="hf", offset=2, limit=4, stop_token_ids=[7], baseline=False)
-    assert config.flat_values()["offset"] == 2 and len(config.flat_values()) == len(leaf_fields(EvalConfig)) == 15
+    assert config.flat_values()["offset"] == 2 and len(config.flat_values()) == len(leaf_fields(EvalConfig)) == 16
+    assert config.models.compile_draft == "auto"
+    # The hf decoder has no compiled drafter step: asking for one is refused before a model loads.
+    with pytest.raises(ConfigError, match="--compile-draft on compiles the static decoder's drafter; --decoder hf"):
+        from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path), "--compile-draft", "on"]))
     path.write_text('[prompts]\ntarget = "t"\n')
     with pytest.raises(ConfigError, match=r"eval.toml: \[prompts\] target: target belongs in \[models\]"):
         from_args(EvalConfig, build_parser("eval").parse_args(["eval", "--config", str(path)]))
