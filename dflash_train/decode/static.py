@@ -105,7 +105,9 @@ class StaticDrafter:
         # Compiled at the full block only: nearly every step has it, and one shape is one compile.
         # Inductor fuses the norms, rotations, convolutions and gates of the ~300–450 small kernels
         # of a draft step; under a CUDA graph their count, not their work, sets the step's time.
-        self.compiled_hidden = torch.compile(self.eager_hidden, dynamic=False) if compiled else None
+        # The class's function, not the bound method: a bound one would tie this object into a
+        # cycle and keep its caches alive past their state's eviction (see StaticState).
+        self.compiled_hidden = torch.compile(StaticDrafter.eager_hidden, dynamic=False) if compiled else None
         self.compile_done = False
         weight = drafter.fc.weight
         self.device = weight.device
@@ -135,12 +137,12 @@ class StaticDrafter:
         if self.compiled_hidden is None or block_ids.shape[1] != self.block_size:
             return self.eager_hidden(features, count, start, block_ids)
         if self.compile_done:
-            return self.compiled_hidden(features, count, start, block_ids)
+            return self.compiled_hidden(self, features, count, start, block_ids)
         # The first call compiles: one thread at a time (torch.compile is not thread-safe), and a
         # compiler that fails costs speed, not the decode.
         with _COMPILE_LOCK:
             try:
-                hidden = self.compiled_hidden(features, count, start, block_ids)
+                hidden = self.compiled_hidden(self, features, count, start, block_ids)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
                 warnings.warn(f"the drafter's block forward runs uncompiled: torch.compile failed: "
                               f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

@@ -76,24 +76,27 @@ def test_a_finished_thread_releases_its_states():
     assert thread.is_alive() is False and static_state(target, drafter, 512) is mine
 
 
-def test_a_replaced_state_is_freed_at_once_without_a_collector_pass():
+@pytest.mark.parametrize("compile_draft", [False, True], ids=["eager", "compiled-draft"])
+def test_a_replaced_state_is_freed_at_once_without_a_collector_pass(compile_draft):
     """A module and its shelf of states form a cycle the collector reclaims (by design), but a
     state dropped from the shelf (weights replaced, the oldest of too many, its thread gone)
     must go at once: its captured steps must not hold it, or on a GPU its caches and graph
-    pools stay until a collector pass that GPU memory pressure never triggers."""
+    pools stay until a collector pass that GPU memory pressure never triggers. A compiled draft
+    forward (`compile_draft`) must not hold it either."""
     target = tiny_target("llama", head_scale=8)
     drafter = random_drafter(target, block_size=4)
     gc.collect()
     gc.disable()
     try:
-        generate(target, drafter, PROMPT, 8, decoder="static")
-        old = static_state(target, drafter, 512)
+        generate(target, drafter, PROMPT, 8, decoder="static", compile_draft=compile_draft)
+        old = static_state(target, drafter, 512, compile_draft)
+        assert old.drafter.compile_done is compile_draft
         steps = [old.next_token, old.next_greedy, old.draft, old.verify, *old.greedy_steps.values(), *old.prefill_steps.values()]
         refs = _refs(old) + [weakref.ref(x) for x in (old.target, old.drafter, *steps)]
         del old, steps
         weight = next(drafter.parameters())
         weight.data = weight.data.clone()  # a replaced tensor: the graphs' addresses are stale, the state is rebuilt
-        assert generate(target, drafter, PROMPT, 8, decoder="static").decoder == "static"
+        assert generate(target, drafter, PROMPT, 8, decoder="static", compile_draft=compile_draft).decoder == "static"
         assert sum(ref() is not None for ref in refs) == 0, "the replaced state outlived its eviction"
     finally:
         gc.enable()
