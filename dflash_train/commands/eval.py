@@ -136,12 +136,13 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     warm_ids = render_prompt(target.tokenizer, first.messages, thinking)
     longest = max(len(render_prompt(target.tokenizer, p.messages, thinking)) for prompts in benches.values() for p in prompts)
     cache_tokens = longest + config.decoding.max_new_tokens
+    # Said before the warm-up, which captures the graphs and compiles the drafter's forward.
+    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder, compile_draft), flush=True)
     for warm_drafter in (drafter, None):
         generate(target, warm_drafter, warm_ids, min(16, config.decoding.max_new_tokens), stops,
                  decoder=config.models.decoder, cache_tokens=cache_tokens, compile_draft=compile_draft)
         with torch.no_grad():
             make_decoder(target, warm_drafter, 0, config.models.decoder, cache_tokens, compile_draft).prepare()
-    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder, compile_draft), flush=True)
 
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}

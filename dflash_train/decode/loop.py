@@ -181,7 +181,7 @@ def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: 
     if refusal is not None:
         return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}{rollback_note(target, drafter)}"
     graphs = "CUDA graphs" if target.device.type == "cuda" else "no CUDA graphs on CPU"
-    compiled = ", the drafter's block forward compiled" if compile_draft and drafter is not None else ""
+    compiled = ", the drafter's block forward compiled first" if compile_draft and drafter is not None else ""
     return f"decoder: static ({capacity}-position caches, {graphs}{compiled})"
 
 

@@ -22,7 +22,7 @@ from tiny import tiny_target
 from dflash_train.capture import GraphPool, capture
 from dflash_train.config import UserError
 from dflash_train.core.drafter import DFlashDrafter, DrafterCache, embed_block_tokens
-from dflash_train.decode.loop import generate, make_decoder
+from dflash_train.decode.loop import describe_decoder, generate, make_decoder
 from dflash_train.decode.static import PREFILL_STEP, StaticDrafter, prefill_width, static_state
 from dflash_train.target.probe import static_unsupported
 from dflash_train.target.static_cache import StaticTarget, attention_bias, fused_norm, matmul_attention
@@ -295,6 +295,8 @@ def test_a_compiled_draft_decodes_the_uncompiled_tokens_and_steps(arch):
     assert not [w for w in caught if "uncompiled" in str(w.message)], [str(w.message) for w in caught]
     state = make_decoder(target, drafter, 30, "static", compile_draft=True).state
     assert state.drafter.compile_done and state is not make_decoder(target, drafter, 30, "static").state
+    assert describe_decoder(target, drafter, 30, "static", compile_draft=True).endswith("block forward compiled first)")
+    assert "compiled" not in describe_decoder(target, drafter, 30, "static")
     for got, want, prompt in zip(compiled, expected, prompts):
         assert got.tokens == want.tokens == generate(target, None, prompt, 23, decoder="static").tokens
         assert got.acceptance_lengths == want.acceptance_lengths
