@@ -401,6 +401,11 @@ def canonical_dtype(name: str, key: str) -> str:
 ON_OFF = ("auto", "on", "off")
 
 
+def on_here(choice: str, device_type: str) -> bool:
+    """An ON_OFF setting resolved for a device of `device_type`: `auto` means on for CUDA."""
+    return choice == "on" or (choice == "auto" and device_type == "cuda")
+
+
 class Section:
     """A typed section of a config (`[optimizer]`): its numbers and choices are checked where it
     is made, so a section that exists is valid; frozen, so it stays so."""

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import DECODERS, DTYPE_NAMES, ON_OFF, THINKING, ConfigError, Section, SectionedConfig, UserError, option
+from ..config import DECODERS, DTYPE_NAMES, ON_OFF, THINKING, ConfigError, Section, SectionedConfig, UserError, on_here, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
 from ..files import NewFileOutput, check_new_output
 
@@ -107,7 +107,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
 
     device = resolve_device(config.models.device)
     dtype = dtype_from_name(config.models.dtype, device)
-    compile_draft = config.models.compile_draft == "on" or (config.models.compile_draft == "auto" and device.type == "cuda")
+    compile_draft = on_here(config.models.compile_draft, device.type)
     thinking = THINKING[config.prompts.thinking]
     # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
     benches = {}

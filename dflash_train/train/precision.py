@@ -8,7 +8,7 @@ from typing import TextIO
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, on_here
 from ..core.attention import resolve_backend
 from ..core.fp8 import check_fp8_dims, fp8_unsupported
 from ..core.objective import fused_head_unsupported
@@ -17,7 +17,7 @@ from .layout import DrafterPlan, Layout
 
 
 def compiles_drafter(config: TrainConfig, device: torch.device) -> bool:
-    return config.parallel.compile == "on" or (config.parallel.compile == "auto" and device.type == "cuda")
+    return on_here(config.parallel.compile, device.type)
 
 
 def compiles_target(config: TrainConfig, device: torch.device, target: Target) -> bool:
