@@ -141,11 +141,23 @@ for name in "${stages[@]}"; do
         # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
         # come back under $OUT/quality-pipeline (records.tar.gz and the drafter). ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
         quality-pipeline) WORK=${WORK:-$HOME/stage/quality-${ARCH:-dflash}}
+            # DATA_PARTS= a folder of data.jsonl.xz.partNN an earlier call sent back: train on those answers
+            # (`pipeline --data`) instead of writing them again, the recipe's first three stages skipped.
+            DATA_ARGS=()
+            if [ -n "${DATA_PARTS:-}" ]; then
+                mkdir -p "$HOME/stage"; [ -f "$HOME/stage/carried-data.jsonl" ] || cat "$DATA_PARTS"/data.jsonl.xz.part* | xz -dc >"$HOME/stage/carried-data.jsonl"
+                DATA_ARGS=(--data "$HOME/stage/carried-data.jsonl")
+            fi
             sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
                 dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
-                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0
+                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}"
             mkdir -p "$OUT/quality-pipeline"
+            # The target's answers, once, in 15 MiB pieces: a later session carries them back (DATA_PARTS=) and
+            # only trains, for the device time one session has is less than the whole recipe takes.
+            if [ -f "$WORK/data.jsonl" ] && [ ! -f "$WORK/.data-sent" ] && python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("regenerate", {}).get("done"))' "$WORK/stages.json" 2>/dev/null; then
+                xz -T0 -6 -c "$WORK/data.jsonl" | split -b 15M -d - "$OUT/quality-pipeline/data.jsonl.xz.part" && touch "$WORK/.data-sent"
+            fi
             (cd "$WORK" && tar czf "$OUT/quality-pipeline/records.tar.gz" \
                 $(ls stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl 2>/dev/null))
             # The exported drafter in 15 MiB pieces (a call sends back 8 files of 16 MiB), so a later call can carry
@@ -164,8 +176,11 @@ for name in "${stages[@]}"; do
         feature-compile-error) stage feature-compile-error 200 python3 bench/feature_compile_error.py --device cuda:0 \
             --target "${GGUF:?GGUF= the SmolLM2 GGUF}" --name SmolLM2 --json "$OUT/feature_compile_error.json" ;;
         # The smollm2-quality recipe's drafter step, DFlash and DFlash2, eager (kernel profile) and graphed.
-        step-recipe) stage step-recipe ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S \
-            --arch dflash,dflash2 --cuda-graphs off,on --profile S --profile-dir "$OUT" --json "$OUT/step_recipe.json" ;;
+        step-recipe) stage step-recipe ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S --head fused \
+            --arch ${STEP_ARCH:-dflash,dflash2} --cuda-graphs off,on --profile S --profile-dir "$OUT" --json "$OUT/step_recipe.json" ;;
+        # DFlash2's training candidates: torch.topk over whole rows against row_top_k's slice maxima, SmolLM2's and Qwen3's vocabularies.
+        selector-top-k) stage selector-top-k 120 bash -c 'python3 bench/selector_top_k.py --json "$0/top_k_smollm2.json" &&
+                python3 bench/selector_top_k.py --vocab 151936 --rows 8000 --json "$0/top_k_qwen3.json"' "$OUT" ;;
         # Issue #40 item 1: the Qwen3-8B-shaped step as train runs it on CUDA (the fused head), with a kernel profile of A.
         step-fused) stage step-fused ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A,D --head fused --profile A \
             --profile-dir "$OUT" --json "$OUT/step_fused.json" ;;

@@ -116,3 +116,21 @@ def tiny_train_config(out, **values) -> TrainConfig:
     base = dict(out=str(out), batch_size=4, max_seq_len=128, block_size=4, num_layers=1, mask_token_id=95,
                 device="cpu", seed=0)
     return TrainConfig(**{**base, **values})
+
+
+# A tiny DFlash2 drafter's sizes (small enough for CPU tests, every selector and convolution path taken).
+DFLASH2 = dict(arch="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
+
+
+def random_dflash2(target: Target, *, block_size=5, layers=2, std=0.2, seed=0, **overrides):
+    """A random DFlash2 drafter on `target` (reads target layers 1, 3, 4)."""
+    from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(target.spec, num_layers=layers, block_size=block_size, mask_token_id=95,
+                                       target_layer_ids=[1, 3, 4], **{**DFLASH2, **overrides})
+    drafter = DFlashDrafter(config).eval()
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0, std)
+    return drafter

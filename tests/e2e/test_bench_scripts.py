@@ -83,6 +83,17 @@ def test_head_ce_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_the
     assert refused.returncode == 2 and "not a CUDA device" in refused.stderr, refused.stderr
 
 
+def test_selector_top_k_checks_the_values_and_prints_its_summary_line(tmp_path):
+    """bench/selector_top_k.py at small sizes: it checks row_top_k against torch.topk before
+    timing (so a wrong result is exit 1, not a number), and its JSON holds every slice width."""
+    out = tmp_path / "top_k.json"
+    printed = ok(bench("selector_top_k.py", "--device", "cpu", "--rows", "50", "--vocab", "1000", "--segments", "16,64",
+                       "--iters", "1", "--warmup", "0", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert set(result["segments"]) == {"16", "64"} and result["torch_topk_ms"] > 0
+    assert re.search(r"^selector top-k 50 rows × 1000: slice maxima [\d.]+ ms, torch.topk [\d.]+ ms$", printed, re.MULTILINE)
+
+
 def test_selector_cost_counts_and_times_both_greedy_paths(tmp_path):
     """bench/selector_cost.py at small sizes: both paths pick the same paths, the batched one's
     kernels do not grow with the 15 positions as the sequential walk's do, and the summary line

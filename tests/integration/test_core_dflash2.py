@@ -8,30 +8,17 @@ import pytest
 import torch
 from dflash_train.export.hf import export_model, load_exported_drafter
 from dflash_train.export.rules import check_folder, failures
-from tiny import tiny_target
+from tiny import DFLASH2, random_dflash2, tiny_target
 
 from dflash_train.core.dflash2 import grouped_causal_conv
 from dflash_train.core.drafter import DFlashDrafter, DrafterCache, DrafterConfig, embed_block_tokens
 
 dflash = pytest.importorskip("dflash", reason="reference package: pip install --no-deps dflash==0.1.0")
 
-DFLASH2 = dict(arch="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Tiny models: spinning OpenMP threads on shared cores cost seconds per test."""
-
-
-def random_dflash2(target, *, block_size=5, layers=2, std=0.2, seed=0, **overrides) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    config = DrafterConfig.from_target(target.spec, num_layers=layers, block_size=block_size, mask_token_id=95,
-                                       target_layer_ids=[1, 3, 4], **{**DFLASH2, **overrides})
-    drafter = DFlashDrafter(config).eval()
-    with torch.no_grad():
-        for param in drafter.parameters():
-            param.normal_(0, std)
-    return drafter
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

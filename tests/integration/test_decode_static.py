@@ -17,7 +17,7 @@ import transformers
 from dflash_train.target.model import Target
 from test_decode_loop import random_drafter
 from threads import run_in_threads
-from tiny import tiny_target
+from tiny import random_dflash2, tiny_target
 
 from dflash_train.capture import GraphPool, capture
 from dflash_train.config import UserError
@@ -283,8 +283,6 @@ def test_a_compiled_draft_decodes_the_uncompiled_tokens_and_steps(arch):
     shorter blocks eagerly; greedy output and every step's acceptance are the uncompiled run's.
     Two threads then compile their own states at once; each must decode the same tokens. That part
     proves the compiles cannot break each other's results here, not that a race would show."""
-    from test_core_dflash2 import random_dflash2
-
     target = tiny_target("qwen3", head_scale=8)
     drafter = random_drafter(target, block_size=5) if arch == "dflash" else random_dflash2(target, block_size=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
@@ -355,8 +353,6 @@ def test_captured_steps_give_the_eager_tokens_on_the_gpu(dtype):
 def test_a_compiled_draft_is_captured_and_decodes_the_target_only_tokens_on_the_gpu(arch):
     """`eval --compile-draft` on CUDA: the compiled full-block forward inside the captured greedy
     step (float32: greedy output must equal target-only decoding exactly)."""
-    from test_core_dflash2 import random_dflash2
-
     target = tiny_target("qwen3", head_scale=8)
     target.model.to("cuda")
     drafter = (random_drafter(target, block_size=4) if arch == "dflash" else random_dflash2(target, block_size=4)).to("cuda")

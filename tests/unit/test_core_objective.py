@@ -18,6 +18,7 @@ from dflash_train.core.objective import (
     draw_anchors,
     frozen_head_cross_entropy,
     fused_head_unsupported,
+    row_top_k,
     summarize_metrics,
     valid_anchor_positions,
     weighted_loss,
@@ -171,6 +172,25 @@ class _LargestTensor(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self.largest = max(self.largest, tensor.numel())
         return out
+
+
+@pytest.mark.parametrize("vocab", [4096, 4096 + 37, 8 * 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_top_k_finds_torch_topk_values_with_ties_and_a_ragged_tail(vocab, dtype):
+    """The selector's candidates: the values torch.topk finds, sorted, ids pointing at them.
+    Rows hold bf16-rounded values (many ties), a row's top values packed into one slice, a row
+    whose best entries sit in the ragged tail, and a constant row."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(64, vocab, generator=generator) * 3).to(dtype)
+    logits[1, 128:136] = 50.0 + torch.arange(8, dtype=dtype)  # all eight in one slice
+    logits[2, -5:] = 60.0  # the best in the tail (when there is one), tied
+    logits[3] = 1.0  # every entry tied
+    k = 8
+    values, ids = row_top_k(logits, k)
+    want_values, _ = torch.topk(logits, k, dim=-1)
+    assert torch.equal(values, want_values)
+    assert torch.equal(logits.gather(1, ids), values)
+    assert all(len(set(row)) == k for row in ids.tolist())  # k distinct entries per row
 
 
 def test_chunked_ce_peak_tensor_does_not_grow_with_rows_times_vocab():

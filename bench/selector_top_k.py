@@ -1,0 +1,95 @@
+"""The DFlash2 selector's candidates in training: the top-k of each scored row's head logits,
+torch.topk over the whole row against `row_top_k`'s slice maxima (core/objective.py), at the
+smollm2-quality recipe's shapes (~23,000 scored rows a step, SmolLM2's 49,152 logits, k = 8).
+
+    python3 bench/selector_top_k.py --json top_k.json
+    python3 bench/selector_top_k.py --device cpu --rows 500 --vocab 4000   # smoke test
+
+Checks that both give the same values, then prints one line per segment width and the summary
+line `selector top-k <rows> rows × <vocab>: slice maxima <ms> ms, torch.topk <ms> ms`
+(bf16 logits on CUDA, float32 on the CPU; mean of --iters calls after --warmup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_train.core.objective import TOP_K_SEGMENT, row_top_k  # noqa: E402
+
+
+def mean_ms(call: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    began = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - began) * 1000 / iters
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=23000)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--segments", default=f"64,128,{TOP_K_SEGMENT},512", help="slice widths to time")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    segments = [int(s) for s in args.segments.split(",") if s]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    # Logits as a head gives them: rounded to the dtype, so ties are common.
+    logits = (torch.randn(args.rows, args.vocab, generator=generator) * 4).to(device, dtype)
+    want = torch.topk(logits, args.k, dim=-1).values
+    result = {"rows": args.rows, "vocab": args.vocab, "k": args.k, "dtype": str(dtype).removeprefix("torch."),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "segments": {}}
+    result["torch_topk_ms"] = mean_ms(lambda: torch.topk(logits, args.k, dim=-1), device, args.warmup, args.iters)
+    print(f"torch.topk: {result['torch_topk_ms']:.2f} ms", flush=True)
+    for segment in segments:
+        values, ids = row_top_k(logits, args.k, segment)
+        if not (torch.equal(values, want) and torch.equal(logits.gather(1, ids), values)):
+            print(f"segment {segment}: the values differ from torch.topk's", file=sys.stderr)
+            return 1
+        result["segments"][segment] = mean_ms(lambda: row_top_k(logits, args.k, segment), device, args.warmup, args.iters)
+        print(f"slice maxima, segment {segment}: {result['segments'][segment]:.2f} ms (same values)", flush=True)
+    # The first pass alone (each slice's maximum), three ways: it reads every logit once.
+    result["slice_max_ms"] = {}
+    for segment in segments:
+        whole = logits[:, :args.vocab // segment * segment].view(args.rows, -1, segment)
+        flat = logits[:, :args.vocab // segment * segment][:, None]
+        ways = {"amax": lambda: whole.amax(dim=-1), "max_pool1d": lambda: torch.nn.functional.max_pool1d(flat, segment)}
+        if device.type == "cuda":
+            ways["compiled amax"] = torch.compile(lambda: whole.amax(dim=-1))
+        times = {name: mean_ms(way, device, args.warmup, args.iters) for name, way in ways.items()}
+        result["slice_max_ms"][segment] = times
+        print(f"slice maxima alone, segment {segment}: " + ", ".join(f"{n} {t:.2f} ms" for n, t in times.items()), flush=True)
+    best = result["segments"].get(TOP_K_SEGMENT, min(result["segments"].values()))
+    print(f"selector top-k {args.rows} rows × {args.vocab}: slice maxima {best:.2f} ms, torch.topk {result['torch_topk_ms']:.2f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
