@@ -131,6 +131,9 @@ class StaticDrafter:
     def step(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         return self.head_logits(self.hidden(features, count, start, block_ids))
 
+    # No gradient, whoever calls: traced with one, the compile builds the backward too (it failed
+    # so on the CPU), and a call in the other grad mode than the first would compile again.
+    @torch.no_grad()
     def hidden(self, features: torch.Tensor, count: torch.Tensor, start: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """The drafter's final hidden states [L − 1, hidden] of draft positions 1..L−1 (see `step`):
         compiled for a full block when the state was made with `compile_draft`."""
@@ -541,6 +544,7 @@ class StaticDecoder:
             self.state.kept.fill_(length - start)
             self.state.commit(verified)()
 
+    @torch.no_grad()
     def prepare(self) -> None:
         """Capture every greedy step's graph before anything is timed (see StaticState.capture_all)."""
         self.state.capture_all()

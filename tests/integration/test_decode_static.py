@@ -309,6 +309,21 @@ def test_a_compiled_draft_decodes_the_uncompiled_tokens_and_steps(arch):
     assert results[0] == results[1] == [e.tokens for e in expected]
 
 
+def test_a_compiled_draft_prepared_with_gradients_on_still_compiles():
+    """`prepare()` and the draft step turn gradients off themselves: a caller that leaves them on
+    (the GPU test did) made the compile trace a backward too, which failed on the CPU and left
+    the drafter uncompiled with a warning."""
+    target = tiny_target("qwen3", head_scale=8)
+    drafter = random_drafter(target, block_size=4, seed=3)
+    assert torch.is_grad_enabled() and any(p.requires_grad for p in drafter.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = make_decoder(target, drafter, 37, "static", compile_draft=True)
+        runner.prepare()
+    assert not [w for w in caught if "uncompiled" in str(w.message)], [str(w.message) for w in caught]
+    assert runner.state.drafter.compile_done
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA graphs
 # --------------------------------------------------------------------------------------------
