@@ -148,7 +148,10 @@ for name in "${stages[@]}"; do
                 mkdir -p "$HOME/stage"; [ -f "$HOME/stage/carried-data.jsonl" ] || cat "$DATA_PARTS"/data.jsonl.xz.part* | xz -dc >"$HOME/stage/carried-data.jsonl"
                 DATA_ARGS=(--data "$HOME/stage/carried-data.jsonl")
             fi
+            # BUCKETS=256,384,512,768 pads each batch to the smallest of these that holds it instead of the recipe's one
+            # 768: the same rows, order and anchors (batches group similar lengths whatever the buckets), less padding.
             sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
+                -e "s|^seq_buckets = .*|seq_buckets = [${BUCKETS:-768}]|" \
                 dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
                 --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}"

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -183,7 +184,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, chunk_rows, softcap, kernel):
+    def forward(ctx, hidden, head, labels, chunk_rows, softcap, kernel, top_k):
         rows = hidden.shape[0]
         if kernel != "eager" and rows % chunk_rows:
             # Zero rows up to whole chunks: one compiled shape, and the products a graphed step
@@ -197,14 +198,22 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         with_grad = ctx.needs_input_grad[0]
         grad_rows = torch.empty_like(hidden) if with_grad else None
         labels = labels.contiguous()
+        top_values = torch.empty(padded_rows, top_k, dtype=torch.float32, device=hidden.device)
+        top_ids = torch.empty(padded_rows, top_k, dtype=torch.long, device=hidden.device)
+        label_logits = torch.empty(padded_rows if top_k else 0, dtype=torch.float32, device=hidden.device)
         chunk_fn = _head_chunk_compiled() if kernel == "compiled" else _head_chunk
         for start in range(0, padded_rows, chunk_rows):
             end = min(start + chunk_rows, padded_rows)
             chunk_hidden = hidden[start:end]
+            # The fused kernel's logits serve the selector's candidates too; the other two kernels
+            # make theirs inside the chunk, so the candidates cost them a product of their own.
+            logits = _head_logits(chunk_hidden, head) if kernel == "fused" or top_k else None
+            if top_k:
+                top_values[start:end], top_ids[start:end], label_logits[start:end] = _candidates(
+                    logits, labels[start:end], top_k, softcap)
             if kernel == "fused":
                 grad_logits = fused_softmax_cross_entropy(
-                    _head_logits(chunk_hidden, head), labels, ce, correct, start, softcap, with_grad,
-                    _logits_grad_dtype(head))
+                    logits, labels, ce, correct, start, softcap, with_grad, _logits_grad_dtype(head))
                 chunk_grad = None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
             else:
                 ce[start:end], correct[start:end], chunk_grad = chunk_fn(
@@ -213,13 +222,33 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
                 grad_rows[start:end] = chunk_grad
         ce, correct = ce[:rows], correct[:rows]
         ctx.save_for_backward(None if grad_rows is None else grad_rows[:rows])
-        ctx.mark_non_differentiable(correct)
-        return ce, correct
+        outputs = (correct, top_values[:rows], top_ids[:rows], label_logits[:rows])
+        ctx.mark_non_differentiable(*outputs)
+        return (ce,) + outputs
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_correct):
+    def backward(ctx, grad_ce, *_non_differentiable):
         (grad_rows,) = ctx.saved_tensors
-        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None, None
+        return grad_rows * grad_ce[:, None].to(grad_rows.dtype), None, None, None, None, None, None
+
+
+class HeadCandidates(NamedTuple):
+    """The DFlash2 selector's candidates of each scored row, from the logits its CE used: the
+    top-k logits [T, k] (float32, softcapped as the drafter's logits are, largest first), their
+    ids [T, k], and the label's logit [T]. No gradient: the backbone learns the logits from its
+    own CE; the selector re-scores them."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    label_logits: torch.Tensor
+
+
+def _candidates(logits: torch.Tensor, labels: torch.Tensor, k: int, softcap: float) -> HeadCandidates:
+    # Ranked in the logits' dtype, as a serving engine ranks them; only k + 1 values per row are
+    # widened and softcapped (tanh is increasing: the top-k of capped logits is the same).
+    values, ids = row_top_k(logits, k)
+    label = logits.gather(1, labels[:, None])[:, 0]
+    return HeadCandidates(_softcapped(values.float(), softcap), ids, _softcapped(label.float(), softcap))
 
 
 def head_chunk_rows(vocab_size: int, chunk_rows: int = 0, compiled: bool = False) -> int:
@@ -250,6 +279,27 @@ def frozen_head_cross_entropy(
     (CUDA, where `fused_head_unsupported` found nothing wrong) runs core/head_kernel.py's kernel instead.
     `fp8_head` (the same head quantised, see core/fp8.py) runs both vocabulary-sized products in FP8.
     """
+    ce, correct, _ = frozen_head_cross_entropy_and_candidates(
+        hidden, head_weight, labels, 0, chunk_rows=chunk_rows, softcap=softcap, compiled=compiled, fused=fused,
+        fp8_head=fp8_head)
+    return ce, correct
+
+
+def frozen_head_cross_entropy_and_candidates(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    top_k: int,
+    *,
+    chunk_rows: int = 0,
+    softcap: float | None = None,
+    compiled: bool = False,
+    fused: bool = False,
+    fp8_head: Fp8Weight | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, HeadCandidates]:
+    """`frozen_head_cross_entropy` and, for `top_k` > 0, the DFlash2 selector's candidates of the
+    same rows from the same chunks of logits (never T × V logits at once): with the fused kernel
+    one head product serves both."""
     chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows, compiled or fused)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
@@ -257,33 +307,9 @@ def frozen_head_cross_entropy(
     kernel = "fused" if fused else "compiled" if compiled else "eager"
     with torch.autocast(hidden.device.type, enabled=False):
         head = fp8_head if fp8_head is not None else head_weight
-        return _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0, kernel)
-
-
-@torch.no_grad()
-def frozen_head_top_k(
-    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, k: int, *, chunk_rows: int = 0,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The DFlash2 selector's candidates for hidden [T, H] through the frozen head [V, H], in row
-    chunks (never T × V logits at once): the top-k logits [T, k] (float32, softcapped as the
-    drafter's logits are) and their ids [T, k], and each row's label logit [T]. No gradient: the
-    backbone learns the logits from its own cross-entropy; the selector re-scores them."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, head_weight = hidden.to(dtype), head_weight.to(dtype)
-    chunk_rows = head_chunk_rows(head_weight.shape[0], chunk_rows)
-    values, ids, label_logits = [], [], []
-    with torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, hidden.shape[0], chunk_rows):
-            # In the head's dtype, as a serving engine ranks them; only k + 1 values per row are
-            # widened and softcapped (tanh is increasing: the top-k of capped logits is the same).
-            logits = hidden[start:start + chunk_rows] @ head_weight.t()
-            top_values, top_ids = row_top_k(logits, k)
-            values.append(_softcapped(top_values.float(), softcap))
-            ids.append(top_ids)
-            label_logits.append(_softcapped(logits.gather(1, labels[start:start + chunk_rows, None])[:, 0].float(), softcap))
-    return torch.cat(values), torch.cat(ids), torch.cat(label_logits)
+        ce, correct, *candidates = _FrozenHeadCrossEntropy.apply(hidden, head, labels, chunk_rows, softcap or 0.0,
+                                                                 kernel, top_k)
+    return ce, correct, HeadCandidates(*candidates)
 
 
 TOP_K_SEGMENT = 256

@@ -41,15 +41,16 @@ from typing import Callable
 import torch
 
 from .attention import make_mask
+from .dflash2 import CandidateSelector
 from .drafter import DFlashDrafter, embed_block_tokens, unwrap_drafter
 from .fp8 import Fp8Weight
 from .objective import (
+    HeadCandidates,
     ObjectiveConfig,
     block_labels,
     block_metrics,
     block_token_ids,
-    frozen_head_cross_entropy,
-    frozen_head_top_k,
+    frozen_head_cross_entropy_and_candidates,
     loss_weights,
 )
 
@@ -172,12 +173,14 @@ def drafter_loss(
     rows = batch.scored_rows if rows is None else rows
     into = padded_slot_index(label_valid.flatten(), rows) if rows is not None else torch.nonzero(label_valid.flatten()).squeeze(1)
     source = into.clamp(max=slots - 1)
-    scored_ce, scored_correct = head_cross_entropy(hidden, labels, source, frozen, objective)
+    selector = unwrap_drafter(drafter).candidate_selector
+    scored_ce, scored_correct, candidates = head_cross_entropy(
+        hidden, labels, source, frozen, objective, top_k=0 if selector is None else selector.top_k)
     ce = slot_grid(scored_ce, into, label_valid)
-    if unwrap_drafter(drafter).candidate_selector is None:
+    if selector is None:
         loss = (loss_weights(ce, label_valid, objective) * ce).sum() * batch.inverse_normalizer
         return loss, block_metrics(slot_grid(scored_correct, into, label_valid), label_valid, batch.anchor_valid)
-    selector_ce, selector_correct = selector_cross_entropy(drafter, hidden, labels, source, frozen, objective)
+    selector_ce, selector_correct = selector_cross_entropy(selector, hidden, labels, source, candidates, objective)
     loss = dflash2_loss(ce, slot_grid(selector_ce, into, label_valid), label_valid, objective) * batch.inverse_normalizer
     # The selector's teacher-forced top-1 is the proposal while the block's drafts are right so far,
     # so its leading correct slots are exactly what a greedy verify accepts (simulated τ).
@@ -211,32 +214,30 @@ def dflash2_loss(ce: torch.Tensor, selector_ce: torch.Tensor, label_valid: torch
 
 
 def selector_cross_entropy(
-    drafter: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, frozen: FrozenTargetParts,
-    objective: ObjectiveConfig,
+    selector: CandidateSelector, hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor,
+    candidates: HeadCandidates, objective: ObjectiveConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DFlash2 selector's CE and top-1 correctness on the block slots `rows` (flat indices
-    into hidden [b, N·B, H] and labels [b, N, B]), with the true previous token (for slot 1, the
-    anchor) as predecessor; a slot whose token is outside the head's top-k follows
-    `objective.selector_miss` (CE 0 and never correct when dropped)."""
-    selector = unwrap_drafter(drafter).candidate_selector
+    into hidden [b, N·B, H] and labels [b, N, B]; `candidates` are the head's for those rows),
+    with the true previous token (for slot 1, the anchor) as predecessor; a slot whose token is
+    outside the head's top-k follows `objective.selector_miss` (CE 0 and never correct when dropped)."""
     slot_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     slot_labels = labels.flatten()[rows]
     predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1).flatten()[rows]
-    unary, candidates, label_logits = frozen_head_top_k(
-        slot_hidden.detach(), frozen.head_weight, slot_labels, selector.top_k, chunk_rows=objective.loss_chunk_rows,
-        softcap=frozen.logit_softcap)
-    ce, correct, _ = selector.teacher_forced(slot_hidden, unary, candidates, predecessors, slot_labels, label_logits,
-                                             objective.selector_miss)
+    ce, correct, _ = selector.teacher_forced(slot_hidden, candidates.values, candidates.ids, predecessors, slot_labels,
+                                             candidates.label_logits, objective.selector_miss)
     return ce, correct
 
 
 def head_cross_entropy(
-    hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, frozen: FrozenTargetParts, objective: ObjectiveConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, frozen: FrozenTargetParts, objective: ObjectiveConfig,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, HeadCandidates]:
     """CE and top-1 correctness of the block slots `rows` (flat indices into hidden [b, N·B, H]
-    and labels [b, N, B]) through the frozen head, as the objective runs it."""
-    return frozen_head_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows],
+    and labels [b, N, B]) through the frozen head, as the objective runs it, and for `top_k` the
+    DFlash2 selector's candidates from the same logits."""
+    return frozen_head_cross_entropy_and_candidates(
+        hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), frozen.head_weight, labels.flatten()[rows], top_k,
         chunk_rows=objective.loss_chunk_rows, softcap=frozen.logit_softcap, compiled=objective.compiled_head,
         fused=objective.fused_head, fp8_head=frozen.head_fp8() if objective.fp8_head else None,
     )

@@ -17,6 +17,7 @@ from dflash_train.core.objective import (
     dpace_weights,
     draw_anchors,
     frozen_head_cross_entropy,
+    frozen_head_cross_entropy_and_candidates,
     fused_head_unsupported,
     row_top_k,
     summarize_metrics,
@@ -123,6 +124,33 @@ def test_chunked_frozen_head_ce_matches_full_ce_and_its_gradient(softcap):
     torch.testing.assert_close(ce.double(), reference, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-6)  # logits are float32
     assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_head_ce_and_candidates_come_from_the_same_logits(compiled, softcap):
+    """DFlash2's candidates made in the CE's chunk loop (37 rows in chunks padded to 64 when
+    compiled): the CE and its gradient are the plain CE's, and each row's candidates are its k
+    largest (softcapped) logits, their ids and the label's logit."""
+    torch.manual_seed(3)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    head = torch.randn(600, 16)
+    labels = torch.randint(0, 600, (37,))
+    kwargs = dict(chunk_rows=64 if compiled else 5, softcap=softcap, compiled=compiled)
+    ce, correct, candidates = frozen_head_cross_entropy_and_candidates(hidden, head, labels, 6, **kwargs)
+    (grad,) = torch.autograd.grad(ce.sum(), hidden)
+    plain_ce, plain_correct = frozen_head_cross_entropy(hidden, head, labels, **kwargs)
+    (plain_grad,) = torch.autograd.grad(plain_ce.sum(), hidden)
+    assert torch.equal(ce, plain_ce) and torch.equal(correct, plain_correct) and torch.equal(grad, plain_grad)
+    logits = (hidden @ head.t()).detach()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    torch.testing.assert_close(candidates.values, torch.topk(logits, 6).values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.gather(1, candidates.ids), candidates.values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(candidates.label_logits, logits.gather(1, labels[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    assert candidates.values.shape == candidates.ids.shape == (37, 6) and not candidates.values.requires_grad
+    _, _, none = frozen_head_cross_entropy_and_candidates(hidden, head, labels, 0, **kwargs)
+    assert none.values.shape == (37, 0) and none.label_logits.numel() == 0
 
 
 def test_the_fused_head_kernel_is_refused_off_cuda_and_the_cpu_keeps_the_reference():
