@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profiling import mean_ms  # noqa: E402
 from dflash_train.core.objective import frozen_head_cross_entropy, fused_head_unsupported  # noqa: E402
 
 KERNELS = ("fused", "compiled", "eager")
@@ -36,21 +36,7 @@ def time_kernel(kernel: str, hidden: torch.Tensor, head: torch.Tensor, labels: t
         (ce * weights).sum().backward()
         x.grad = None
 
-    for _ in range(warmup):
-        once()
-    cuda = hidden.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(hidden.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    began = time.perf_counter()
-    for _ in range(iters):
-        once()
-    if cuda:
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    return (time.perf_counter() - began) * 1000 / iters
+    return mean_ms(once, hidden.device, warmup, iters)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,36 @@
-"""torch.profiler helpers shared by the bench scripts: the tables they write, and how busy the GPU was.
+"""Timing and torch.profiler helpers shared by the bench scripts: mean time per call, the tables
+they write, and how busy the GPU was.
 
     python bench/profiling.py kernels TRACE.json --steps N    # kernel ms per step per stream, as JSON
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def mean_ms(call: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Mean milliseconds of `call()` over `iters` calls after `warmup` more: CUDA events on a CUDA
+    device (the GPU's time, one synchronize at the end), the host's clock elsewhere."""
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    began = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - began) * 1000 / iters
 
 
 def write_tables(prof, path: Path, extra: str = "") -> None:

@@ -15,33 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profiling import mean_ms  # noqa: E402
 from dflash_train.core.objective import TOP_K_SEGMENT, row_top_k  # noqa: E402
-
-
-def mean_ms(call: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    began = time.perf_counter()
-    for _ in range(iters):
-        call()
-    return (time.perf_counter() - began) * 1000 / iters
 
 
 def main(argv: list[str] | None = None) -> int:
