@@ -8,6 +8,11 @@ template, tokenizer, loss mask, row filters) and prints rows/s; all cases must g
 samples. Prints one line per case:
 
     render <rows> rows, <W> worker(s): <s> s (<rows/s> rows/s)
+
+and, last, what a restarted run pays instead (`data/rows_cache.py`: the data hashed, the run
+folder's rows.cache read back; it must give the same samples):
+
+    render <rows> rows read back from rows.cache: <s> s (<MB> MB on disk)
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dflash_train.target.model import model_folder  # noqa: E402
 
+from dflash_train.data.rows_cache import read_rows, rows_key, write_rows  # noqa: E402
 from dflash_train.data.samples import load_training_samples  # noqa: E402
 
 
@@ -52,6 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"workers": workers, "rows": stats.read, "samples": len(samples), "seconds": round(seconds, 2),
                         "rows_per_s": round(stats.read / seconds, 1)})
         print(f"render {stats.read} rows, {workers} worker(s): {seconds:.1f} s ({stats.read / seconds:,.0f} rows/s)", flush=True)
+    settings = dict(max_length=args.max_length, min_supervised_tokens=args.min_supervised_tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        cache = Path(folder) / "rows.cache"
+        write_rows(cache, rows_key([args.data], tokenizer, settings), samples, stats)
+        started = time.perf_counter()
+        kept = read_rows(cache, rows_key([args.data], tokenizer, settings))
+        seconds = time.perf_counter() - started
+        if kept is None or [(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in kept[0]] != reference:
+            print("render: the rows read back from rows.cache differ from the rendered ones", file=sys.stderr)
+            return 1
+        megabytes = cache.stat().st_size / 1e6
+    results.append({"read_back_seconds": round(seconds, 2), "cache_mb": round(megabytes, 1)})
+    print(f"render {stats.read} rows read back from rows.cache: {seconds:.1f} s ({megabytes:.0f} MB on disk)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

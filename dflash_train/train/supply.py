@@ -4,6 +4,7 @@ on the target devices (`FeatureSupply`), and the training samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 import torch
@@ -131,8 +132,10 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
         check_readable(path, CONVERSATION_FORMATS, "--data")
 
 
-def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> list:
-    """The training rows: from the feature cache, or rendered from --data with the target's tokenizer."""
+def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO, keep_rendering: bool = False) -> list:
+    """The training rows: from the feature cache, or rendered from --data with the target's
+    tokenizer (read back from the run folder's rows.cache when an earlier start rendered the same
+    files the same way; `keep_rendering`: the run folder's owner stores a new rendering there)."""
     if supply.cache is not None:
         samples, stats = supply.cache.training_samples(config.data.max_seq_len, config.data.min_supervised_tokens)
         print(stats.summary(), file=log)
@@ -145,15 +148,18 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> lis
         if not samples:
             raise ConfigError(f"no usable training rows in the feature cache {config.data.features} {stats.why_none_used()}")
         return samples
-    from ..data.samples import load_training_samples
+    from ..data.rows_cache import CACHE_NAME, cached_training_samples
 
     tokenizer = supply.first.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{config.model.target}: no tokenizer next to the model; it is needed to render --data")
-    samples, stats = load_training_samples(
-        config.data.data, tokenizer, max_length=config.data.max_seq_len, min_supervised_tokens=config.data.min_supervised_tokens,
-        enable_thinking=THINKING[config.data.thinking], token_ids=config.data.token_ids,
+    samples, stats, read_back = cached_training_samples(
+        Path(config.checkpoint.out), config.data.data, tokenizer, write=keep_rendering, max_length=config.data.max_seq_len,
+        min_supervised_tokens=config.data.min_supervised_tokens, enable_thinking=THINKING[config.data.thinking],
+        token_ids=config.data.token_ids,
     )
+    if read_back:
+        print(f"rows: read back from {Path(config.checkpoint.out) / CACHE_NAME} (rendered by an earlier start)", file=log)
     print(stats.summary(), file=log)
     if not samples:
         raise ConfigError(f"no usable training rows in {', '.join(config.data.data)} {stats.why_none_used()}")

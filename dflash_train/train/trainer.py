@@ -87,7 +87,7 @@ def train(
             prepare_run_folder(config, plans)
         supply = load_feature_supply(config, layout, target, log)
         if samples is None:
-            samples = load_samples(config, supply, log)
+            samples = load_samples(config, supply, log, keep_rendering=nodes.writes)
         check_batch_size(config, samples)
         print(describe_target(supply.first, config.data.max_seq_len), file=log)
         describe_drafters(plans, config, supply.first, log)

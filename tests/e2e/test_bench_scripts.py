@@ -83,6 +83,17 @@ def test_head_ce_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_the
     assert refused.returncode == 2 and "not a CUDA device" in refused.stderr, refused.stderr
 
 
+def test_render_speed_renders_each_way_and_reads_the_rows_back(smollm2_dir, tmp_path):
+    """bench/render_speed.py on the 64-row smoke file: one line per worker count, then the read-back
+    line (the script itself checks every case and the read-back give the same samples)."""
+    out = tmp_path / "render.json"
+    printed = ok(bench("render_speed.py", "--target", str(smollm2_dir), "--data", str(SMOKE_DATA), "--workers", "1",
+                       "--json", str(out)))
+    assert re.search(r"^render 64 rows, 1 worker\(s\): [\d.]+ s \([\d,]+ rows/s\)$", printed, re.MULTILINE)
+    assert re.search(r"^render 64 rows read back from rows.cache: [\d.]+ s \(\d+ MB on disk\)$", printed, re.MULTILINE)
+    assert json.loads(out.read_text())[-1]["read_back_seconds"] >= 0
+
+
 def test_selector_top_k_checks_the_values_and_prints_its_summary_line(tmp_path):
     """bench/selector_top_k.py at small sizes: it checks row_top_k against torch.topk before
     timing (so a wrong result is exit 1, not a number), and its JSON holds every slice width."""

@@ -139,6 +139,7 @@ def test_training_stopped_by_a_signal_resumes_from_its_checkpoint(files, tmp_pat
     assert main(args(files, work, "--stages", "train")) == 0
     out = capsys.readouterr().out
     assert "1/1 train: started (resuming" in out
+    assert f"rows: read back from {work / 'run' / 'rows.cache'} (rendered by an earlier start)" in out
     recorded = book(work)
     assert recorded["train"]["done"] and recorded["train"]["runs"] == 2
     steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
