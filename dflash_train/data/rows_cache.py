@@ -15,6 +15,7 @@ import io
 import json
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -92,18 +93,28 @@ def read_rows(path: Path, key: str) -> tuple[list[TrainingSample], RowStats] | N
     return rows, stats
 
 
-def cached_training_samples(
-    folder: Path, paths: Sequence[str | Path], tokenizer: Any, *, write: bool, **settings: Any
-) -> tuple[list[TrainingSample], RowStats, bool]:
+@dataclass
+class Rendering:
+    """Training rows and their counts, read back from a run folder or rendered under `key`."""
+
+    rows: list[TrainingSample]
+    stats: RowStats
+    key: str
+    read_back: bool
+
+    def keep(self, folder: Path) -> None:
+        """Store a fresh rendering in `folder` for the next start (call it once the run is
+        under way: a run that fails before then leaves nothing behind)."""
+        if not self.read_back and self.rows:
+            write_rows(Path(folder) / CACHE_NAME, self.key, self.rows, self.stats)
+
+
+def cached_training_samples(folder: Path, paths: Sequence[str | Path], tokenizer: Any, **settings: Any) -> Rendering:
     """`load_training_samples(paths, tokenizer, **settings)`, read back from `folder`'s
-    `rows.cache` when it holds this rendering; else rendered and, with `write`, stored there.
-    The last value says whether the rows were read back."""
-    path = Path(folder) / CACHE_NAME
+    `rows.cache` when it holds this rendering, else rendered (`Rendering.keep` stores it)."""
     key = rows_key(paths, tokenizer, settings)
-    kept = read_rows(path, key)
+    kept = read_rows(Path(folder) / CACHE_NAME, key)
     if kept is not None:
-        return kept[0], kept[1], True
+        return Rendering(kept[0], kept[1], key, read_back=True)
     rows, stats = load_training_samples(paths, tokenizer, **settings)
-    if write and rows:
-        write_rows(path, key, rows, stats)
-    return rows, stats, False
+    return Rendering(rows, stats, key, read_back=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Sequence, TextIO
 
 import torch
 
@@ -14,6 +14,9 @@ from ..target.model import Target, load_target
 from .batches import HostBatch
 from .layout import Layout
 from .routing import FeatureSource
+
+if TYPE_CHECKING:
+    from ..data.rows_cache import Rendering
 
 
 class LiveTarget:
@@ -132,10 +135,10 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
         check_readable(path, CONVERSATION_FORMATS, "--data")
 
 
-def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO, keep_rendering: bool = False) -> list:
+def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> tuple[list, Rendering | None]:
     """The training rows: from the feature cache, or rendered from --data with the target's
-    tokenizer (read back from the run folder's rows.cache when an earlier start rendered the same
-    files the same way; `keep_rendering`: the run folder's owner stores a new rendering there)."""
+    tokenizer, with that rendering (read back from the run folder's rows.cache when an earlier
+    start rendered the same files the same way; `Rendering.keep` stores a new one there)."""
     if supply.cache is not None:
         samples, stats = supply.cache.training_samples(config.data.max_seq_len, config.data.min_supervised_tokens)
         print(stats.summary(), file=log)
@@ -147,23 +150,24 @@ def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO, keep_r
                               "`dflash-train cache-features --token-ids ignore` to train on the re-tokenized text")
         if not samples:
             raise ConfigError(f"no usable training rows in the feature cache {config.data.features} {stats.why_none_used()}")
-        return samples
+        return samples, None
     from ..data.rows_cache import CACHE_NAME, cached_training_samples
 
     tokenizer = supply.first.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{config.model.target}: no tokenizer next to the model; it is needed to render --data")
-    samples, stats, read_back = cached_training_samples(
-        Path(config.checkpoint.out), config.data.data, tokenizer, write=keep_rendering, max_length=config.data.max_seq_len,
+    rendering = cached_training_samples(
+        Path(config.checkpoint.out), config.data.data, tokenizer, max_length=config.data.max_seq_len,
         min_supervised_tokens=config.data.min_supervised_tokens, enable_thinking=THINKING[config.data.thinking],
         token_ids=config.data.token_ids,
     )
-    if read_back:
+    samples, stats = rendering.rows, rendering.stats
+    if rendering.read_back:
         print(f"rows: read back from {Path(config.checkpoint.out) / CACHE_NAME} (rendered by an earlier start)", file=log)
     print(stats.summary(), file=log)
     if not samples:
         raise ConfigError(f"no usable training rows in {', '.join(config.data.data)} {stats.why_none_used()}")
-    return samples
+    return samples, rendering
 
 
 def check_batch_size(config: TrainConfig, samples: Sequence[Any]) -> None:

@@ -86,8 +86,9 @@ def train(
                 owned.callback(remove_if_empty, out)
             prepare_run_folder(config, plans)
         supply = load_feature_supply(config, layout, target, log)
+        rendering = None
         if samples is None:
-            samples = load_samples(config, supply, log, keep_rendering=nodes.writes)
+            samples, rendering = load_samples(config, supply, log)
         check_batch_size(config, samples)
         print(describe_target(supply.first, config.data.max_seq_len), file=log)
         describe_drafters(plans, config, supply.first, log)
@@ -109,6 +110,8 @@ def train(
         if note:
             print(note, file=log)
         run_sinks = open_run_sinks(run, sinks)
+        if rendering is not None and nodes.writes:  # the run is under way: its next start reads the rows back
+            rendering.keep(out)
         nodes.wait_for("built", range(nodes.world_size), "waiting for every node to load its models and data")
         summary = Coordinator(run, pipeline, run_sinks).run()
         # The rows the drafters learned from (after the supervised-token filter), for whoever reports the run.
