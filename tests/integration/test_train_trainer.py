@@ -248,7 +248,7 @@ def test_thinking_switch_reaches_the_training_rows_and_the_eval_prompts():
     for thinking in ("off", "on", "auto"):
         config = tiny_train_config("unused", data=[str(data)], thinking=thinking, eval_every=1, eval_bench=str(prompts),
                                    eval_limit=2, min_supervised_tokens=1)
-        samples = load_samples(config, supply, open(os.devnull, "w"))
+        samples, _ = load_samples(config, supply, open(os.devnull, "w"))
         supervised[thinking] = sum(int(s.loss_mask.sum()) for s in samples)
         evaluation = build_evaluation(config, supply, StepRange(0, 1), open(os.devnull, "w"))
         endings[thinking] = {tokenizer.decode(p[-6:]) for p in evaluation.evaluator.prompts}
