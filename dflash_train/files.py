@@ -28,7 +28,7 @@ import threading
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from .errors import ConfigError, UserError, named_by_flag, os_error_reason
 
@@ -56,14 +56,14 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(folder)
 
 
-def _fsynced_sibling(path: Path, data: bytes, mode: int | None) -> Path:
-    """`data` in a hidden temporary file beside `path` (made first), fsynced, with `mode` (default:
-    the umask's); the caller gives it its name or removes it."""
+def _fsynced_sibling(path: Path, write: Callable[[BinaryIO], object], mode: int | None) -> Path:
+    """What `write` writes to its handle, in a hidden temporary file beside `path` (made first),
+    fsynced, with `mode` (default: the umask's); the caller gives it its name or removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(temp, umask_mode() if mode is None else mode)
@@ -73,9 +73,11 @@ def _fsynced_sibling(path: Path, data: bytes, mode: int | None) -> Path:
     return Path(temp)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+def write_file_atomic(path: str | Path, write: Callable[[BinaryIO], object], mode: int | None = None) -> Path:
+    """`path` replaced, all at once, by what `write(handle)` writes (streamed: a large file is never
+    held in memory whole); a crash leaves the old file or the new one, never a mix."""
     path = Path(path)
-    temp = _fsynced_sibling(path, data, mode)
+    temp = _fsynced_sibling(path, write, mode)
     try:
         os.replace(temp, path)
     except BaseException:
@@ -83,6 +85,10 @@ def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -
         raise
     fsync_dir(path.parent)
     return path
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    return write_file_atomic(path, lambda handle: handle.write(data), mode)
 
 
 def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
@@ -179,7 +185,7 @@ def write_new_file_atomic(path: str | Path, data: bytes, flag: str = "") -> Path
     path = Path(path)
     named = named_by_flag(path, flag)
     try:
-        temp = _fsynced_sibling(path, data, None)
+        temp = _fsynced_sibling(path, lambda handle: handle.write(data), None)
     except OSError as error:
         reason = os_error_reason(error)
         if reason is None:

@@ -11,7 +11,6 @@ renderer would give now.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import warnings
 from collections import Counter
@@ -21,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..files import write_bytes_atomic
+from ..files import write_file_atomic
 from . import readers, render, samples
 from .readers import RowStats
 from .samples import TrainingSample, load_training_samples
@@ -60,9 +59,7 @@ def write_rows(path: Path, key: str, rows: list[TrainingSample], stats: RowStats
         "stats": {"read": stats.read, "skipped_by_reason": dict(stats.skipped_by_reason), "truncated": stats.truncated,
                   "first_example": dict(stats.first_example), "answers": dict(stats.answers)},
     }
-    buffer = io.BytesIO()
-    torch.save(record, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    write_file_atomic(path, lambda handle: torch.save(record, handle))
 
 
 def read_rows(path: Path, key: str) -> tuple[list[TrainingSample], RowStats] | None:
