@@ -1,9 +1,9 @@
 """Rendered training rows kept in the run folder (`rows.cache`), so a restarted or resumed run
 reads them back instead of rendering every conversation again (137k rows took 29 s on 16 cores).
 
-The file holds one rendering and the key it was made under: the data files' bytes, the
-tokenizer (its fingerprint and chat template), the rendering settings and the source of the
-code that renders. Any of them changing means a new rendering, which replaces the file; a file
+The file holds one rendering and the key it was made under: the data files' names and bytes,
+the tokenizer (its fingerprint and chat template), the rendering settings, the source of the
+code that renders and the versions of transformers and tokenizers. Any of them changing means a new rendering, which replaces the file; a file
 that cannot be read is rendered again with a warning. So a cached row is always the row the
 renderer would give now.
 """
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import tokenizers
 import torch
+import transformers
 
 from ..files import write_file_atomic
 from . import readers, render, samples
@@ -33,6 +35,7 @@ def rows_key(paths: Sequence[str | Path], tokenizer: Any, settings: dict[str, An
     """What a rendering depends on, hashed: see the module doc."""
     digest = hashlib.sha256(f"rows cache {_FORMAT}".encode())
     for path in paths:
+        digest.update(f"{path}\n".encode())  # a row's source names its file as given
         file_digest = hashlib.sha256()
         with open(path, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 22), b""):
@@ -43,6 +46,7 @@ def rows_key(paths: Sequence[str | Path], tokenizer: Any, settings: dict[str, An
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for module in (readers, render, samples):
         digest.update(Path(module.__file__).read_bytes())
+    digest.update(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
     return digest.hexdigest()
 
 
