@@ -202,18 +202,18 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("vocab", [4096, 4096 + 37, 8 * 64, 300])
+@pytest.mark.parametrize("vocab", [4096, 4096 + 37, 8 * 64, 300, 49152])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_row_top_k_finds_torch_topk_values_with_ties_and_a_ragged_tail(vocab, dtype):
+@pytest.mark.parametrize("k", [8, 16])  # the decode bench's top-k and the default
+def test_row_top_k_finds_torch_topk_values_with_ties_and_a_ragged_tail(vocab, dtype, k):
     """The selector's candidates: the values torch.topk finds, sorted, ids pointing at them.
     Rows hold bf16-rounded values (many ties), a row's top values packed into one slice, a row
     whose best entries sit in the ragged tail, and a constant row."""
     generator = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(64, vocab, generator=generator) * 3).to(dtype)
-    logits[1, 128:136] = 50.0 + torch.arange(8, dtype=dtype)  # all eight in one slice
+    logits[1, 128:136] = 50.0 + torch.arange(8, dtype=dtype)  # eight of the best in one slice
     logits[2, -5:] = 60.0  # the best in the tail (when there is one), tied
     logits[3] = 1.0  # every entry tied
-    k = 8
     values, ids = row_top_k(logits, k)
     want_values, _ = torch.topk(logits, k, dim=-1)
     assert torch.equal(values, want_values)
