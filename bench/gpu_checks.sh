@@ -185,6 +185,9 @@ for name in "${stages[@]}"; do
         # The smollm2-quality recipe's drafter step, DFlash and DFlash2, eager (kernel profile) and graphed.
         step-recipe) stage step-recipe ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S --head fused \
             --arch ${STEP_ARCH:-dflash,dflash2} --cuda-graphs off,on --profile S --profile-dir "$OUT" --json "$OUT/step_recipe.json" ;;
+        # The GPU tests of the compiled draft and of DFlash2's training step and decoding (the whole log in $OUT).
+        dflash2-tests) stage dflash2-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/integration/test_decode_static.py tests/gpu/test_core_dflash2_gpu.py -k "compiled or dflash2" ;;
         # DFlash2's training candidates: torch.topk over whole rows against row_top_k's slice maxima, SmolLM2's and Qwen3's vocabularies.
         selector-top-k) stage selector-top-k 120 bash -c 'python3 bench/selector_top_k.py --json "$0/top_k_smollm2.json" &&
                 python3 bench/selector_top_k.py --vocab 151936 --rows 8000 --json "$0/top_k_qwen3.json"' "$OUT" ;;
