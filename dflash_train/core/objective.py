@@ -181,6 +181,8 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
     (the two head products around core/head_kernel.py's single softmax kernel). The last two pad the
     rows with zeros to whole chunks, so the number of scored rows, which changes every step,
     never triggers a recompile, and every product has the shape a graphed step's has.
+    With `top_k` > 0 each chunk's logits also give the DFlash2 selector's candidates (`HeadCandidates`,
+    no gradient); outputs: CE, correctness, candidate values, ids, label logits.
     """
 
     @staticmethod
