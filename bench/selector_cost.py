@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profiling import mean_ms  # noqa: E402
 from dflash_train.core.dflash2 import CandidateSelector  # noqa: E402
 
 
@@ -67,12 +67,7 @@ def time_path(path: Callable, selector: CandidateSelector, hidden: torch.Tensor,
     """Mean milliseconds per call: CUDA-graph replays timed by CUDA events, or the CPU's wall clock."""
     with torch.no_grad():
         if hidden.device.type != "cuda":
-            for _ in range(warmup):
-                path(selector, hidden, logits, anchor)
-            began = time.perf_counter()
-            for _ in range(iters):
-                path(selector, hidden, logits, anchor)
-            return (time.perf_counter() - began) * 1000 / iters
+            return mean_ms(lambda: path(selector, hidden, logits, anchor), hidden.device, warmup, iters)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -82,15 +77,7 @@ def time_path(path: Callable, selector: CandidateSelector, hidden: torch.Tensor,
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             path(selector, hidden, logits, anchor)
-        for _ in range(warmup):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
+        return mean_ms(graph.replay, hidden.device, warmup, iters)
 
 
 def random_inputs(args: argparse.Namespace, generator: torch.Generator, device: torch.device,
