@@ -17,6 +17,7 @@ at its end does all of that through `NewFileOutput`.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -31,6 +32,15 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
 
 from .errors import ConfigError, UserError, named_by_flag, os_error_reason
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in 16 MiB pieces (never whole in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -22,7 +22,7 @@ import tokenizers
 import torch
 import transformers
 
-from ..files import write_file_atomic
+from ..files import file_sha256, write_file_atomic
 from . import readers, render, samples
 from .readers import RowStats
 from .samples import TrainingSample, load_training_samples
@@ -36,11 +36,7 @@ def rows_key(paths: Sequence[str | Path], tokenizer: Any, settings: dict[str, An
     digest = hashlib.sha256(f"rows cache {_FORMAT}".encode())
     for path in paths:
         digest.update(f"{path}\n".encode())  # a row's source names its file as given
-        file_digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                file_digest.update(block)
-        digest.update(file_digest.digest())
+        digest.update(file_sha256(path).encode())
     digest.update(render.tokenizer_fingerprint(tokenizer).encode())
     digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())

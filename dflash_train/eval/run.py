@@ -15,7 +15,8 @@ from ..config import UserError
 from ..core.drafter import DFlashDrafter
 from ..data.render import render_prompt
 from ..decode.loop import generate
-from ..target.model import Target, file_sha256, target_identity
+from ..files import file_sha256
+from ..target.model import Target, target_identity
 from .benchmarks import BenchPrompt
 from .stats import PromptResult, _fmt
 

