@@ -94,7 +94,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head in ("compiled", "fused")
     objective.fused_head = args.compile == "on" and args.head == "fused"
-    refused = fused_head_unsupported(device) if objective.fused_head else None
+    refused = fused_head_unsupported(device, slice_maxima=arch == "dflash2") if objective.fused_head else None
     if refused:
         raise SystemExit(f"--head fused: {refused}")
     objective.fp8_head = fp8 != "off"

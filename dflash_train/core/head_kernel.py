@@ -8,6 +8,9 @@ the reduction reads them more than once; here one program per row reads its logi
 running max, sum and argmax (per lane, merged at the end), and once more, from L2 while the row
 is still there, to write the gradient. On SmolLM2's 49,152-token vocabulary the two compiled
 passes took 4.3 ms of a 27.4 ms graphed step, and this kernel takes 2.1 ms (docs/PERF.md).
+For DFlash2's selector it can also write each row's slice maxima (the largest raw logit of every
+whole `segment`-wide slice) from the same first read: `objective.row_top_k` ranks slices by them,
+and as a separate reduction over the logits they cost more than the kernel's store of them.
 
 Triton is imported on first use: the CPU suite never loads it. `objective.fused_head_unsupported`
 checks this kernel against the reference on the device before a run uses it.
@@ -31,8 +34,9 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["first_row"])
     def softmax_ce_rows(
-        logits_ptr, labels_ptr, ce_ptr, correct_ptr, grad_ptr, first_row, vocab, logits_stride, grad_stride,
-        softcap, SOFTCAP: tl.constexpr, WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr, labels_ptr, ce_ptr, correct_ptr, grad_ptr, slice_max_ptr, first_row, vocab, logits_stride,
+        grad_stride, slices, softcap, SOFTCAP: tl.constexpr, WITH_GRAD: tl.constexpr, SEGMENT: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         local = tl.program_id(0).to(tl.int64)
         row = first_row + local  # in labels, ce and correct (the whole call's rows)
@@ -47,6 +51,11 @@ def _kernel():
             cols = start + lanes
             inside = cols < vocab
             x = tl.load(logits_row + cols, mask=inside, other=0.0).to(tl.float32)
+            if SEGMENT > 0:  # before the softcap: tanh may round distinct logits to one value
+                raw = tl.where(inside, x, float("-inf"))
+                slice_max = tl.max(tl.reshape(raw, (BLOCK // SEGMENT, SEGMENT)), 1)
+                index = start // SEGMENT + tl.arange(0, BLOCK // SEGMENT)
+                tl.store(slice_max_ptr + local * slices + index, slice_max, mask=index < slices)
             if SOFTCAP:
                 x = libdevice.tanh(x / softcap) * softcap
             x = tl.where(inside, x, float("-inf"))
@@ -82,18 +91,30 @@ def _kernel():
 
 def fused_softmax_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor, first_row: int,
-    softcap: float, with_grad: bool, grad_dtype: torch.dtype,
+    softcap: float, with_grad: bool, grad_dtype: torch.dtype, slice_maxima: torch.Tensor | None = None,
+    segment: int = 0,
 ) -> torch.Tensor | None:
     """CE and correctness of the chunk `logits` [rows, V] (rows first_row.. of `labels`) written into
     `ce` (float32) and `correct` (bool) at those rows; returns d(CE)/d(logits) [rows, V] in
-    `grad_dtype`, or None without `with_grad`."""
+    `grad_dtype`, or None without `with_grad`. `slice_maxima` [rows, V // segment] (float32,
+    contiguous), where given, receives the largest logit of each whole `segment`-wide slice (before
+    the softcap; a ragged tail is left out); `segment` must be a power of two dividing BLOCK."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if slice_maxima is None:
+        segment = 0
+    elif (segment <= 0 or segment & (segment - 1) or BLOCK % segment or slice_maxima.shape != (rows, vocab // segment)
+          or slice_maxima.dtype != torch.float32 or not slice_maxima.is_contiguous()):
+        raise ValueError(f"slice maxima {tuple(slice_maxima.shape)} {slice_maxima.dtype} of {segment}-wide slices for "
+                         f"logits {tuple(logits.shape)}: need [rows, V // segment] float32, segment a power of two "
+                         f"dividing {BLOCK}")
     grad = torch.empty(rows, vocab, dtype=grad_dtype, device=logits.device) if with_grad else None
     _kernel()[(rows,)](
-        logits, labels, ce, correct.view(torch.uint8), grad if grad is not None else logits, first_row, vocab,
-        logits.stride(0), grad.stride(0) if grad is not None else 0, float(softcap or 1.0),
-        SOFTCAP=bool(softcap), WITH_GRAD=with_grad, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        logits, labels, ce, correct.view(torch.uint8), grad if grad is not None else logits,
+        slice_maxima if slice_maxima is not None else ce, first_row, vocab, logits.stride(0),
+        grad.stride(0) if grad is not None else 0, slice_maxima.shape[1] if slice_maxima is not None else 0,
+        float(softcap or 1.0), SOFTCAP=bool(softcap), WITH_GRAD=with_grad, SEGMENT=segment, BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
     )
     return grad

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .fp8 import Fp8Weight, frozen_forward, frozen_input_grad
-from .head_kernel import fused_softmax_cross_entropy
+from .head_kernel import BLOCK as HEAD_KERNEL_BLOCK, fused_softmax_cross_entropy
 
 # γ per block size from the DFlash paper; other sizes interpolate as 0.4375·B (=7 at B=16).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -204,22 +204,28 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
         top_ids = torch.empty(padded_rows, top_k, dtype=torch.long, device=hidden.device)
         label_logits = torch.empty(padded_rows if top_k else 0, dtype=torch.float32, device=hidden.device)
         chunk_fn = _head_chunk_compiled() if kernel == "compiled" else _head_chunk
+        vocab = (head.rows if isinstance(head, Fp8Weight) else head).shape[0]
+        # The fused kernel writes the slice maxima row_top_k ranks, from its own read of the logits.
+        segment = candidate_segment(vocab) if top_k and kernel == "fused" else 0
+        slice_maxima = (torch.empty(chunk_rows, vocab // segment, dtype=torch.float32, device=hidden.device)
+                        if segment else None)
         for start in range(0, padded_rows, chunk_rows):
             end = min(start + chunk_rows, padded_rows)
             chunk_hidden = hidden[start:end]
             # The fused kernel's logits serve the selector's candidates too; the other two kernels
             # make theirs inside the chunk, so the candidates cost them a product of their own.
             logits = _head_logits(chunk_hidden, head) if kernel == "fused" or top_k else None
-            if top_k:
-                top_values[start:end], top_ids[start:end], label_logits[start:end] = _candidates(
-                    logits, labels[start:end], top_k, softcap)
+            maxima = None if slice_maxima is None else slice_maxima[:end - start]
             if kernel == "fused":
                 grad_logits = fused_softmax_cross_entropy(
-                    logits, labels, ce, correct, start, softcap, with_grad, _logits_grad_dtype(head))
+                    logits, labels, ce, correct, start, softcap, with_grad, _logits_grad_dtype(head), maxima, segment)
                 chunk_grad = None if grad_logits is None else _head_input_grad(head, grad_logits, hidden.dtype)
             else:
                 ce[start:end], correct[start:end], chunk_grad = chunk_fn(
                     chunk_hidden, head, labels[start:end], softcap, with_grad)
+            if top_k:
+                top_values[start:end], top_ids[start:end], label_logits[start:end] = _candidates(
+                    logits, labels[start:end], top_k, softcap, maxima, segment)
             if grad_rows is not None:
                 grad_rows[start:end] = chunk_grad
         ce, correct = ce[:rows], correct[:rows]
@@ -245,10 +251,11 @@ class HeadCandidates(NamedTuple):
     label_logits: torch.Tensor
 
 
-def _candidates(logits: torch.Tensor, labels: torch.Tensor, k: int, softcap: float) -> HeadCandidates:
+def _candidates(logits: torch.Tensor, labels: torch.Tensor, k: int, softcap: float,
+                slice_maxima: torch.Tensor | None = None, segment: int = 0) -> HeadCandidates:
     # Ranked in the logits' dtype, as a serving engine ranks them; only k + 1 values per row are
     # widened and softcapped (tanh is increasing: the top-k of capped logits is the same).
-    values, ids = row_top_k(logits, k)
+    values, ids = row_top_k(logits, k, segment or TOP_K_SEGMENT, slice_maxima)
     label = logits.gather(1, labels[:, None])[:, 0]
     return HeadCandidates(_softcapped(values.float(), softcap), ids, _softcapped(label.float(), softcap))
 
@@ -320,19 +327,35 @@ TOP_K_SEGMENT = 256
 TOP_K_ONE_PASS = 384
 
 
-def row_top_k(logits: torch.Tensor, k: int, segment: int = TOP_K_SEGMENT) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_segment(vocab: int) -> int:
+    """The slice width the fused head kernel takes maxima over for `row_top_k`: the narrowest
+    power of two from 64 whose slice count torch.topk still ranks in one pass."""
+    segment = 64
+    while vocab // segment > TOP_K_ONE_PASS and segment < HEAD_KERNEL_BLOCK:
+        segment *= 2
+    return segment
+
+
+def row_top_k(logits: torch.Tensor, k: int, segment: int = TOP_K_SEGMENT,
+              slice_maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(logits, k, dim=-1)` of rows [T, V], sorted: the same values, found through each
     row's `segment`-wide slices. A row's k largest entries lie in the k slices with the largest
     maxima (any entry of another slice has k larger slice maxima above it), so only those k ×
     `segment` entries, and the ragged tail, are ranked, the same way while still wide. Among tied
-    values the ids may be others than torch.topk's. Why: over a 49k-wide row torch's multi-pass
-    select took 12 ms of the 51 ms DFlash2 step of the SmolLM2 recipe on an H100."""
+    values the ids may be others than torch.topk's. `slice_maxima` [T, V // segment], where given,
+    are those maxima already found (the fused head kernel writes them while it reads the logits).
+    Why: over a 49k-wide row torch's multi-pass select took 12 ms of the 51 ms DFlash2 step of the
+    SmolLM2 recipe on an H100."""
     rows, vocab = logits.shape
     slices = vocab // segment
     if vocab <= TOP_K_ONE_PASS or slices <= k:
         return torch.topk(logits, k, dim=-1)
     whole = logits[:, :slices * segment].view(rows, slices, segment)
-    best_slices = torch.topk(whole.amax(dim=-1), k, dim=-1).indices  # [T, k]
+    if slice_maxima is None:
+        slice_maxima = whole.amax(dim=-1)
+    elif slice_maxima.shape != (rows, slices):
+        raise ValueError(f"slice maxima {tuple(slice_maxima.shape)} for {rows} rows of {slices} slices")
+    best_slices = torch.topk(slice_maxima, k, dim=-1).indices  # [T, k]
     picked = whole.gather(1, best_slices[..., None].expand(rows, k, segment)).flatten(1)
     picked_ids = (best_slices[..., None] * segment + torch.arange(segment, device=logits.device)).flatten(1)
     if slices * segment < vocab:
@@ -347,27 +370,29 @@ def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
-_FUSED_PROBES: dict[tuple[torch.device, float], str | None] = {}
+_FUSED_PROBES: dict[tuple[torch.device, float, bool], str | None] = {}
 
 
-def fused_head_unsupported(device: torch.device, softcap: float | None = None) -> str | None:
+def fused_head_unsupported(device: torch.device, softcap: float | None = None, slice_maxima: bool = False) -> str | None:
     """Why core/head_kernel.py's fused kernel must not be used on `device`, or None: on a CUDA device
     with Triton, its CE, correctness and gradients on bfloat16 and float32 logits (ties, a label
     at the vocabulary's last entry, a vocabulary that is no multiple of the kernel's sweep)
-    are checked against `softmax_cross_entropy` once per device and softcap."""
+    are checked against `softmax_cross_entropy` once per device and softcap; with `slice_maxima`
+    (DFlash2's candidates), the kernel that also writes them, and they are checked against the
+    logits' own. A DFlash drafter's kernel does not depend on the second check."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"not a CUDA device ({device})"
-    key = (device, float(softcap or 0.0))
+    key = (device, float(softcap or 0.0), slice_maxima)
     if key not in _FUSED_PROBES:
         try:
-            _FUSED_PROBES[key] = _probe_fused_head(device, key[1])
+            _FUSED_PROBES[key] = _probe_fused_head(*key)
         except Exception as error:  # noqa: BLE001 - any failure (no Triton, a compile error) means: do not use it
             _FUSED_PROBES[key] = f"the fused head kernel failed its probe ({type(error).__name__}: {error})"
     return _FUSED_PROBES[key]
 
 
-def _probe_fused_head(device: torch.device, softcap: float) -> str | None:
+def _probe_fused_head(device: torch.device, softcap: float, slice_maxima: bool) -> str | None:
     rows, vocab = 37, 9000
     # Made on the CPU from a formula: no CUDA random numbers (another thread may be capturing).
     grid = torch.arange(rows * vocab, dtype=torch.float64).view(rows, vocab)
@@ -376,13 +401,15 @@ def _probe_fused_head(device: torch.device, softcap: float) -> str | None:
     base[:, vocab - 1] = base[:, 5000]
     labels = (torch.arange(rows) * 997) % vocab
     labels[0], labels[1] = 5000, vocab - 1
+    segment = candidate_segment(vocab) if slice_maxima else 0
     for dtype in (torch.bfloat16, torch.float32):
         logits = base.to(dtype).to(device)
         want_ce, want_correct, want_grad = softmax_cross_entropy(logits, labels.to(device), softcap, True, dtype)
         ce = torch.zeros(rows + 3, dtype=torch.float32, device=device)
         correct = torch.zeros(rows + 3, dtype=torch.bool, device=device)
         padded_labels = torch.cat([labels[:3], labels]).to(device)
-        grad = fused_softmax_cross_entropy(logits, padded_labels, ce, correct, 3, softcap, True, dtype)
+        maxima = torch.zeros(rows, vocab // segment, dtype=torch.float32, device=device) if segment else None
+        grad = fused_softmax_cross_entropy(logits, padded_labels, ce, correct, 3, softcap, True, dtype, maxima, segment)
         ce_error = float(((ce[3:] - want_ce).abs() / want_ce.abs().clamp(min=1e-3)).max())
         # Entry by entry, one rounding of the gradient's dtype apart at most.
         rounding = max(2.0 * torch.finfo(dtype).eps, 1e-5)  # float32: exp and log-sum-exp orders differ
@@ -393,6 +420,9 @@ def _probe_fused_head(device: torch.device, softcap: float) -> str | None:
             return f"its gradient differs from the reference on {dtype} logits (relative {grad_error:.1e})"
         if not torch.equal(correct[3:], want_correct):
             return f"its top-1 correctness differs from the reference on {dtype} logits"
+        if maxima is not None and not torch.equal(
+                maxima, logits[:, :maxima.shape[1] * segment].float().view(rows, -1, segment).amax(dim=-1)):
+            return f"its slice maxima differ from the logits' on {dtype} logits"
     return None
 
 

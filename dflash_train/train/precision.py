@@ -57,9 +57,10 @@ def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
 def uses_fused_head(plan: DrafterPlan, softcap: float | None, log: TextIO) -> bool:
     """Whether the frozen head's softmax runs as core/head_kernel.py's fused kernel: on every CUDA device
     of the drafter where it matched the reference (objective.fused_head_unsupported), else the
-    compiled chunk, with the reason in the log."""
+    compiled chunk, with the reason in the log. A DFlash2 drafter's kernel also writes the slice
+    maxima its selector's candidates are ranked by, and is checked with them."""
     for device in plan.devices:
-        reason = fused_head_unsupported(device, softcap)
+        reason = fused_head_unsupported(device, softcap, slice_maxima=plan.config.model.arch == "dflash2")
         if reason is not None:
             if device.type == "cuda":
                 print(f"{plan.name}: frozen head: the compiled softmax, not the fused kernel ({reason})", file=log)

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from dflash_train.core.head_kernel import BLOCK, fused_softmax_cross_entropy
-from dflash_train.core.objective import frozen_head_cross_entropy, fused_head_unsupported, softmax_cross_entropy
+from dflash_train.core.objective import (
+    candidate_segment,
+    frozen_head_cross_entropy,
+    frozen_head_cross_entropy_and_candidates,
+    fused_head_unsupported,
+    softmax_cross_entropy,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +32,8 @@ def _relative_entries(got, want, floor=1e-6):
 def test_the_fused_kernel_equals_the_reference(dtype, softcap):
     """A vocabulary of SmolLM2's size plus 13 (no multiple of the kernel's sweep), rows written
     from an offset into longer outputs, exact ties in bf16: CE to 1e-5 relative, the gradient one
-    rounding of its dtype apart per entry, top-1 correctness equal (first index on ties)."""
+    rounding of its dtype apart per entry, top-1 correctness equal (first index on ties), the
+    slice maxima DFlash2's candidates are ranked by equal to the logits' own."""
     rows, vocab, offset = 301, 49152 + 13, 5
     assert vocab % BLOCK
     logits = _logits(rows, vocab, dtype)
@@ -38,8 +45,12 @@ def test_the_fused_kernel_equals_the_reference(dtype, softcap):
     ce = torch.full((rows + offset,), -1.0, device=DEVICE)
     correct = torch.zeros(rows + offset, dtype=torch.bool, device=DEVICE)
     all_labels = torch.cat([torch.zeros(offset, dtype=torch.long, device=DEVICE), labels])
-    grad = fused_softmax_cross_entropy(logits, all_labels, ce, correct, offset, softcap, True, dtype)
+    segment = candidate_segment(vocab)
+    maxima = torch.full((rows, vocab // segment), -1.0, device=DEVICE)
+    grad = fused_softmax_cross_entropy(logits, all_labels, ce, correct, offset, softcap, True, dtype, maxima, segment)
     assert torch.equal(ce[:offset], torch.full((offset,), -1.0, device=DEVICE))  # rows before the offset untouched
+    # The slice maxima of the raw logits (before any softcap), the ragged tail left out.
+    assert torch.equal(maxima, logits[:, :maxima.shape[1] * segment].float().view(rows, -1, segment).amax(dim=-1))
     assert _relative_entries(ce[offset:], want_ce, 1e-3) <= 1e-5
     assert torch.equal(correct[offset:], want_correct)
     assert bool(correct[offset]) and not bool(correct[offset + 1])
@@ -66,6 +77,8 @@ def test_the_fused_kernel_without_gradient_and_with_a_non_finite_row():
 def test_the_probe_passes_here():
     assert fused_head_unsupported(DEVICE) is None
     assert fused_head_unsupported(DEVICE, 30.0) is None
+    assert fused_head_unsupported(DEVICE, slice_maxima=True) is None  # DFlash2's kernel
+    assert fused_head_unsupported(DEVICE, 30.0, slice_maxima=True) is None
     assert "not a CUDA device" in fused_head_unsupported(torch.device("cpu"))
 
 
@@ -90,3 +103,23 @@ def test_the_frozen_head_ce_through_the_fused_kernel_equals_the_eager_chunks(dty
     # The input gradient is a product over the vocabulary of gradients one rounding apart.
     scale = float(grad_e.float().abs().max())
     assert float((grad_f.float() - grad_e.float()).abs().max()) <= (2e-2 if dtype == torch.bfloat16 else 1e-5) * scale
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_dflash2_candidates_through_the_fused_kernel_equal_the_eager_chunks(softcap):
+    """The selector's candidates from the fused kernel's slice maxima: the same values and label
+    logits as the eager chunks', and ids that point at those values in each chunk's logits (whole
+    chunks of 128 rows, so both paths run the same product shape and get the same logits)."""
+    generator = torch.Generator().manual_seed(3)
+    rows, chunk = 768, 128
+    hidden = torch.randn(rows, 256, generator=generator).to(torch.bfloat16).to(DEVICE)
+    head = (torch.randn(49152, 256, generator=generator) * 0.05).to(torch.bfloat16).to(DEVICE)
+    labels = torch.randint(0, 49152, (rows,), generator=generator).to(DEVICE)
+    eager = frozen_head_cross_entropy_and_candidates(hidden, head, labels, 16, chunk_rows=chunk, softcap=softcap)[2]
+    fused = frozen_head_cross_entropy_and_candidates(hidden, head, labels, 16, chunk_rows=chunk, softcap=softcap,
+                                                     fused=True)[2]
+    assert torch.equal(fused.values, eager.values)
+    assert torch.equal(fused.label_logits, eager.label_logits)
+    logits = torch.cat([hidden[start:start + chunk] @ head.t() for start in range(0, rows, chunk)])
+    assert torch.equal(logits.gather(1, fused.ids), logits.gather(1, eager.ids))  # ids may differ on ties
+    assert all(len(set(row)) == 16 for row in fused.ids.tolist())

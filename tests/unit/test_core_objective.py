@@ -7,11 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dflash_train.core.head_kernel import BLOCK as HEAD_KERNEL_BLOCK
 from dflash_train.core.objective import (
+    TOP_K_ONE_PASS,
     ObjectiveConfig,
     block_labels,
     block_metrics,
     block_token_ids,
+    candidate_segment,
     decay_weights,
     default_gamma,
     dpace_weights,
@@ -214,11 +217,40 @@ def test_row_top_k_finds_torch_topk_values_with_ties_and_a_ragged_tail(vocab, dt
     logits[1, 128:136] = 50.0 + torch.arange(8, dtype=dtype)  # eight of the best in one slice
     logits[2, -5:] = 60.0  # the best in the tail (when there is one), tied
     logits[3] = 1.0  # every entry tied
-    values, ids = row_top_k(logits, k)
     want_values, _ = torch.topk(logits, k, dim=-1)
-    assert torch.equal(values, want_values)
-    assert torch.equal(logits.gather(1, ids), values)
-    assert all(len(set(row)) == k for row in ids.tolist())  # k distinct entries per row
+    # The slice maxima found here, or given as the fused head kernel writes them (float32).
+    segment = candidate_segment(vocab)
+    slices = vocab // segment
+    given = logits[:, :slices * segment].float().view(64, slices, segment).amax(dim=-1)
+    for values, ids in (row_top_k(logits, k), row_top_k(logits, k, segment, given)):
+        assert torch.equal(values, want_values)
+        assert torch.equal(logits.gather(1, ids), values)
+        assert all(len(set(row)) == k for row in ids.tolist())  # k distinct entries per row
+
+
+def test_row_top_k_ranks_slices_by_the_maxima_it_is_given():
+    """Given maxima decide which slices are ranked: maxima that name the wrong slices give wrong
+    values (so a test with right ones proves they are used), and a shape that does not match the
+    logits' slices is refused."""
+    logits = torch.zeros(2, 4096)
+    logits[:, 1000] = 5.0  # slice 15 of 64-wide slices
+    maxima = logits.view(2, 64, 64).amax(dim=-1)
+    assert row_top_k(logits, 1, 64, maxima)[0].flatten().tolist() == [5.0, 5.0]
+    wrong = maxima.clone()
+    wrong[:, 15], wrong[:, 3] = 0.0, 9.0
+    assert row_top_k(logits, 1, 64, wrong)[0].flatten().tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="slice maxima"):
+        row_top_k(logits, 1, 128, maxima)
+
+
+def test_candidate_segment_keeps_the_slice_ranking_to_one_pass():
+    assert candidate_segment(49152) == 128  # SmolLM2: 384 slices
+    assert candidate_segment(151936) == 512  # Qwen3: 296 slices
+    assert candidate_segment(300) == 64
+    for vocab in (4096, 49152 + 13, 151936, 262144, 10 ** 7):
+        segment = candidate_segment(vocab)
+        assert segment & (segment - 1) == 0 and HEAD_KERNEL_BLOCK % segment == 0
+        assert vocab // segment <= TOP_K_ONE_PASS or segment == HEAD_KERNEL_BLOCK
 
 
 def test_chunked_ce_peak_tensor_does_not_grow_with_rows_times_vocab():
