@@ -188,6 +188,9 @@ for name in "${stages[@]}"; do
         # The GPU tests of the compiled draft and of DFlash2's training step and decoding (the whole log in $OUT).
         dflash2-tests) stage dflash2-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/integration/test_decode_static.py tests/gpu/test_core_dflash2_gpu.py -k "compiled or dflash2" ;;
+        # The fused head kernel against the reference, its slice maxima (DFlash2's candidates) and its probe included.
+        head-kernel-tests) stage head-kernel-tests ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/gpu/test_core_head_kernel_gpu.py ;;
         # DFlash2's training candidates: torch.topk over whole rows against row_top_k's slice maxima, SmolLM2's and Qwen3's vocabularies.
         selector-top-k) stage selector-top-k 120 bash -c 'python3 bench/selector_top_k.py --json "$0/top_k_smollm2.json" &&
                 python3 bench/selector_top_k.py --vocab 151936 --rows 8000 --json "$0/top_k_qwen3.json"' "$OUT" ;;

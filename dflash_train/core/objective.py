@@ -370,20 +370,20 @@ def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
-_FUSED_PROBES: dict[tuple[torch.device, float, bool], str | None] = {}
+_FUSED_PROBES: dict[tuple[torch.device, float, int], str | None] = {}
 
 
-def fused_head_unsupported(device: torch.device, softcap: float | None = None, slice_maxima: bool = False) -> str | None:
+def fused_head_unsupported(device: torch.device, softcap: float | None = None, segment: int = 0) -> str | None:
     """Why core/head_kernel.py's fused kernel must not be used on `device`, or None: on a CUDA device
     with Triton, its CE, correctness and gradients on bfloat16 and float32 logits (ties, a label
     at the vocabulary's last entry, a vocabulary that is no multiple of the kernel's sweep)
-    are checked against `softmax_cross_entropy` once per device and softcap; with `slice_maxima`
-    (DFlash2's candidates), the kernel that also writes them, and they are checked against the
-    logits' own. A DFlash drafter's kernel does not depend on the second check."""
+    are checked against `softmax_cross_entropy` once per device and softcap. `segment` > 0 (a
+    DFlash2 drafter's `candidate_segment`) checks the kernel that also writes the slice maxima of
+    that width, against the logits' own; a DFlash drafter's kernel (0) does not depend on it."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"not a CUDA device ({device})"
-    key = (device, float(softcap or 0.0), slice_maxima)
+    key = (device, float(softcap or 0.0), segment)
     if key not in _FUSED_PROBES:
         try:
             _FUSED_PROBES[key] = _probe_fused_head(*key)
@@ -392,7 +392,7 @@ def fused_head_unsupported(device: torch.device, softcap: float | None = None, s
     return _FUSED_PROBES[key]
 
 
-def _probe_fused_head(device: torch.device, softcap: float, slice_maxima: bool) -> str | None:
+def _probe_fused_head(device: torch.device, softcap: float, segment: int) -> str | None:
     rows, vocab = 37, 9000
     # Made on the CPU from a formula: no CUDA random numbers (another thread may be capturing).
     grid = torch.arange(rows * vocab, dtype=torch.float64).view(rows, vocab)
@@ -401,7 +401,6 @@ def _probe_fused_head(device: torch.device, softcap: float, slice_maxima: bool) 
     base[:, vocab - 1] = base[:, 5000]
     labels = (torch.arange(rows) * 997) % vocab
     labels[0], labels[1] = 5000, vocab - 1
-    segment = candidate_segment(vocab) if slice_maxima else 0
     for dtype in (torch.bfloat16, torch.float32):
         logits = base.to(dtype).to(device)
         want_ce, want_correct, want_grad = softmax_cross_entropy(logits, labels.to(device), softcap, True, dtype)

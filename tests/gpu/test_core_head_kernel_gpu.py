@@ -77,8 +77,9 @@ def test_the_fused_kernel_without_gradient_and_with_a_non_finite_row():
 def test_the_probe_passes_here():
     assert fused_head_unsupported(DEVICE) is None
     assert fused_head_unsupported(DEVICE, 30.0) is None
-    assert fused_head_unsupported(DEVICE, slice_maxima=True) is None  # DFlash2's kernel
-    assert fused_head_unsupported(DEVICE, 30.0, slice_maxima=True) is None
+    for vocab in (49152, 151936):  # DFlash2's kernel at SmolLM2's and Qwen3's slice widths
+        assert fused_head_unsupported(DEVICE, segment=candidate_segment(vocab)) is None
+        assert fused_head_unsupported(DEVICE, 30.0, candidate_segment(vocab)) is None
     assert "not a CUDA device" in fused_head_unsupported(torch.device("cpu"))
 
 
