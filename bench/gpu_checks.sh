@@ -151,14 +151,16 @@ for name in "${stages[@]}"; do
             # BUCKETS=256,384,512,768 pads each batch to the smallest of these that holds it instead of the recipe's one
             # 768: the same rows, order and anchors (batches group similar lengths whatever the buckets), less padding.
             # STEPS=, PROMPT_COUNT= and SELF_PROMPTS= change the recipe's [train] steps and [prompts] / [self_prompts]
-            # counts (a shorter recipe for issue #40's time to a drafter; give it its own WORK).
+            # counts (a shorter recipe for issue #40's time to a drafter; give it its own WORK). STAGES= runs only
+            # those stages (`pipeline --stages`), so a call can end at a stage's end and the next start the next.
             sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
                 -e "s|^seq_buckets = .*|seq_buckets = [${BUCKETS:-768}]|" -e "s|^steps = .*|steps = ${STEPS:-20000}|" \
                 -e "/^\[prompts\]/,/^\[/s|^count = .*|count = ${PROMPT_COUNT:-140000}|" \
                 -e "/^\[self_prompts\]/,/^\[/s|^count = .*|count = ${SELF_PROMPTS:-40000}|" \
                 dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
-                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}"
+                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}" \
+                ${STAGES:+--stages "$STAGES"}
             mkdir -p "$OUT/quality-pipeline"
             # The target's answers, once, in 15 MiB pieces: a later session carries them back (DATA_PARTS=) and
             # only trains, for the device time one session has is less than the whole recipe takes.
