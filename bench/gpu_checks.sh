@@ -140,7 +140,7 @@ for name in "${stages[@]}"; do
         # and dev splits and their order are the built-in set's). WORK outlives the call on a warm machine, so the
         # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
         # come back under $OUT/quality-pipeline (records.tar.gz and the drafter). ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
-        quality-pipeline) WORK=${WORK:-$HOME/stage/quality-${ARCH:-dflash}}
+        quality-pipeline) WORK=${WORK:-$HOME/stage/${RECIPE:-smollm2-quality}-${ARCH:-recipe}}
             # DATA_PARTS= a folder of data.jsonl.xz.partNN an earlier call sent back: train on those answers
             # (`pipeline --data`) instead of writing them again, the recipe's first three stages skipped.
             DATA_ARGS=()
@@ -150,16 +150,19 @@ for name in "${stages[@]}"; do
             fi
             # BUCKETS=256,384,512,768 pads each batch to the smallest of these that holds it instead of the recipe's one
             # 768: the same rows, order and anchors (batches group similar lengths whatever the buckets), less padding.
-            # STEPS=, PROMPT_COUNT= and SELF_PROMPTS= change the recipe's [train] steps and [prompts] / [self_prompts]
-            # counts (a shorter recipe for issue #40's time to a drafter; give it its own WORK). STAGES= runs only
-            # those stages (`pipeline --stages`), so a call can end at a stage's end and the next start the next.
-            sed -e "s|^source = \"default\".*|source = \"$PROMPTS\"|" -e "s|^\[train\]\$|[train]\narch = \"${ARCH:-dflash}\"|" \
-                -e "s|^seq_buckets = .*|seq_buckets = [${BUCKETS:-768}]|" -e "s|^steps = .*|steps = ${STEPS:-20000}|" \
-                -e "/^\[prompts\]/,/^\[/s|^count = .*|count = ${PROMPT_COUNT:-140000}|" \
-                -e "/^\[self_prompts\]/,/^\[/s|^count = .*|count = ${SELF_PROMPTS:-40000}|" \
-                dflash_train/recipes/smollm2-quality.toml >/tmp/smollm2-quality-file.toml
+            # RECIPE= a built-in recipe (smollm2-quality, smollm2-fast), run as shipped but for the prompts file. ARCH=,
+            # STEPS=, PROMPT_COUNT= and SELF_PROMPTS= change its [train] arch and steps and its [prompts] /
+            # [self_prompts] counts (give such a run its own WORK). STAGES= runs only those stages (`pipeline
+            # --stages`), so a call can end at a stage's end and the next start the next.
+            EDITS=(-e "s|^source = \"default\".*|source = \"$PROMPTS\"|")
+            [ -n "${ARCH:-}" ] && EDITS+=(-e "/^arch = /d" -e "s|^\[train\]\$|[train]\narch = \"$ARCH\"|")
+            [ -n "${BUCKETS:-}" ] && EDITS+=(-e "s|^seq_buckets = .*|seq_buckets = [$BUCKETS]|")
+            [ -n "${STEPS:-}" ] && EDITS+=(-e "s|^steps = .*|steps = $STEPS|")
+            [ -n "${PROMPT_COUNT:-}" ] && EDITS+=(-e "/^\[prompts\]/,/^\[/s|^count = .*|count = $PROMPT_COUNT|")
+            [ -n "${SELF_PROMPTS:-}" ] && EDITS+=(-e "/^\[self_prompts\]/,/^\[/s|^count = .*|count = $SELF_PROMPTS|")
+            sed "${EDITS[@]}" "dflash_train/recipes/${RECIPE:-smollm2-quality}.toml" >/tmp/recipe-file.toml
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
-                --target "$GGUF" --recipe /tmp/smollm2-quality-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}" \
+                --target "$GGUF" --recipe /tmp/recipe-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}" \
                 ${STAGES:+--stages "$STAGES"}
             mkdir -p "$OUT/quality-pipeline"
             # The target's answers, once, in 15 MiB pieces: a later session carries them back (DATA_PARTS=) and

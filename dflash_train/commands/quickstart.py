@@ -76,7 +76,7 @@ class QuickstartConfig(SectionedConfig):
 
 GPU_RECIPE = """\
 For a strong drafter, on a GPU (one H200: about 20 minutes, tau 3.55 on HumanEval, 2.16x):
-  dflash-train pipeline --target TARGET --recipe smollm2-quality --out work   (recipes: smollm2-quality, 8b-template)"""
+  dflash-train pipeline --target TARGET --recipe smollm2-quality --out work   (recipes: smollm2-quality, smollm2-fast, 8b-template)"""
 
 
 def run_quickstart(config: QuickstartConfig) -> int:

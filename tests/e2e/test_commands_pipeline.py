@@ -257,7 +257,7 @@ def test_flag_errors_are_one_line_before_any_stage_runs(files, tmp_path, capsys,
 
 
 def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
-    assert builtin_recipes() == ["8b-template", "quickstart", "smollm2-quality"]
+    assert builtin_recipes() == ["8b-template", "quickstart", "smollm2-fast", "smollm2-quality"]
     for name in builtin_recipes():
         load_recipe(name)
     quality = load_recipe("smollm2-quality")
@@ -274,6 +274,20 @@ def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
         ["dev", "humaneval", "mtbench_odd", "math500"], 40, ["humaneval", "mtbench_odd"], 20, "static")
     with pytest.raises(ConfigError, match="not a built-in recipe"):
         load_recipe("smollm3")
+
+
+def test_the_fast_recipe_is_the_quality_recipe_with_half_the_prompts_fewer_steps_and_dflash2():
+    """smollm2-fast differs from the measured smollm2-quality only where its header says."""
+    fast, quality = load_recipe("smollm2-fast"), load_recipe("smollm2-quality")
+    differing = {}
+    for section in ("prompts", "self_prompts", "regenerate", "features", "train", "eval", "speed", "export"):
+        ours, theirs = fast.section_values(section), quality.section_values(section)
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                differing[f"{section}.{key}"] = (ours.get(key), theirs.get(key))
+    assert differing == {"prompts.count": (72000, 140000), "self_prompts.count": (20000, 40000),
+                         "train.arch": ("dflash2", None), "train.steps": (9000, 20000)}
+    assert fast.train_config("target", "data.jsonl", "run").model.arch == "dflash2"
 
 
 @pytest.mark.timeout(600)
