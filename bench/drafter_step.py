@@ -41,7 +41,7 @@ from dflash_train.target.model import default_dtype  # noqa: E402
 
 from dflash_train.config import FP8_CHOICES  # noqa: E402
 from dflash_train.core.drafter import DrafterConfig  # noqa: E402
-from dflash_train.core.objective import candidate_segment, fused_head_unsupported  # noqa: E402
+from dflash_train.core.objective import fused_head_segment, fused_head_unsupported  # noqa: E402
 from dflash_train.core.step import (  # noqa: E402
     FrozenTargetParts,
     Step,
@@ -94,8 +94,8 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head in ("compiled", "fused")
     objective.fused_head = args.compile == "on" and args.head == "fused"
-    segment = candidate_segment(config.vocab_size) if arch == "dflash2" else 0
-    refused = fused_head_unsupported(device, segment=segment) if objective.fused_head else None
+    refused = (fused_head_unsupported(device, segment=fused_head_segment(arch, config.vocab_size))
+               if objective.fused_head else None)
     if refused:
         raise SystemExit(f"--head fused: {refused}")
     objective.fp8_head = fp8 != "off"

@@ -336,6 +336,12 @@ def candidate_segment(vocab: int) -> int:
     return segment
 
 
+def fused_head_segment(arch: str, vocab: int) -> int:
+    """The slice width a drafter's fused head kernel writes maxima at, and is probed with: a
+    DFlash2 drafter's `candidate_segment`; 0 for DFlash, which ranks no candidates."""
+    return candidate_segment(vocab) if arch == "dflash2" else 0
+
+
 def row_top_k(logits: torch.Tensor, k: int, segment: int = TOP_K_SEGMENT,
               slice_maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(logits, k, dim=-1)` of rows [T, V], sorted: the same values, found through each

@@ -11,7 +11,7 @@ import torch
 from ..config import ConfigError, TrainConfig, on_here
 from ..core.attention import resolve_backend
 from ..core.fp8 import check_fp8_dims, fp8_unsupported
-from ..core.objective import candidate_segment, fused_head_unsupported
+from ..core.objective import fused_head_segment, fused_head_unsupported
 from ..target.model import Target, family_kind
 from .layout import DrafterPlan, Layout
 
@@ -59,7 +59,7 @@ def uses_fused_head(plan: DrafterPlan, softcap: float | None, log: TextIO) -> bo
     of the drafter where it matched the reference (objective.fused_head_unsupported), else the
     compiled chunk, with the reason in the log. A DFlash2 drafter's kernel also writes the slice
     maxima its selector's candidates are ranked by, and is checked with them."""
-    segment = candidate_segment(plan.drafter_config.vocab_size) if plan.config.model.arch == "dflash2" else 0
+    segment = fused_head_segment(plan.config.model.arch, plan.drafter_config.vocab_size)
     for device in plan.devices:
         reason = fused_head_unsupported(device, softcap, segment)
         if reason is not None:

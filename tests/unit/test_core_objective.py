@@ -21,6 +21,7 @@ from dflash_train.core.objective import (
     draw_anchors,
     frozen_head_cross_entropy,
     frozen_head_cross_entropy_and_candidates,
+    fused_head_segment,
     fused_head_unsupported,
     row_top_k,
     summarize_metrics,
@@ -251,6 +252,8 @@ def test_candidate_segment_keeps_the_slice_ranking_to_one_pass():
         segment = candidate_segment(vocab)
         assert segment & (segment - 1) == 0 and HEAD_KERNEL_BLOCK % segment == 0
         assert vocab // segment <= TOP_K_ONE_PASS or segment == HEAD_KERNEL_BLOCK
+    # the width train probes the fused kernel with: DFlash2's, none for DFlash
+    assert fused_head_segment("dflash2", 49152) == 128 and fused_head_segment("dflash", 49152) == 0
 
 
 def test_chunked_ce_peak_tensor_does_not_grow_with_rows_times_vocab():
