@@ -24,9 +24,11 @@ from ..progress import format_seconds
 from ..recipe import Recipe
 
 # In order. `export-gguf` (the drafter file llama.cpp serves) needs the target's GGUF: it runs
-# where the target is one.
-STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "eval", "export", "export-gguf")
-EXPORTS = ("export", "export-gguf")  # each reads the training's checkpoint only
+# where the target is one. The exports come before eval: the drafter is in the user's hands
+# while it is still being measured, and a stop during eval loses no drafter.
+STAGES = ("prompts", "self-prompts", "regenerate", "features", "train", "export", "export-gguf", "eval")
+EXPORTS = ("export", "export-gguf")
+AFTER_TRAIN = (*EXPORTS, "eval")  # each reads the training's checkpoint only, none another's output
 BOOK = "stages.json"
 BOOK_EVERY_SECONDS = 30.0  # a running stage's seconds are written this often: a killed run keeps them
 DATA_STAGES = ("prompts", "self-prompts", "regenerate")  # what answers given with --data replace
@@ -57,8 +59,8 @@ def stage_settings(work: Work, stage: str) -> dict[str, Any]:
     if work.answers:
         settings["data"] = work.answers
     for name in STAGES[: STAGES.index(stage) + 1]:
-        if not work.applies(name) or (name in ("eval", *EXPORTS) and name != stage and stage in EXPORTS):
-            continue  # a stage the run does not have; an export reads neither the eval nor the other export
+        if not work.applies(name) or (name in AFTER_TRAIN and name != stage and stage in AFTER_TRAIN):
+            continue  # a stage the run does not have; an export or eval reads none of the others
         for item in STAGE_INPUTS[name]:
             table, _, key = item.partition(".")
             values = train.flat_values() if table == "train" else recipe.section_values(table)
@@ -385,7 +387,7 @@ def check_decontamination(work: Work, stages: list[str]) -> None:
 
 
 def stage_eval(work: Work) -> tuple[int, str]:
-    from .eval import EvalConfig, run_eval
+    from .eval import EvalConfig, loaded_alike, run_evals
 
     drafter = work.run / "export"
     runs = [(work.eval_json, work.recipe.eval.bench, work.recipe.eval.limit, work.recipe.eval.decoder,
@@ -393,16 +395,20 @@ def stage_eval(work: Work) -> tuple[int, str]:
     if work.recipe.speed.bench:
         runs.append((work.speed_json, work.recipe.speed.bench, work.recipe.speed.limit, work.recipe.speed.decoder,
                      True, "speed"))
-    prompts = 0
+    # The τ and speed runs share one load and warm-up of the models.
+    sharing: dict[Any, list] = {}
     for out, benches, limit, decoder, baseline, name in runs:
         if not out.exists():  # written whole at its end
             files = eval_prompt_files(work, work.folder / "eval" / name, benches, limit)
-            status = run_eval(checked(EvalConfig(
+            config = checked(EvalConfig(
                 target=work.target, drafter=str(drafter), bench=files, limit=0, device=work.device, decoder=decoder,
-                max_new_tokens=work.recipe.eval.max_new_tokens, baseline=baseline, json=str(out))))
-            if status != 0:
-                raise RunFailed(f"eval: some prompts failed (see above); {out} holds the others")
-        prompts += sum(b["summary"]["prompts"] for b in json.loads(out.read_text())["benchmarks"].values())
+                max_new_tokens=work.recipe.eval.max_new_tokens, baseline=baseline, json=str(out)))
+            sharing.setdefault(loaded_alike(config), []).append(config)
+    for configs in sharing.values():
+        if run_evals(configs) != 0:
+            raise RunFailed(f"eval: some prompts failed (see above); {' and '.join(c.output.json for c in configs)} "
+                            f"{'hold' if len(configs) > 1 else 'holds'} the others")
+    prompts = sum(b["summary"]["prompts"] for out, *_ in runs for b in json.loads(out.read_text())["benchmarks"].values())
     return prompts, f"{prompts} prompts decoded: {', '.join(str(r[0]) for r in runs)}"
 
 
@@ -479,8 +485,8 @@ def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
     stages = [s for s in STAGES if s in requested and work.applies(s)]
     for stage in stages:
         for earlier in STAGES[: STAGES.index(stage)]:
-            if stage in EXPORTS and earlier in ("eval", *EXPORTS):
-                continue  # an export reads the training's checkpoint, not the eval's results
+            if stage in AFTER_TRAIN and earlier in AFTER_TRAIN:
+                continue  # each reads the training's checkpoint, not another's output
             if work.applies(earlier) and earlier not in stages and not book.done(earlier):
                 raise ConfigError(f"--stages: {stage} needs {earlier}, which is not done in {work.folder}; "
                                   f"add it (--stages {','.join(s for s in STAGES if s in (*stages, earlier))})")

@@ -1,7 +1,7 @@
 """`dflash-train pipeline`: from a target to a served drafter in one command, by a recipe.
 
 prompts -> self-prompts (if the recipe has them) -> regenerate -> features (if the recipe caches
-them) -> train -> eval -> export, each stage one product command on the work folder
+them) -> train -> export -> export-gguf (if the target is a GGUF file) -> eval, each stage one product command on the work folder
 (`_stages.py`), each resumable: run the same command again after a stop and it continues. The
 stages' settings, rows and seconds are kept in WORK/stages.json; another recipe or target for a
 started stage is refused, naming the setting. Ends with one screen: tau, speed-up, and the
@@ -21,7 +21,7 @@ from ..export.rules import ARCHITECTURE
 from ..files import check_outside_inputs
 from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
-from ._stages import STAGES, Interrupted, StageBook, Work, check_benchmarks, check_decontamination, check_work_folder, plan, run_stages, say
+from ._stages import EXPORTS, STAGES, Interrupted, StageBook, Work, check_benchmarks, check_decontamination, check_work_folder, plan, run_stages, say
 
 
 @dataclasses.dataclass
@@ -122,9 +122,14 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
     """One screen: what each stage made and took, tau, speed-up, the serve commands."""
     times = ", ".join(f"{stage} {format_seconds(book.entry(stage)['seconds'])}" for stage in STAGES
                       if book.entry(stage).get("done"))
-    lines = ["=" * 96, f"{command} finished in {format_seconds(elapsed)}" + (f" (stages over all runs: {times})" if times else ""),
-             f"  recipe      {work.recipe.name}: {work.recipe.description}",
-             f"  target      {work.target}"]
+    lines = ["=" * 96, f"{command} finished in {format_seconds(elapsed)}" + (f" (stages over all runs: {times})" if times else "")]
+    exports = [stage for stage in EXPORTS if book.done(stage)]
+    if exports:
+        before_eval = sum(book.entry(stage)["seconds"] for stage in STAGES[: STAGES.index("eval")] if book.done(stage))
+        lines.append(f"  ready       the drafter after {format_seconds(before_eval)} (stages up to {exports[-1]}, over all runs)"
+                     + (f"; eval {format_seconds(book.entry('eval')['seconds'])} more" if book.done("eval") else ""))
+    lines += [f"  recipe      {work.recipe.name}: {work.recipe.description}",
+              f"  target      {work.target}"]
     if work.answers:
         lines.append(f"  data        the answers given: {work.data}")
     elif book.done("regenerate"):

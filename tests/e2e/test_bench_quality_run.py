@@ -68,7 +68,7 @@ def test_the_pipeline_stages_run_through_the_product_and_come_back_in_parts(file
     done = quality_run(*args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     book = json.loads((work / "pipeline" / "stages.json").read_text())
-    assert [s for s in book if book[s]["done"]] == ["prompts", "regenerate", "train", "eval", "export"]
+    assert [s for s in book if book[s]["done"]] == ["prompts", "regenerate", "train", "export", "eval"]
     assert book["train"]["settings"]["train.steps"] == 4 and book["train"]["settings"]["train.num_layers"] == 1
     assert book["train"]["settings"]["train.loss"] == "dpace" and book["regenerate"]["rows"] == 6
     recipe = json.loads((work / "recipe.json").read_text())
@@ -197,7 +197,7 @@ def test_answers_from_an_earlier_run_are_imported_and_train_through_the_pipeline
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (work / "answers.jsonl").read_bytes() == earlier.read_bytes()
     book = json.loads((work / "pipeline" / "stages.json").read_text())
-    assert list(book) == ["train", "eval", "export"] and all(entry["done"] for entry in book.values())
+    assert list(book) == ["train", "export", "eval"] and all(entry["done"] for entry in book.values())
     assert book["train"]["settings"]["data"] == str((work / "answers.jsonl").resolve())
     cut = tmp_path / "cut.tar.xz"
     cut.write_bytes(packed.read_bytes()[:-100])  # an archive cut short

@@ -15,6 +15,7 @@ from test_generate_regenerate import tiny_smollm_dir
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError
+from dflash_train.progress import format_seconds
 from dflash_train.recipe import builtin_recipes, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,10 +85,14 @@ def test_a_tiny_recipe_runs_every_stage_then_a_rerun_skips_them(files, tmp_path,
     work = tmp_path / "work"
     assert main(args(files, work)) == 0
     out = capsys.readouterr().out
-    for number, stage in enumerate(["prompts", "regenerate", "train", "eval", "export"], 1):
+    for number, stage in enumerate(["prompts", "regenerate", "train", "export", "eval"], 1):
         assert f"[pipeline] {number}/5 {stage}: done in" in out
     recorded = book(work)
-    assert [s for s in recorded if recorded[s]["done"]] == ["prompts", "regenerate", "train", "eval", "export"]
+    assert [s for s in recorded if recorded[s]["done"]] == ["prompts", "regenerate", "train", "export", "eval"]
+    # The drafter's time is the stages' up to its export; eval's comes after it.
+    ready = sum(recorded[s]["seconds"] for s in ("prompts", "regenerate", "train", "export"))
+    assert f"  ready       the drafter after {format_seconds(ready)} (stages up to export, over all runs); " \
+           f"eval {format_seconds(recorded['eval']['seconds'])} more" in out
     assert recorded["prompts"]["rows"] == 10 and recorded["regenerate"]["rows"] == 10
     assert recorded["train"]["settings"]["train.steps"] == 4 and recorded["train"]["seconds"] > 0
     assert (work / "drafter" / "model.safetensors").is_file() and (work / "training_curve.png").is_file()
@@ -211,6 +216,25 @@ def test_stages_runs_only_the_stages_named(files, tmp_path, capsys):
     assert not (work / "data.jsonl").exists()
     assert main(args(files, work, "--stages", "prompts,bogus")) == 2
     assert "--stages 'bogus'" in capsys.readouterr().err
+
+
+def test_the_exports_and_eval_each_need_only_training_and_read_none_of_each_other(files, tmp_path):
+    """The drafter is exported before it is measured; eval, export and export-gguf each read the
+    checkpoint alone, so each runs without the others and none's settings hold another's."""
+    from dflash_train.commands._stages import STAGES, StageBook, Work, plan, stage_settings
+
+    assert STAGES[-3:] == ("export", "export-gguf", "eval")
+    work = Work(load_recipe(str(files["recipe"])), "target.gguf", tmp_path / "work")
+    book = StageBook(work.folder)
+    book.data = {stage: {"done": True, "settings": stage_settings(work, stage)} for stage in ("prompts", "regenerate")}
+    with pytest.raises(ConfigError, match="--stages: eval needs train, which is not done"):
+        plan(work, book, ["eval"])
+    book.data["train"] = {"done": True, "settings": stage_settings(work, "train")}
+    for alone in ("eval", "export", "export-gguf"):
+        assert plan(work, book, [alone]) == [alone]
+    assert not any(key.startswith("export.") for key in stage_settings(work, "eval"))
+    assert not any(key.startswith(("eval.", "speed.")) for key in stage_settings(work, "export-gguf"))
+    assert "train.steps" in stage_settings(work, "eval") and "export.dtype" in stage_settings(work, "export")
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -353,14 +377,19 @@ def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys
     before = given.read_bytes()
     work = tmp_path / "work"
     recipe = tmp_path / "dflash2.toml"
-    recipe.write_text(files["recipe"].read_text().replace("[train]\n", '[train]\narch = "dflash2"\nselector_top_k = 4\n'))
+    # With a [speed] run beside [eval]'s: both decode over one load and warm-up of the models.
+    recipe.write_text(files["recipe"].read_text().replace("[train]\n", '[train]\narch = "dflash2"\nselector_top_k = 4\n')
+                      + '[speed]\nbench = ["{}"]\nlimit = 1\ndecoder = "auto"\n'.format(files["dev"]))
     assert main(args(files, work, "--data", str(given), recipe=recipe)) == 0
     out = capsys.readouterr().out
-    assert "stages train, eval, export" in out and f"data        the answers given: {given}" in out
+    assert out.count("\ndecoder: ") == 1 and out.count("\ntarget ") == 2
+    speed = json.loads((work / "speed.json").read_text())["benchmarks"]["dev"]["summary"]
+    assert speed["prompts"] == 1 and speed["identical_to_baseline"] == speed["compared"] == 1
+    assert "stages train, export, eval" in out and f"data        the answers given: {given}" in out
     assert "(Hugging Face folder; dflash.DFlash2DraftModel.from_pretrained loads it)" in out
     assert json.loads((work / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     recorded = book(work)
-    assert list(recorded) == ["train", "eval", "export"] and recorded["train"]["rows"] == 8
+    assert list(recorded) == ["train", "export", "eval"] and recorded["train"]["rows"] == 8
     assert recorded["train"]["settings"]["data"] == str(given) and "prompts.count" not in recorded["train"]["settings"]
     assert given.read_bytes() == before and not (work / "data.jsonl").exists()
     other = answers_file(tmp_path / "other.jsonl", 6)
