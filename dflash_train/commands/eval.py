@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import DECODERS, DTYPE_NAMES, ON_OFF, THINKING, ConfigError, Section, SectionedConfig, UserError, on_here, option
 from ..eval.benchmarks import BENCHMARKS, available_benchmarks, bench_label, load_benchmark
@@ -91,100 +91,34 @@ class EvalConfig(SectionedConfig):
 
 
 def run_eval(config: EvalConfig) -> int:
-    return run_evals([config])
-
-
-def run_evals(configs: Sequence[EvalConfig]) -> int:
-    """Each config's eval in turn, the models loaded and warmed up once for all of them (the
-    pipeline's τ and speed runs): they must share `loaded_alike`. 0 when every prompt of every
-    run decoded."""
-    if len({loaded_alike(config) for config in configs}) != 1:
-        raise ValueError("run_evals: the runs must load their models alike (loaded_alike); run the others apart")
     # A second eval writing the same --json would run in full only to land beside the first's.
-    with contextlib.ExitStack() as held:
-        outputs = [held.enter_context(NewFileOutput(c.output.json, "--json")) if c.output.json else None for c in configs]
-        return _run_evals(configs, outputs)
+    with NewFileOutput(config.output.json, "--json") if config.output.json else contextlib.nullcontext() as output:
+        return _run_eval(config, output)
 
 
-def loaded_alike(config: EvalConfig) -> tuple:
-    """What must match for runs to share one load of the models: all of [models] but the decoder
-    (each run picks its own over the same loaded pair) and the thinking templates."""
-    return dataclasses.replace(config.models, decoder=""), config.prompts.thinking
-
-
-def _run_evals(configs: Sequence[EvalConfig], outputs: Sequence[NewFileOutput | None]) -> int:
+def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     import torch
 
     from ..data.render import render_prompt, stop_token_ids
     from ..decode.loop import describe_decoder, generate, make_decoder
-    from ..eval.run import load_pair, pair_identity
+    from ..eval.run import load_pair, pair_identity, run_benchmark
+    from ..eval.stats import format_benchmark, format_summary, summarize
     from ..target.model import dtype_from_name, resolve_device
 
-    models = configs[0].models
-    device = resolve_device(models.device)
-    dtype = dtype_from_name(models.dtype, device)
-    compile_draft = on_here(models.compile_draft, device.type)
-    thinking = THINKING[configs[0].prompts.thinking]
+    device = resolve_device(config.models.device)
+    dtype = dtype_from_name(config.models.dtype, device)
+    compile_draft = on_here(config.models.compile_draft, device.type)
+    thinking = THINKING[config.prompts.thinking]
     # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
-    runs = []
-    for config in configs:
-        benches = {}
-        for name in config.prompts.bench:
-            prompts = load_benchmark(name)
-            benches[bench_label(name)] = prompts[config.prompts.offset :][: config.prompts.limit or None]
-        if not any(benches.values()):
-            raise UserError(f"no prompts left after --offset {config.prompts.offset} in {', '.join(config.prompts.bench)}")
-        runs.append(benches)
-    target, drafter = load_pair(models.target, models.drafter, device, dtype)
+    benches = {}
+    for name in config.prompts.bench:
+        prompts = load_benchmark(name)
+        benches[bench_label(name)] = prompts[config.prompts.offset :][: config.prompts.limit or None]
+    if not any(benches.values()):
+        raise UserError(f"no prompts left after --offset {config.prompts.offset} in {', '.join(config.prompts.bench)}")
+    target, drafter = load_pair(config.models.target, config.models.drafter, device, dtype)
     # What was loaded, for eval-merge to compare shards (hashing the drafter costs a read of it).
-    pair = pair_identity(models.target, models.drafter) if any(o is not None for o in outputs) else None
-    # One cache size for every run (the longest prompt + new tokens): the static decoder
-    # captures its graphs in the warm-up, once, instead of inside the first timed prompt of each size.
-    lengths = [len(render_prompt(target.tokenizer, p.messages, thinking))
-               for benches in runs for prompts in benches.values() for p in prompts]
-    cache_tokens = max(lengths) + max(c.decoding.max_new_tokens for c in configs)
-    # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
-    # A shard may hold no prompt of a shorter benchmark; it is reported with 0 prompts.
-    warm_prompt = next(prompts for prompts in runs[0].values() if prompts)[0]
-    warm_ids = render_prompt(target.tokenizer, warm_prompt.messages, thinking)
-    warm_stops = list(configs[0].decoding.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
-    for decoder in dict.fromkeys(c.models.decoder for c in configs):
-        # Said before the warm-up, which captures the graphs and compiles the drafter's forward.
-        print(describe_decoder(target, drafter, cache_tokens, decoder, compile_draft), flush=True)
-        baseline = any(c.decoding.baseline for c in configs if c.models.decoder == decoder)
-        for warm_drafter in (drafter, None) if baseline else (drafter,):
-            generate(target, warm_drafter, warm_ids, min(16, configs[0].decoding.max_new_tokens), warm_stops,
-                     decoder=decoder, cache_tokens=cache_tokens, compile_draft=compile_draft)
-            with torch.no_grad():
-                make_decoder(target, warm_drafter, 0, decoder, cache_tokens, compile_draft).prepare()
-    loaded = _Loaded(target, drafter, pair, cache_tokens, thinking, compile_draft, device, dtype)
-    failed = sum(_decode_run(config, output, benches, loaded) for config, output, benches in zip(configs, outputs, runs))
-    if failed:
-        print(f"{failed} prompt(s) failed; see the first traceback above", file=sys.stderr)
-    return 1 if failed else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Loaded:
-    """The models every run of one `run_evals` decodes with, as loaded and warmed up."""
-
-    target: Any
-    drafter: Any
-    pair: dict | None  # pair_identity, when a run writes --json
-    cache_tokens: int
-    thinking: Any
-    compile_draft: bool
-    device: Any
-    dtype: Any
-
-
-def _decode_run(config: EvalConfig, output: NewFileOutput | None, benches: dict[str, list], loaded: _Loaded) -> int:
-    """One run's benchmarks decoded, its table printed and its --json written; its failed prompts."""
-    from ..data.render import stop_token_ids
-    from ..eval.run import run_benchmark
-    from ..eval.stats import format_benchmark, format_summary, summarize
-
-    target, drafter, device, dtype = loaded.target, loaded.drafter, loaded.device, loaded.dtype
+    pair = pair_identity(config.models.target, config.models.drafter) if output is not None else None
     stops = list(config.decoding.stop_token_ids) or stop_token_ids(target.model, target.tokenizer)
     block_size = drafter.config.block_size
     print(
@@ -194,14 +128,30 @@ def _decode_run(config: EvalConfig, output: NewFileOutput | None, benches: dict[
         f"T={config.decoding.temperature} | max {config.decoding.max_new_tokens} new tokens | stop ids {stops}",
         flush=True,
     )
+    # Warm-up (kernels, allocator, lazy hooks) so the first prompt's timing is not an outlier.
+    # A shard may hold no prompt of a shorter benchmark; it is reported with 0 prompts.
+    # One cache size for the whole run (the longest prompt + new tokens): the static decoder
+    # captures its graphs here, once, instead of inside the first timed prompt of each size.
+    first = next(prompts for prompts in benches.values() if prompts)[0]
+    warm_ids = render_prompt(target.tokenizer, first.messages, thinking)
+    longest = max(len(render_prompt(target.tokenizer, p.messages, thinking)) for prompts in benches.values() for p in prompts)
+    cache_tokens = longest + config.decoding.max_new_tokens
+    # Said before the warm-up, which captures the graphs and compiles the drafter's forward.
+    print(describe_decoder(target, drafter, cache_tokens, config.models.decoder, compile_draft), flush=True)
+    for warm_drafter in (drafter, None) if config.decoding.baseline else (drafter,):
+        generate(target, warm_drafter, warm_ids, min(16, config.decoding.max_new_tokens), stops,
+                 decoder=config.models.decoder, cache_tokens=cache_tokens, compile_draft=compile_draft)
+        with torch.no_grad():
+            make_decoder(target, warm_drafter, 0, config.models.decoder, cache_tokens, compile_draft).prepare()
+
     summaries: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     for name, prompts in benches.items():
         results = run_benchmark(
             target, drafter, prompts, max_new_tokens=config.decoding.max_new_tokens,
             temperature=config.decoding.temperature, baseline=config.decoding.baseline, stop_token_ids=stops,
-            seed=config.decoding.seed, label=name, decoder=config.models.decoder, cache_tokens=loaded.cache_tokens,
-            enable_thinking=loaded.thinking, compile_draft=loaded.compile_draft,
+            seed=config.decoding.seed, label=name, decoder=config.models.decoder, cache_tokens=cache_tokens,
+            enable_thinking=thinking, compile_draft=compile_draft,
         )
         summaries[name] = summarize(results, block_size)
         records[name] = [dataclasses.asdict(r) for r in results]
@@ -216,11 +166,14 @@ def _decode_run(config: EvalConfig, output: NewFileOutput | None, benches: dict[
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "stop_token_ids": stops,
-            "pair": loaded.pair,
+            "pair": pair,
             "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
         }
         out = output.write((json.dumps(payload, indent=1) + "\n").encode())
         print(f"wrote {out}" + ("" if out == Path(config.output.json) else f" ({config.output.json} appeared during the run)"))
-    return sum(s["errors"] for s in summaries.values())
+    failed = sum(s["errors"] for s in summaries.values())
+    if failed:
+        print(f"{failed} prompt(s) failed; see the first traceback above", file=sys.stderr)
+    return 1 if failed else 0
 
 
