@@ -293,7 +293,7 @@ def test_builtin_recipes_load_and_the_measured_one_is_the_measured_settings():
     assert (train.model.block_size, train.model.num_layers, train.objective.num_anchors, train.model.mask_token_id, train.objective.loss, train.objective.gamma) == (
         16, 5, 256, 16, "dpace", 7.0)
     assert (train.optimizer.lr, train.optimizer.warmup_ratio, train.optimizer.clip_grad, train.checkpoint.save_every, train.checkpoint.keep_checkpoints) == (
-        6e-4, 0.04, 1.0, 250, 2)
+        6e-4, 0.04, 1.0, 1000, 2)
     assert (quality.eval.bench, quality.eval.limit, quality.speed.bench, quality.speed.limit, quality.speed.decoder) == (
         ["dev", "humaneval", "mtbench_odd", "math500"], 40, ["humaneval", "mtbench_odd"], 20, "static")
     with pytest.raises(ConfigError, match="not a built-in recipe"):
