@@ -8,8 +8,8 @@ target's hidden states for those conversations go to a feature cache (on a CPU t
 forward is the expensive part, and training sees each row several times); a small drafter
 trains from the cache (real tau measured during training); the drafter is exported;
 speculative decoding measures its acceptance on MT-Bench and HumanEval; a PNG of the training
-curve and a one-screen summary close the run. About 8 minutes on an idle 2-core CPU. Every stage is
-resumable: running it again continues where it stopped.
+curve and a one-screen summary close the run. About 8 minutes on an idle 2-core CPU. Every
+stage is resumable: running it again continues where it stopped.
 """
 
 from __future__ import annotations
