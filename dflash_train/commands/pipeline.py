@@ -3,10 +3,10 @@
 prompts -> self-prompts (if the recipe has them) -> regenerate -> features (if the recipe caches
 them) -> train -> export -> export-gguf (if the target is a GGUF file) -> eval, each stage one
 product command on the work folder (`_stages.py`), each resumable: run the same command again
-after a stop and it continues. The
-stages' settings, rows and seconds are kept in WORK/stages.json; another recipe or target for a
-started stage is refused, naming the setting. Ends with one screen: tau, speed-up, and the
-commands that serve the drafter with llama.cpp, vLLM and SGLang.
+after a stop and it continues. The stages' settings, rows and seconds are kept in
+WORK/stages.json; another recipe or target for a started stage is refused, naming the setting.
+Ends with one screen: when the drafter was ready, tau, speed-up, and the commands that serve the
+drafter with llama.cpp, vLLM and SGLang.
 """
 
 from __future__ import annotations
