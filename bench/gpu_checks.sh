@@ -145,8 +145,10 @@ for name in "${stages[@]}"; do
             # (`pipeline --data`) instead of writing them again, the recipe's first three stages skipped.
             DATA_ARGS=()
             if [ -n "${DATA_PARTS:-}" ]; then
-                mkdir -p "$HOME/stage"; [ -f "$HOME/stage/carried-data.jsonl" ] || cat "$DATA_PARTS"/data.jsonl.xz.part* | xz -dc >"$HOME/stage/carried-data.jsonl"
-                DATA_ARGS=(--data "$HOME/stage/carried-data.jsonl")
+                # One file per folder of parts: two sets carried to one machine are never mixed up.
+                CARRIED="$HOME/stage/carried-$(basename "$DATA_PARTS").jsonl"
+                mkdir -p "$HOME/stage"; [ -f "$CARRIED" ] || { cat "$DATA_PARTS"/data.jsonl.xz.part* | xz -dc >"$CARRIED.part" && mv "$CARRIED.part" "$CARRIED"; }
+                DATA_ARGS=(--data "$CARRIED")
             fi
             # BUCKETS=256,384,512,768 pads each batch to the smallest of these that holds it instead of the recipe's one
             # 768: the same rows, order and anchors (batches group similar lengths whatever the buckets), less padding.
