@@ -14,6 +14,8 @@ crash at any moment leaves the previous checkpoint usable. A staging folder left
 mid-save (`.step-*` next to the checkpoints) is removed at the next save; a checkpoint that was
 renamed aside to be replaced is put back if its replacement never arrived. A failed write (a full
 disk) raises CheckpointError naming the file and the OS's reason ("No space left on device").
+What is written is a `CheckpointSnapshot` (the state copied to host memory), so the trainer
+writes its periodic checkpoints from another thread while it goes on training (rank_zero.py).
 
 Verifying: state.json records the size and CRC-32 of drafter.safetensors and trainer.pt. CRC-32
 is the cheapest check that catches what a disk or a copy does to a file (truncation, flipped
@@ -25,12 +27,14 @@ skipped and why. Checkpoints written before the checksums existed are checked by
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import re
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, TextIO
 
@@ -110,6 +114,38 @@ def _write_error(error: OSError, where: Path, final: Path, step: int, outcome: s
     return CheckpointError(f"cannot write the checkpoint of step {step}: {where}: {reason}; {outcome}")
 
 
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """What a checkpoint holds, copied to host memory: the training may go on while it is written."""
+
+    weights: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]  # the optimizer's and the scheduler's state dicts
+    drafter_config: dict[str, Any]
+
+
+def _to_host(value: Any) -> Any:
+    """`value` with every tensor in it copied to the CPU (a copy even of a CPU tensor: the
+    training updates its own in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def checkpoint_snapshot(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer | None,
+                        scheduler: Any | None) -> CheckpointSnapshot:
+    """The drafter's weights and the trainer's state as they are now, in host memory."""
+    return CheckpointSnapshot(
+        weights={k: v.contiguous() for k, v in _to_host(drafter.state_dict()).items()},
+        trainer_state=_to_host({"optimizer": optimizer.state_dict() if optimizer is not None else None,
+                                "scheduler": scheduler.state_dict() if scheduler is not None else None}),
+        drafter_config=drafter.config.to_dict(),
+    )
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -121,20 +157,22 @@ def save_checkpoint(
 ) -> Path:
     """Write `checkpoints/step-<step>` atomically (fsynced before `latest` names it), then keep
     the `keep` newest complete checkpoints."""
+    return write_checkpoint(run_dir, step, checkpoint_snapshot(drafter, optimizer, scheduler), state, keep)
+
+
+def write_checkpoint(run_dir: str | Path, step: int, snapshot: CheckpointSnapshot, state: dict[str, Any],
+                     keep: int = 2) -> Path:
+    """`save_checkpoint` from a snapshot taken at `step` (any thread may write it)."""
     checkpoints = Path(run_dir) / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
     remove_leftover_staging(checkpoints)  # what a save killed midway left (an aside checkpoint goes back)
     final = checkpoints / f"step-{step:08d}"
 
     def build(staging: Path) -> None:
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-        files = {WEIGHTS_FILE: _write_payload(staging / WEIGHTS_FILE, lambda out: out.write(save_safetensors(weights)))}
-        trainer_state = {
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        }
-        files[TRAINER_FILE] = _write_payload(staging / TRAINER_FILE, lambda out: torch.save(trainer_state, out))
-        full_state = {"step": step, "time": time.time(), "drafter_config": drafter.config.to_dict(), **state,
+        files = {WEIGHTS_FILE: _write_payload(staging / WEIGHTS_FILE,
+                                              lambda out: out.write(save_safetensors(snapshot.weights)))}
+        files[TRAINER_FILE] = _write_payload(staging / TRAINER_FILE, lambda out: torch.save(snapshot.trainer_state, out))
+        full_state = {"step": step, "time": time.time(), "drafter_config": snapshot.drafter_config, **state,
                       "files": files}
         # state.json last: its presence inside the folder marks the payload as complete.
         _write_payload(staging / STATE_FILE, lambda out: out.write(json.dumps(full_state, indent=2).encode("utf-8")))

@@ -226,8 +226,10 @@ class DrafterWorker(Worker):
                                          evaluation))
             if setup.hook is not None:
                 setup.hook(self, step)
-            if setup.checkpointer is not None and setup.checkpointer.due(self.completed_step, end):
-                setup.checkpointer.save_periodic(self.completed_step, replica, self.stop_signal)
+            if setup.checkpointer is not None:
+                setup.checkpointer.raise_if_failed()  # a periodic checkpoint's write, in its own thread
+                if setup.checkpointer.due(self.completed_step, end):
+                    setup.checkpointer.save_periodic(self.completed_step, replica, self.stop_signal)
 
     def _every_node_goes_on(self, reducer: GradientReducer) -> bool:
         """This step's vote (the node's first replica, after every local backward, before the

@@ -26,10 +26,13 @@ from dflash_train import cli
 from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.train.checkpoint import (
     STATE_FILE,
+    checkpoint_snapshot,
     latest_checkpoint,
     resumable_checkpoint,
+    restore_trainer,
     save_checkpoint,
     verify_checkpoint,
+    write_checkpoint,
 )
 from dflash_train.train.trainer import train
 
@@ -207,22 +210,71 @@ def test_every_checkpoint_file_is_fsynced_before_latest_names_it(tmp_path, monke
     assert verify_checkpoint(final)["step"] == 1
 
 
+def test_a_snapshot_is_the_state_of_its_step_whatever_the_training_does_while_it_is_written(tmp_path):
+    """A periodic checkpoint is written from another thread while the training goes on: what
+    it writes is the state when the snapshot was taken, not the tensors the next steps update
+    in place (on a CPU too, where the copy to host memory could have been the tensor itself)."""
+    drafter = _drafter()
+    optimizer = _optimizer_with_state(drafter)
+    weights = {name: value.clone() for name, value in drafter.state_dict().items()}
+    moments = [optimizer.state[param]["exp_avg"].clone() for param in drafter.parameters()]
+    snapshot = checkpoint_snapshot(drafter, optimizer, None)
+    optimizer.step()  # the next step: weights and moments change in place
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.add_(1.0)
+    checkpoint = write_checkpoint(tmp_path / "run", 7, snapshot, {})
+    written = load_file(checkpoint / "drafter.safetensors")
+    assert written.keys() == weights.keys() and all(torch.equal(written[k], weights[k]) for k in weights)
+    fresh = _drafter()
+    restored = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    restore_trainer(checkpoint, restored, None)
+    assert all(torch.equal(restored.state[param]["exp_avg"], moment) for param, moment in zip(fresh.parameters(), moments))
+    assert verify_checkpoint(checkpoint)["step"] == 7
+
+
+def test_a_periodic_write_that_fails_stops_the_run_with_its_error(tmp_path, target, samples):
+    """The write runs in its own thread; its failure is raised in the drafter's thread at its
+    next step, so the run stops instead of training on without checkpoints. Here the
+    checkpoints folder is replaced by a file after step 3, so step 4's save cannot write."""
+    out = tmp_path / "run"
+
+    def block_the_checkpoints_folder(_worker, step):
+        if step == 2:  # after step 3 (0-based 2), before step 4's save
+            shutil.rmtree(out / "checkpoints")
+            (out / "checkpoints").write_text("not a folder")
+
+    config = tiny_train_config(out, steps=8, num_anchors=16, lr=3e-3, save_every=2, log_every=2, export_dtype="")
+    with pytest.raises(Exception) as failure:
+        train(config, samples=samples, target=target, log=io.StringIO(), step_hook=block_the_checkpoints_folder)
+    assert "checkpoints" in str(failure.value)
+    assert (out / "checkpoints").read_text() == "not a folder"
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) < 8  # stopped, not trained to the end
+
+
 KILLED_SAVE = textwrap.dedent("""
     import sys, time, torch
     sys.path[:0] = [sys.argv[2], sys.argv[3], sys.argv[2] + "/tests"]
     from dflash_train.train.checkpoint import save_checkpoint
     from test_train_checkpoint import _drafter, _optimizer_with_state
 
-    class StallsWhileSaving(torch.optim.AdamW):
-        def state_dict(self):  # called inside the save, after drafter.safetensors is written
+    class StallsWhenWritten:
+        def __deepcopy__(self, memo):  # the snapshot keeps it as it is
+            return self
+
+        def __reduce__(self):  # pickled by torch.save, after drafter.safetensors is written
             print("saving", flush=True)
             time.sleep(120)
+
+    class StallingScheduler:
+        def state_dict(self):
+            return {"stall": StallsWhenWritten()}
 
     drafter = _drafter()
     optimizer = _optimizer_with_state(drafter)
     save_checkpoint(sys.argv[1], 1, drafter, optimizer, None, {})
-    optimizer.__class__ = StallsWhileSaving
-    save_checkpoint(sys.argv[1], 2, drafter, optimizer, None, {})
+    save_checkpoint(sys.argv[1], 2, drafter, optimizer, StallingScheduler(), {})
 """)
 
 
