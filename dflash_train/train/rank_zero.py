@@ -93,8 +93,9 @@ class Checkpointer:
 
     def raise_if_failed(self) -> None:
         """The error of a periodic write that failed, in the caller's thread (once)."""
-        failure, self._failure = self._failure, None
+        failure = self._failure  # set once, as the writer's last act: clearing it cannot lose another
         if failure is not None:
+            self._failure = None
             raise failure
 
     def save(self, step: int, replica: Replica) -> None:
