@@ -165,10 +165,14 @@ def _token_aligned_common_prefix(tokenizer: Any, generation_prompt: str, rest: s
 
 def _assistant_start(tokenizer: Any, messages: Messages, index: int, full: str, enable_thinking: bool | None) -> int:
     """Character of `full` where the assistant's own text of message `index` begins."""
+    with_prompt = render_text(tokenizer, messages[:index], True, enable_thinking)
+    if full.startswith(with_prompt):
+        # The usual case, settled without rendering the history alone: the whole conversation
+        # begins with exactly the prompt the answer was served, so the answer starts after it.
+        return len(with_prompt)
     history = render_text(tokenizer, messages[:index], False, enable_thinking)
     if not full.startswith(history):
         raise _not_a_prefix(f"rendering messages[:{index}]", history, full)
-    with_prompt = render_text(tokenizer, messages[:index], True, enable_thinking)
     if not with_prompt.startswith(history):
         raise _not_a_prefix(f"messages[:{index}] with the generation prompt (without it)", history, with_prompt)
     generation_prompt, rest = with_prompt[len(history) :], full[len(history) :]
