@@ -168,8 +168,8 @@ for name in "${stages[@]}"; do
                 ${STAGES:+--stages "$STAGES"}
             mkdir -p "$OUT/quality-pipeline"
             # The target's answers, once, in 15 MiB pieces: a later session carries them back (DATA_PARTS=) and
-            # only trains, for the device time one session has is less than the whole recipe takes.
-            if [ -f "$WORK/data.jsonl" ] && [ ! -f "$WORK/.data-sent" ] && python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("regenerate", {}).get("done"))' "$WORK/stages.json" 2>/dev/null; then
+            # only trains, for the device time one session has is less than the whole recipe takes. SEND_DATA=0: not sent.
+            if [ "${SEND_DATA:-1}" = 1 ] && [ -f "$WORK/data.jsonl" ] && [ ! -f "$WORK/.data-sent" ] && python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("regenerate", {}).get("done"))' "$WORK/stages.json" 2>/dev/null; then
                 xz -T0 -6 -c "$WORK/data.jsonl" | split -b 15M -d - "$OUT/quality-pipeline/data.jsonl.xz.part" && touch "$WORK/.data-sent"
             fi
             (cd "$WORK" && tar czf "$OUT/quality-pipeline/records.tar.gz" \
