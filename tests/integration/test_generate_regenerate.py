@@ -228,6 +228,63 @@ def test_accounting_of_bad_duplicate_long_and_failing_rows(smollm2_dir, tmp_path
     assert text.splitlines()[-5] == "rows: read=6 used=2 skipped=4"
 
 
+class RecordingEngine:
+    """A real engine that keeps the jobs it was given, to compare them between runs."""
+
+    def __init__(self, engine):
+        self.engine, self.jobs = engine, None
+        self.description, self.setup_failures = engine.description, engine.setup_failures
+
+    def answers(self, jobs):
+        self.jobs = list(jobs)
+        return self.engine.answers(self.jobs)
+
+
+def test_prompts_rendered_in_worker_processes_make_the_same_jobs_skips_and_rows(tiny, tmp_path, monkeypatch):
+    """Two worker processes (the threshold lowered to this short list) render the prompts: the
+    same jobs in the same order, the same skips (duplicate, template error, too long) with the
+    same examples, and the same rows as rendering here; and the same again when the workers
+    cannot start."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.path)
+    # Set after loading, so only a worker that receives the tokenizer as it is now fails this prompt.
+    tokenizer.chat_template = ("{% if messages[-1]['content'].startswith('FAIL') %}"
+                               "{{ raise_exception('this template refuses FAIL') }}{% endif %}" + tokenizer.chat_template)
+    target = Target(tiny.model, tokenizer, tiny.path)
+    prompts = _prompts(TEXTS[:9])
+    prompts.insert(2, Prompt("p0", [{"role": "user", "content": "A second p0, answered never."}], "test:dup"))
+    prompts.insert(5, Prompt("fail", [{"role": "user", "content": "FAIL on purpose"}], "test:fail"))
+    prompts.insert(7, Prompt("long", [{"role": "user", "content": " ".join(["word"] * 80)}], "test:long"))
+    settings = GenerationSettings(max_new_tokens=3)
+
+    def regenerated(name, workers):
+        stats = _stats(prompts)
+        engine = RecordingEngine(local_engine(target, settings, batch_size=4, max_prompt_tokens=60, log=_quiet()))
+        log = io.StringIO()
+        report = run(target, prompts, tmp_path / name, stats=stats, settings=settings, max_prompt_tokens=60,
+                     engine=engine, workers=workers, parallel_min_prompts=4, log=log)
+        jobs = [(job.prompt.id, job.ids, job.seed) for job in engine.jobs]
+        rows = sorted(json.dumps(row) for row in _rows(tmp_path / name))
+        counts = (report.new, report.resumed, report.failed, report.tokens, report.finish, report.with_token_ids)
+        return jobs, stats.summary(), dict(stats.first_example), counts, rows, log.getvalue()
+
+    here, there = regenerated("here.jsonl", 1), regenerated("there.jsonl", 2)
+    assert "rendering 11 prompts in 2 worker processes" in there[-1] and "worker processes" not in here[-1]
+    assert there[:-1] == here[:-1]
+    jobs, _, first_example, _, rows, _ = here
+    assert [job_id for job_id, _, _ in jobs] == [f"p{i}" for i in range(9)]
+    assert jobs[0][1] == render_prompt(tokenizer, prompts[0].messages) and len(rows) == 9
+    assert first_example == {"duplicate id": "test:dup: id 'p0'",
+                             "chat template error": "test:fail: chat template failed on 1 messages: "
+                                                    "TemplateError: this template refuses FAIL",
+                             "prompt longer than 60 tokens": "test:long: 110 tokens"}
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")  # the workers cannot start
+    with pytest.warns(UserWarning, match="rendering the prompts in worker processes failed .*; doing it in this process"):
+        fallback = regenerated("fallback.jsonl", 2)
+    assert fallback[:-1] == here[:-1]
+
+
 def test_every_row_failing_is_a_setup_error_not_bad_data(smollm2_dir, tmp_path):
     model = tiny_hf_model("llama", vocab=49152, hidden=32, layers=2)
     model.resize_token_embeddings(100)
