@@ -13,6 +13,12 @@ and, last, what a restarted run pays instead (`data/rows_cache.py`: the data has
 folder's rows.cache read back; it must give the same samples):
 
     render <rows> rows read back from rows.cache: <s> s (<MB> MB on disk)
+
+With `--prompts FILE` it times instead what regenerate does before its first token: render the
+prompts (`generate/regenerate.py`, worker processes from `--parallel-min` prompts up), each
+worker count giving the same jobs:
+
+    render <n> prompts for regenerate, <W> worker(s): <s> s (<prompts/s> prompts/s)
 """
 
 from __future__ import annotations
@@ -35,15 +41,22 @@ from dflash_train.data.samples import load_training_samples  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="a Hugging Face folder or .gguf (only its tokenizer is used)")
-    parser.add_argument("--data", required=True, help="a conversation file (.jsonl or .jsonl.gz)")
+    parser.add_argument("--data", default="", help="a conversation file (.jsonl or .jsonl.gz)")
+    parser.add_argument("--prompts", default="", help="a prompt file: time regenerate's prompt rendering instead")
+    parser.add_argument("--limit", type=int, default=0, help="--prompts: the first N prompts (0 = all)")
+    parser.add_argument("--parallel-min", type=int, default=8192, help="--prompts: regenerate's parallel_min_prompts")
     parser.add_argument("--workers", default="1,4,16", help="comma-separated worker counts (1 = this process)")
     parser.add_argument("--max-length", type=int, default=768)
     parser.add_argument("--min-supervised-tokens", type=int, default=32)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
+    if bool(args.data) == bool(args.prompts):
+        parser.error("give one of --data (training rows) or --prompts (regenerate's prompts)")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder(args.target))
+    if args.prompts:
+        return time_prompt_rendering(args, tokenizer)
     results, reference = [], None
     for workers in [int(w) for w in args.workers.split(",")]:
         started = time.perf_counter()
@@ -72,6 +85,48 @@ def main(argv: list[str] | None = None) -> int:
         megabytes = cache.stat().st_size / 1e6
     results.append({"read_back_seconds": round(seconds, 2), "cache_mb": round(megabytes, 1)})
     print(f"render {stats.read} rows read back from rows.cache: {seconds:.1f} s ({megabytes:.0f} MB on disk)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+class _CollectingEngine:
+    """An engine that keeps the jobs regenerate hands it and answers none: regenerate up to its first token."""
+
+    description = "engine: none (the jobs are kept, nothing is generated)"
+    setup_failures = None
+
+    def answers(self, jobs):
+        self.jobs = list(jobs)
+        return iter(())
+
+
+def time_prompt_rendering(args: argparse.Namespace, tokenizer) -> int:
+    import io
+    import itertools
+
+    from dflash_train.data.readers import RowStats, read_prompts
+    from dflash_train.generate.regenerate import regenerate
+
+    prompts = list(itertools.islice(read_prompts(args.prompts), args.limit or None))
+    results, reference = [], None
+    for workers in [int(w) for w in args.workers.split(",")]:
+        engine, stats = _CollectingEngine(), RowStats()
+        stats.count_read(len(prompts))
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            regenerate(prompts, Path(folder) / "answers.jsonl", engine=engine, stats=stats, target_name="bench",
+                       tokenizer=tokenizer, log=io.StringIO(), progress_stream=io.StringIO(), workers=workers,
+                       parallel_min_prompts=args.parallel_min)
+            seconds = time.perf_counter() - started
+        jobs = [(job.prompt.id, job.ids) for job in engine.jobs]
+        if reference is not None and jobs != reference:
+            print(f"render: {workers} worker(s) gave other jobs than the first case", file=sys.stderr)
+            return 1
+        reference = jobs
+        results.append({"workers": workers, "prompts": len(prompts), "jobs": len(jobs), "seconds": round(seconds, 2)})
+        print(f"render {len(prompts)} prompts for regenerate, {workers} worker(s): {seconds:.1f} s "
+              f"({len(prompts) / seconds:,.0f} prompts/s)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

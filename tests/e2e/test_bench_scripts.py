@@ -94,6 +94,21 @@ def test_render_speed_renders_each_way_and_reads_the_rows_back(smollm2_dir, tmp_
     assert json.loads(out.read_text())[-1]["read_back_seconds"] >= 0
 
 
+def test_render_speed_times_regenerates_prompt_rendering_each_way(smollm2_dir, tmp_path):
+    """bench/render_speed.py --prompts: in this process and in two workers (threshold lowered),
+    the script itself checks both give the same jobs."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}: why?"}]}) + "\n"
+                               for i in range(12)))
+    out = tmp_path / "prompts.json"
+    printed = ok(bench("render_speed.py", "--target", str(smollm2_dir), "--prompts", str(prompts), "--limit", "10",
+                       "--workers", "1,2", "--parallel-min", "2", "--json", str(out)))
+    for workers in (1, 2):
+        assert re.search(rf"^render 10 prompts for regenerate, {workers} worker\(s\): [\d.]+ s \([\d,]+ prompts/s\)$",
+                         printed, re.MULTILINE), printed
+    assert [case["jobs"] for case in json.loads(out.read_text())] == [10, 10]
+
+
 def test_selector_top_k_checks_the_values_and_prints_its_summary_line(tmp_path):
     """bench/selector_top_k.py at small sizes: it checks row_top_k against torch.topk before
     timing (so a wrong result is exit 1, not a number), and its JSON holds every slice width."""
