@@ -20,15 +20,20 @@ from array import array
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence, TextIO, Union
 
 from ..config import TOKEN_IDS
 from ..processes import WorkerError, default_workers, map_in_processes
 from ..progress import Progress
 from .readers import FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, RowStats, read_conversations
 from .render import RenderError, render_conversation, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where samples become tensors, not at the top: the worker processes that
+# render rows import this module (for _RenderRule) and need only the tokenizer, and 16 of them
+# importing torch at once is most of their start-up.
 
 NO_VALID_ANCHOR = "no valid anchor"
 # Reads shorter than this print no progress line.
@@ -75,6 +80,8 @@ def load_training_samples(
         raise ValueError(f"max_length must be at least 2 (one anchor and its next token), got {max_length}")
     if token_ids not in TOKEN_IDS:
         raise ValueError(f"token_ids must be one of {', '.join(TOKEN_IDS)}, got {token_ids!r}")
+    import torch
+
     workers = default_workers() if workers is None else workers
     fingerprint = tokenizer_fingerprint(tokenizer) if token_ids == "auto" else None
     rule = _RenderRule(max_length, min_supervised_tokens, enable_thinking, fingerprint)

@@ -201,3 +201,17 @@ def test_a_log_gets_one_last_line_per_state():
     progress.update(4)
     progress.close()
     assert stream.getvalue().splitlines() and "4/10" in stream.getvalue().splitlines()[-1], stream.getvalue()
+
+
+def test_the_modules_render_workers_import_load_no_torch():
+    """A render worker unpickles _RenderRule.render (data/samples.py) and regenerate's
+    _rendered_prompt: importing either must not import torch, which would be most of the
+    start-up of 16 workers at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dflash_train.data.samples, dflash_train.generate.regenerate; "
+            "sys.exit(3 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr or "torch was imported"
