@@ -140,6 +140,8 @@ for name in "${stages[@]}"; do
         # and dev splits and their order are the built-in set's). WORK outlives the call on a warm machine, so the
         # same stage in the next call resumes it; Ctrl-C at the box lets training save its step. The records
         # come back under $OUT/quality-pipeline (records.tar.gz and the drafter). ARCH=dflash2 trains a DFlash2 drafter on the same recipe (its own WORK).
+        # bench/stage_device.sh prepares here what the machine needs (the GGUF in halves, the prompts, the wheels, the
+        # committed code) and prints the calls that carry it.
         quality-pipeline) WORK=${WORK:-$HOME/stage/${RECIPE:-smollm2-quality}-${ARCH:-recipe}}
             # DATA_PARTS= a folder of data.jsonl.xz.partNN an earlier call sent back: train on those answers
             # (`pipeline --data`) instead of writing them again, the recipe's first three stages skipped.

