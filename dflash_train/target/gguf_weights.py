@@ -27,13 +27,13 @@ and the caller converts that file the slow way, through transformers.
 
 from __future__ import annotations
 
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..processes import available_cores
 from .gguf_header import ARRAY, STRING, GGUFHeader, GGUFTensorInfo
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DirectPlan", "UnsupportedGGUF", "gguf_config_dict", "plan_direct_read",
@@ -253,14 +253,6 @@ def _unpermute_rows(weights: Any, heads: int) -> Any:
     return weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def _worker_count() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, _MAX_WORKERS))
-
-
 def read_state_dict(gguf_path: str | Path, plan: DirectPlan) -> dict[str, Any]:
     """{Hugging Face name: float32 torch tensor} for every tensor of the plan, dequantized."""
     import numpy as np
@@ -291,7 +283,7 @@ def read_state_dict(gguf_path: str | Path, plan: DirectPlan) -> dict[str, Any]:
         # One row of many blocks: gguf-py unpacks it in one vectorized call instead of 16 rows at a time.
         out[...] = dequantize(raw.reshape(1, -1), ggml_type).reshape(out.shape)
 
-    with ThreadPoolExecutor(_worker_count()) as pool:
+    with ThreadPoolExecutor(min(available_cores(), _MAX_WORKERS)) as pool:
         for _ in pool.map(unpack, pieces):
             pass
     state_dict = {}
