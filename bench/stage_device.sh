@@ -42,4 +42,6 @@ Calls, back to back on one machine (it goes back after ~30 s idle); add ARCH=dfl
     cat ~/stage/part00 .stage/part01 > ~/stage/smol.gguf && echo "$GGUF_SHA256  \$HOME/stage/smol.gguf" | sha256sum -c && xz -dc .stage/prompts.jsonl.xz > ~/stage/prompts.jsonl
  3. cd ~/stage/src && PYTHONPATH=~/stage/site SEND_DATA=0 GGUF=\$HOME/stage/smol.gguf PROMPTS=\$HOME/stage/prompts.jsonl WORK=\$HOME/stage/work STAGES=prompts,self-prompts,regenerate bash bench/gpu_checks.sh quality-pipeline
  4. the same with STAGES=train (PIPELINE_LIMIT=580), again until trained, then STAGES=train,export,export-gguf,eval
+Answers an earlier call sent back (data.jsonl.xz.part*, copied into .stage/DIR): skip 3, carry .stage/DIR with the first
+train call, and give every train call DATA_PARTS=\$PWD/.stage/DIR before its cd (the first unpacks them on the machine).
 EOF
