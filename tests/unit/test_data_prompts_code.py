@@ -9,7 +9,6 @@ import pytest
 from dflash_train.data.prompts.code import (
     CODEIO_FILES,
     HUMANEVAL_HEADER,
-    REASONING_GYM_INSTALL,
     codeio_prompt,
     package_prompts,
     package_root,
@@ -133,7 +132,7 @@ def test_package_root_finds_an_installed_package_without_importing_it():
 
 def test_a_real_codeio_task_becomes_a_main_solution_stub():
     try:
-        path = package_path("reasoning_gym", CODEIO_FILES[0], REASONING_GYM_INSTALL)
+        path = package_path("reasoning_gym", CODEIO_FILES[0], "reasoning-gym")
     except MissingAsset as error:
         pytest.skip(str(error))
     row = json.loads(gzip.open(path, "rt").readline())

@@ -38,7 +38,6 @@ from ...processes import map_anywhere
 from ..decontaminate import normalized_key
 from ..readers import Prompt
 
-REASONING_GYM_INSTALL = "pip install --no-deps reasoning-gym==0.1.25"
 CODEIO_FILES = ("data/codeio.jsonl.gz", "data/codeio-hq.jsonl.gz")
 HUMANEVAL_HEADER = "Complete the following Python function:\n```python\n"
 MAX_CODE_PROMPT_CHARS = 2000
@@ -229,7 +228,7 @@ def codeio_prompts() -> list[Prompt]:
     """HumanEval-format prompts from reasoning-gym's CodeI/O tasks, one per distinct task description."""
     prompts, seen = [], set()
     for relative in CODEIO_FILES:
-        path = package_path("reasoning_gym", relative, REASONING_GYM_INSTALL)
+        path = package_path("reasoning_gym", relative, "reasoning-gym")
         for number, row in enumerate(_codeio_rows(path), start=1):
             if not isinstance(row, dict) or not isinstance(row.get("task_description"), str):
                 continue

@@ -46,7 +46,6 @@ from ...processes import map_anywhere
 from ..decontaminate import normalized_key
 from ..readers import DataError, Prompt, RowStats, parse_messages
 
-EVALS_INSTALL = "pip install --no-deps evals==3.0.1.post1"
 MIN_PROMPT_CHARS = 32
 MAX_PROMPT_CHARS = 2000
 ASKS_FOR_SHORT_ANSWER = "asks for a short answer"  # the one rejection a prompt can still be taken with
@@ -206,7 +205,7 @@ def prompt_rejection(raw_messages: list[Any], signals_of: Callable[[str], TextSi
 
 def evals_registry_dir() -> Path:
     """`evals/registry/data` of the installed package (found without importing it: installed --no-deps)."""
-    return package_path("evals", "registry/data", EVALS_INSTALL, directory=True)
+    return package_path("evals", "registry/data", "evals", directory=True)
 
 
 def _is_chat_row(line: bytes) -> bool:
