@@ -17,6 +17,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -193,7 +194,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                         raise ConfigError(f"{key}: cannot read {item!r} as a table")
                 return list(value)
             if isinstance(value, str):
-                value = [v.strip() for v in value.split(",") if v.strip()]
+                value = [_expand_home(v.strip()) for v in value.split(",") if v.strip()]
             if not isinstance(value, (list, tuple)):
                 raise ValueError(value)
             return [_convert(v, item_tp, key) for v in value]
@@ -214,6 +215,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
                str: ("a string", "strings"), dict: ("a table", "tables")}
+
+
+def _expand_home(item: str) -> str:
+    """An item of a comma-separated list with its leading `~/` expanded: the shell expands `~` only
+    at the start of a word, so in `--data ~/a.jsonl,~/b.jsonl` the second path arrives as typed."""
+    return os.path.expanduser(item) if item == "~" or item.startswith("~/") else item
 
 
 def _type_name(tp: Any) -> str:

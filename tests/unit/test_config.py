@@ -121,6 +121,19 @@ def test_lists_and_bools_parse_from_flags(tmp_path):
         _config(tmp_path, ["--target-layer-ids", "1,x"])
 
 
+def test_a_home_path_after_a_comma_is_expanded_as_the_shell_expands_the_first(tmp_path, monkeypatch):
+    # The shell turns `--bench ~/a.jsonl,~/b.jsonl` into `/home/u/a.jsonl,~/b.jsonl`: the items after a
+    # comma come as typed, so each item's leading ~/ is expanded here; a ~ elsewhere is left alone.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    _model_folders(tmp_path, t={}, d={"dflash_config": {}})
+    args = build_parser("eval").parse_args(["eval", "--target", "t", "--drafter", "d",
+                                            "--bench", f"{tmp_path}/a.jsonl,~/b.jsonl,humaneval,x~/c.jsonl,~"])
+    assert from_args(EvalConfig, args).prompts.bench == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "humaneval", "x~/c.jsonl",
+                                                 str(tmp_path)]
+    assert _config(tmp_path, ["--data", "~/one.jsonl,~/two.jsonl"]).data.data == [f"{tmp_path}/one.jsonl", f"{tmp_path}/two.jsonl"]
+
+
 def test_variants_from_toml_are_converted_and_checked_like_flags(tmp_path):
     text = """
 mode = "variants"
