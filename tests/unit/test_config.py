@@ -129,8 +129,8 @@ def test_a_home_path_after_a_comma_is_expanded_as_the_shell_expands_the_first(tm
     _model_folders(tmp_path, t={}, d={"dflash_config": {}})
     args = build_parser("eval").parse_args(["eval", "--target", "t", "--drafter", "d",
                                             "--bench", f"{tmp_path}/a.jsonl,~/b.jsonl,humaneval,x~/c.jsonl,~"])
-    assert from_args(EvalConfig, args).prompts.bench == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "humaneval", "x~/c.jsonl",
-                                                 str(tmp_path)]
+    bench = from_args(EvalConfig, args).prompts.bench
+    assert bench == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "humaneval", "x~/c.jsonl", str(tmp_path)]
     assert _config(tmp_path, ["--data", "~/one.jsonl,~/two.jsonl"]).data.data == [f"{tmp_path}/one.jsonl", f"{tmp_path}/two.jsonl"]
 
 
