@@ -82,7 +82,7 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
 
 
-def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash"):
+def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash", gradients="handed-over"):
     config = drafter_config(dims, args.block_size, arch)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
@@ -113,7 +113,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         clock: list[float] = []
         mark = (lambda i: events[i].record()) if events else (lambda i: clock.append(time.perf_counter()))
         mark(0)
-        optimizer.zero_grad(set_to_none=False)  # the Step's gradients are persistent: zeroed, never dropped
+        optimizer.zero_grad(set_to_none=gradients == "handed-over")  # as the Step below does
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             loss, _ = drafter_loss(drafter, frozen, batch, objective, backend)
         mark(1)
@@ -132,6 +132,8 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     step = Step(drafter, optimizer, scheduler, frozen, objective, attention_backend=backend, clip_grad=1.0,
                 autocast_dtype=autocast)
     graphed, prepare_s, prepare_note = None, None, ""
+    if graphs == "off" and gradients == "handed-over":
+        step.hand_over_gradients()  # what train's eager step does
     if graphs == "on":
         from dflash_train.train.step_graphs import GraphedStep, step_shapes
 
@@ -188,7 +190,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
         "last_loss": round(last["step"].loss, 4), "last_grad_norm": round(last["step"].grad_norm, 4),
         "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
-        "cuda_graphs": graphs, "pipelined_ms": round(pipelined_ms, 2),
+        "cuda_graphs": graphs, "gradients": gradients if graphs == "off" else "buffers", "pipelined_ms": round(pipelined_ms, 2),
         "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
     }
     if name in SPECFORGE and dims is QWEN3_8B and arch == "dflash":
@@ -237,6 +239,9 @@ def main() -> int:
                         help=f"comma-separated FP8 modes to run each config in, of {FP8_CHOICES} (train --fp8)")
     parser.add_argument("--cuda-graphs", default="off",
                         help="comma-separated: on (the step captured in CUDA graphs, train --cuda-graphs), off (eager)")
+    parser.add_argument("--gradients", default="handed-over",
+                        help="comma-separated, eager steps: handed-over (the backward's own gradient tensors, dropped "
+                             "by each update: what train runs without graphs), buffers (persistent, zeroed each step)")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -262,6 +267,10 @@ def main() -> int:
     for mode in graph_modes:
         if mode not in ("on", "off"):
             parser.error(f"--cuda-graphs {mode!r}: choose from on, off")
+    gradient_modes = args.gradients.split(",")
+    for mode in gradient_modes:
+        if mode not in ("handed-over", "buffers"):
+            parser.error(f"--gradients {mode!r}: choose from handed-over, buffers")
     results = []
     for name in args.configs.split(","):
         if name not in SPECFORGE and name not in RECIPE_SHAPES:
@@ -271,30 +280,33 @@ def main() -> int:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         for arch in archs:
             for mode in modes:
-                for graphs in graph_modes:
+                for graphs, gradients in [(g, m) for g in graph_modes for m in gradient_modes]:
+                    if graphs == "on" and gradients != gradient_modes[0]:
+                        continue  # graphs always hold buffers: one run
                     try:
-                        result = run_config(name, dims, shape, args, device, mode, graphs, arch)
+                        result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients)
                     except Exception as error:  # noqa: BLE001 - report and go on with the next config
                         result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs,
-                                  "error": f"{type(error).__name__}: {error}"}
+                                  "gradients": gradients, "error": f"{type(error).__name__}: {error}"}
                     results.append(result)
                     print(json.dumps(result), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
           f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6} error: {r['error']}")
+            print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8} error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
+        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
               f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
     for r in results:
         if "speedup_vs_specforge" in r:
             mode = "bf16" if r["fp8"] == "off" else f"--fp8 {r['fp8']}"
-            graphs = ", --cuda-graphs on" if r["cuda_graphs"] == "on" else ""
+            graphs = (", --cuda-graphs on" if r["cuda_graphs"] == "on" else
+                      ", gradient buffers" if r["gradients"] == "buffers" else "")
             print(f"drafter-step {r['config']} ({mode}{graphs}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
                   f"{r['speedup_vs_specforge']:.2f}x SpecForge")
     for r in results:

@@ -12,9 +12,10 @@ through the frozen LM head, and updates the drafter. `Step` holds one replica's 
         (DFlash2)      + selector_weight · the candidate selector's CE over the head's top-k
         loss           = Σ w·CE × the float32 reciprocal of the global normaliser
                          (so micro-batches and replicas add)
-        backward       (the gradients add into persistent buffers)
+        backward       (the gradients add into persistent buffers, or the first backward's
+                        own gradient tensors become them: `Step.hand_over_gradients`)
     the loop sums the gradients across replicas and nodes here, and votes whether to go on
-    Step.update()               clip, check finite, AdamW, zero the gradients, LR schedule step
+    Step.update()               clip, check finite, AdamW, zero (or drop) the gradients, LR schedule step
     Step.result(lr)             the step's numbers, read back on the host
 
 Eagerly these run as they are (`Step.run`: every phase in order, no reduction). CUDA graphs
@@ -323,8 +324,9 @@ class Step:
     """One replica's persistent step state (gradients, sums, lr tensors, outputs) and the phases a
     step is made of (the module docstring). `apply` is the update's device part: `apply_update`,
     or a captured replay of it. The gradients are the parameters' own `.grad` tensors, made once
-    and zeroed by each update: captured graphs and the gradient sum hold them, so nothing may set
-    them to None (`zero_grad(set_to_none=True)`) while the Step is in use."""
+    and zeroed by each update: captured graphs hold them, so nothing may set them to None
+    (`zero_grad(set_to_none=True)`) while the Step is in use, unless `hand_over_gradients` made
+    it an eager step that drops them itself."""
 
     def __init__(
         self,
@@ -349,7 +351,7 @@ class Step:
             for param in self.params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-        self.grads = [p.grad for p in self.params]
+        self.gradient_buffers = True  # False: hand_over_gradients
         zeros = dict(device=self.device, dtype=torch.float32)
         block = drafter.config.block_size
         self.loss_sum = torch.zeros((), **zeros)
@@ -359,6 +361,35 @@ class Step:
         self.force_skip = torch.zeros((), **zeros)  # 1.0 makes the update a no-op (warm-ups)
         self.outputs = torch.zeros(3 + 2 * block + 2, **zeros)  # loss, grad norm, skipped, METRICS
         self.apply: Callable[[], None] = self.apply_update
+
+    def hand_over_gradients(self) -> None:
+        """Eager steps only: the update drops the gradients instead of zeroing them, so the next
+        backward's gradient tensors become the parameters' `.grad` without a copy (autograd keeps
+        a new gradient as it is where `.grad` is None). Saves a zeroing pass and an add over
+        every parameter per step (4 bytes read twice and written twice each, float32 master
+        weights); the values are the same (0 + g = g). Captured graphs need the buffers."""
+        self.gradient_buffers = False
+        self.drop_gradients()
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The parameters' gradients now; one this step's backward did not reach is made zero, as
+        a buffer would be (AdamW skips a parameter whose gradient is None, and its moments and
+        decay would then differ)."""
+        if not self.gradient_buffers:
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        return [p.grad for p in self.params]
+
+    @torch.no_grad()
+    def drop_gradients(self) -> None:
+        """Gradients to zero: the buffers zeroed, or (handed-over gradients) released."""
+        if self.gradient_buffers:
+            torch._foreach_zero_(self.grads)
+        else:
+            for param in self.params:
+                param.grad = None
 
     def run(self, micro_batches: list[DrafterBatch]) -> StepResult:
         """One whole step with nothing between the phases (one replica, one node), read back now."""
@@ -393,15 +424,16 @@ class Step:
     @torch.no_grad()
     def apply_update(self) -> None:
         """The update on the device: the step's numbers into `outputs`, the gradients and sums to zero."""
+        grads = self.grads
         if self.fused:
-            norm, skipped = fused_clip_and_step(self.optimizer, self.grads, self.clip_grad, self.force_skip,
+            norm, skipped = fused_clip_and_step(self.optimizer, grads, self.clip_grad, self.force_skip,
                                                 self.lrs if self.lr_from_tensors else None)
         else:  # an unfused AdamW cannot skip on the device: the host looks at the norm
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
             skipped = (~torch.isfinite(norm) | (self.force_skip > 0)).float()
             if not skipped:
                 self.optimizer.step()
-        torch._foreach_zero_(self.grads)
+        self.drop_gradients()
         metrics = [self.metric_sums[name].flatten() for name in METRICS]
         self.outputs.copy_(torch.cat([self.loss_sum.view(1), norm.float().view(1), skipped.view(1), *metrics]))
         self.reset_sums()
@@ -419,7 +451,7 @@ class Step:
     @torch.no_grad()
     def reset(self) -> None:
         """Gradients and sums back to zero (after warm-ups)."""
-        torch._foreach_zero_(self.grads)
+        self.drop_gradients()
         self.reset_sums()
 
     @torch.no_grad()

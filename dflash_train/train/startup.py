@@ -71,7 +71,9 @@ def attach_step(replica: Any, config: TrainConfig, choice: GraphChoice, lengths:
     if choice.enabled:
         replica.graphed = GraphedStep(name=thread, step=replica.step, shapes=shapes)
         replica.prepare = replica.graphed.prepare
-    elif compiled:
+        return
+    replica.step.hand_over_gradients()
+    if compiled:
         replica.prepare = functools.partial(warm_compile, replica.step, shapes)
 
 

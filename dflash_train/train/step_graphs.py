@@ -233,6 +233,8 @@ class GraphedStep:
     def __init__(self, *, name: str, step: Step, shapes: StepShapes, capture_graphs: bool = True):
         if not step.fused:
             raise ValueError("a graphed step needs a fused AdamW (grad_scale / found_inf)")
+        if not step.gradient_buffers:
+            raise ValueError("a graphed step needs the Step's persistent gradient buffers (not hand_over_gradients)")
         self.name, self.step, self.shapes = name, step, shapes
         step.lr_from_tensors = True
         self.device = step.device

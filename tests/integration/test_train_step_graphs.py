@@ -6,6 +6,7 @@ configuration errors. Capture and replay themselves need a GPU: tests/gpu/test_t
 import copy
 import functools
 import json
+import math
 import os
 import time
 import warnings
@@ -85,8 +86,8 @@ def _steps(target, objective, *, steps, batches_per_step, batch_size=4, seed=0):
     return out
 
 
-def _trainer(target, objective, drafter, lr=3e-3):
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+def _trainer(target, objective, drafter, lr=3e-3, fused=True):
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
     return optimizer, warmup_cosine(optimizer, 40, 0.1, 0.1)
 
 
@@ -220,24 +221,71 @@ def test_static_step_equals_the_classic_step_over_24_steps(target):
     assert isinstance(static_opt.param_groups[0]["lr"], float)
 
 
-def test_replicas_gradient_sum_through_the_static_step(target):
-    """Two replicas in two real threads, each a GraphedStep, the GradientReducer summing their
-    persistent gradients between the micro-batches and the update == one drafter taking both
-    micro-batches of each step (classic step, gradient accumulation)."""
+def _handed_over(target, objective, drafter, optimizer, scheduler):
+    step = _eager(target, objective, drafter, optimizer, scheduler)
+    step.hand_over_gradients()
+    return step
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused AdamW", "clip_grad_norm_ and AdamW"])
+def test_handed_over_gradients_give_the_buffered_steps_numbers_bit_for_bit(target, fused):
+    """The eager step that drops its gradients and keeps the backward's own tensors (what train
+    runs without CUDA graphs) against the persistent buffers: 12 steps of 2 micro-batches (so the
+    second backward adds into the first's tensors), weight decay, clipping and one non-finite step
+    give identical losses, norms, weights and moments; no gradient outlives an update; a graphed
+    step refuses such a Step."""
+    objective = _objective(anchors=24)
+    steps = _steps(target, objective, steps=12, batches_per_step=2)
+    poisoned = steps[5][0].target_features.clone()
+    poisoned[0, 2, 0] = float("nan")
+    steps[5][0] = copy.copy(steps[5][0])
+    steps[5][0].target_features = poisoned
+    buffered_drafter = _drafter(target)
+    # no backward reaches it: a buffer gives it zero gradients, so AdamW still decays it
+    buffered_drafter.register_parameter("unreached", torch.nn.Parameter(torch.ones(3)))
+    handed_drafter = copy.deepcopy(buffered_drafter)
+    buffered_opt, buffered_sched = _trainer(target, objective, buffered_drafter, fused=fused)
+    handed_opt, handed_sched = _trainer(target, objective, handed_drafter, fused=fused)
+    buffered = _eager(target, objective, buffered_drafter, buffered_opt, buffered_sched)
+    handed = _handed_over(target, objective, handed_drafter, handed_opt, handed_sched)
+    assert all(p.grad is None for p in handed_drafter.parameters())
+    for step, micro in enumerate(steps):
+        a, b = buffered.run(micro), handed.run(micro)
+        assert a.skipped == b.skipped and a.skipped == (step == 5), step
+        for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm)):
+            assert x == y or (math.isnan(x) and math.isnan(y)), step
+        assert all(p.grad is None for p in handed_drafter.parameters()), step
+    for (name, pa), pb in zip(buffered_drafter.named_parameters(), handed_drafter.parameters()):
+        assert torch.equal(pa, pb), name
+        assert torch.equal(buffered_opt.state[pa]["exp_avg_sq"], handed_opt.state[pb]["exp_avg_sq"]), name
+    assert float(handed_drafter.unreached.detach().max()) < 1.0
+    with pytest.raises(ValueError, match="persistent gradient buffers" if fused else "fused AdamW"):
+        GraphedStep(name="test", step=handed, shapes=step_shapes(BUCKETS, 4, objective, len(LAYERS) * target.spec.hidden_size,
+                                                                  torch.float32, target.spec.vocab_size))
+
+
+@pytest.mark.parametrize("kind", ["graphed", "eager, gradients handed over"])
+def test_replicas_gradient_sum_through_the_static_step(target, kind):
+    """Two replicas in two real threads, each a GraphedStep (or the eager step that drops its
+    gradients), the GradientReducer summing their gradients between the micro-batches and the
+    update == one drafter taking both micro-batches of each step (classic step, gradient
+    accumulation)."""
     objective = _objective(anchors=24)
     steps = _steps(target, objective, steps=10, batches_per_step=2)
     reference = _drafter(target)
     replicas = [copy.deepcopy(reference), copy.deepcopy(reference)]
     ref_opt, ref_sched = _trainer(target, objective, reference)
-    graphed = [_graphed(target, objective, d, *_trainer(target, objective, d)) for d in replicas]
+    make = _graphed if kind == "graphed" else _handed_over
+    stepped = [make(target, objective, d, *_trainer(target, objective, d)) for d in replicas]
     reducer = GradientReducer(replicas, StopSignal())
     results: dict[int, list] = {0: [], 1: []}
 
     def run(rank):
         for micro in steps:
-            graphed[rank].accumulate(micro[rank])
+            stepped[rank].accumulate(micro[rank])
             reducer.sync(rank)
-            results[rank].append(graphed[rank].update())
+            step = stepped[rank]
+            results[rank].append(step.update() if kind == "graphed" else step.result(step.update()))
 
     errors = run_in_threads(run, (0, 1), timeout=60, on_error=lambda _: reducer.abort())
     assert not errors, errors
