@@ -102,6 +102,13 @@ def _special_token_ids(tokenizer: Any) -> frozenset[int]:
     return cached[1]
 
 
+def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text token ids write: special tokens kept, spaces as they are. Some tokenizer configs
+    still ask for `clean_up_tokenization_spaces`, which strips spaces before punctuation; recent
+    transformers ignore it for BPE with a warning, older ones apply it and change the text."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 _fingerprint_cache: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = weakref.WeakKeyDictionary()
 
 
@@ -239,7 +246,7 @@ def render_conversation(
         if end is None:
             raise RenderError(
                 f"chat template renders no special end-of-turn token after assistant message {index} "
-                f"(looked at {tokenizer.decode(input_ids[start:stop])[:80]!r}); the drafter must learn where a turn ends"
+                f"(looked at {decode_text(tokenizer, input_ids[start:stop])[:80]!r}); the drafter must learn where a turn ends"
             )
         loss_mask[start : end + 1] = [1] * (end + 1 - start)
 
@@ -256,7 +263,7 @@ def _why_not_ids(tokenizer: Any, messages: Messages, turns: list[int], full: str
     text = messages[-1]["content"]
     if not full.startswith(text, cut):
         return "token ids, but the chat template rewrites the answer text"
-    if tokenizer.decode(list(answer_ids), skip_special_tokens=False) != text:
+    if decode_text(tokenizer, answer_ids) != text:
         return "token ids that do not decode to the answer text"
     return None
 

@@ -56,7 +56,7 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO
 import torch
 
 from ..capture import CapturedStep, GraphPool
-from ..data.render import stop_token_ids
+from ..data.render import decode_text, stop_token_ids
 from ..decode.recurrent import select_rows
 from ..decode.sampling import choose_tokens
 from ..decode.static import CAPACITY_STEP, cache_capacity
@@ -89,7 +89,7 @@ def to_answer(tokenizer: Any, generated: Generated) -> Answer:
     """The row's answer: its text, and its tokens as generated (training learns those, not the
     text's canonical tokenization, which the target does not always write)."""
     tokens = generated.answer_tokens()
-    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    text = decode_text(tokenizer, tokens)
     return Answer(text, generated.finish_reason, len(generated.tokens), list(tokens))
 
 

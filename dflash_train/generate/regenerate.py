@@ -60,7 +60,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence, TextIO
 
 from ..config import ConfigError, UserError
 from ..data.readers import DataError, Prompt, RowStats
-from ..data.render import RenderError, render_prompt, tokenizer_fingerprint
+from ..data.render import RenderError, decode_text, render_prompt, tokenizer_fingerprint
 from ..files import write_json_atomic
 from ..processes import default_workers, map_anywhere
 from ..progress import Progress, format_seconds
@@ -279,9 +279,9 @@ def answer_token_ids(answer: Answer, tokenizer: Any | None) -> tuple[list[int] |
         return None, NO_IDS_FROM_ENGINE
     if tokenizer is None:
         return None, NO_TOKENIZER
-    if tokenizer.decode(ids, skip_special_tokens=False) == answer.text:
+    if decode_text(tokenizer, ids) == answer.text:
         return list(ids), None
-    if answer.finish_reason == "stop" and ids and tokenizer.decode(ids[:-1], skip_special_tokens=False) == answer.text:
+    if answer.finish_reason == "stop" and ids and decode_text(tokenizer, ids[:-1]) == answer.text:
         return list(ids[:-1]), None
     return None, IDS_NOT_THE_TEXT
 

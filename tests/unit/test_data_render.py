@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_train.data.render import RenderError, render_conversation, render_prompt
+from dflash_train.data.render import RenderError, decode_text, render_conversation, render_prompt
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
 QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text()
@@ -284,3 +284,19 @@ def test_template_exception_becomes_a_render_error(smollm2):
 def test_render_prompt_refuses_a_trailing_answer(smollm2):
     with pytest.raises(RenderError, match="ending with a user turn"):
         render_prompt(smollm2, TWO_TURNS)
+
+
+def test_decode_text_keeps_the_spaces_a_tokenizer_config_asks_to_clean_up():
+    """A real WordPiece tokenizer whose config asks for `clean_up_tokenization_spaces` (which
+    transformers applies outside BPE, and older releases applied to BPE too): a plain decode
+    strips the spaces before punctuation, `decode_text` (every answer's and row's text) keeps them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, ",": 2, "world": 3, "!": 4}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    ids = tokenizer.encode("hello , world !")
+    assert tokenizer.decode(ids) == "hello, world!"
+    assert decode_text(tokenizer, ids) == "hello , world !"
