@@ -57,21 +57,25 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_folder(args.target))
     if args.prompts:
         return time_prompt_rendering(args, tokenizer)
-    results, reference = [], None
-    for workers in [int(w) for w in args.workers.split(",")]:
+    latest: dict = {}  # the last case's samples and stats: what the read-back below writes
+
+    def render(workers: int) -> tuple[list, dict, str]:
         started = time.perf_counter()
         samples, stats = load_training_samples(args.data, tokenizer, max_length=args.max_length,
                                                min_supervised_tokens=args.min_supervised_tokens,
                                                workers=workers, parallel_min_rows=1)
         seconds = time.perf_counter() - started
-        fingerprint = [(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples]
-        if reference is not None and fingerprint != reference:
-            print(f"render: {workers} worker(s) gave other samples than the first case", file=sys.stderr)
-            return 1
-        reference = fingerprint
-        results.append({"workers": workers, "rows": stats.read, "samples": len(samples), "seconds": round(seconds, 2),
-                        "rows_per_s": round(stats.read / seconds, 1)})
-        print(f"render {stats.read} rows, {workers} worker(s): {seconds:.1f} s ({stats.read / seconds:,.0f} rows/s)", flush=True)
+        latest.update(samples=samples, stats=stats)
+        read = stats.read
+        return ([(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples],
+                {"rows": read, "samples": len(samples), "seconds": round(seconds, 2), "rows_per_s": round(read / seconds, 1)},
+                f"render {read} rows, {workers} worker(s): {seconds:.1f} s ({read / seconds:,.0f} rows/s)")
+
+    compared = each_worker_count(args.workers, render, "samples")
+    if compared is None:
+        return 1
+    results, reference = compared
+    samples, stats = latest["samples"], latest["stats"]
     settings = dict(max_length=args.max_length, min_supervised_tokens=args.min_supervised_tokens)
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "rows.cache"
@@ -88,6 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def each_worker_count(counts: str, render, what: str) -> tuple[list[dict], list] | None:
+    """`render(workers)` -> (what it made, its numbers, its line) for each comma-separated count:
+    the numbers of each, and what the first made; None (said on stderr) when a count made
+    anything else than the first."""
+    results, reference = [], None
+    for workers in [int(w) for w in counts.split(",")]:
+        made, numbers, line = render(workers)
+        if reference is not None and made != reference:
+            print(f"render: {workers} worker(s) gave other {what} than the first case", file=sys.stderr)
+            return None
+        reference = made
+        results.append({"workers": workers, **numbers})
+        print(line, flush=True)
+    return results, reference
 
 
 class _CollectingEngine:
@@ -109,8 +129,8 @@ def time_prompt_rendering(args: argparse.Namespace, tokenizer) -> int:
     from dflash_train.generate.regenerate import regenerate
 
     prompts = list(itertools.islice(read_prompts(args.prompts), args.limit or None))
-    results, reference = [], None
-    for workers in [int(w) for w in args.workers.split(",")]:
+
+    def render(workers: int) -> tuple[list, dict, str]:
         engine, stats = _CollectingEngine(), RowStats()
         stats.count_read(len(prompts))
         with tempfile.TemporaryDirectory() as folder:
@@ -120,13 +140,14 @@ def time_prompt_rendering(args: argparse.Namespace, tokenizer) -> int:
                        parallel_min_prompts=args.parallel_min)
             seconds = time.perf_counter() - started
         jobs = [(job.prompt.id, job.ids) for job in engine.jobs]
-        if reference is not None and jobs != reference:
-            print(f"render: {workers} worker(s) gave other jobs than the first case", file=sys.stderr)
-            return 1
-        reference = jobs
-        results.append({"workers": workers, "prompts": len(prompts), "jobs": len(jobs), "seconds": round(seconds, 2)})
-        print(f"render {len(prompts)} prompts for regenerate, {workers} worker(s): {seconds:.1f} s "
-              f"({len(prompts) / seconds:,.0f} prompts/s)", flush=True)
+        return (jobs, {"prompts": len(prompts), "jobs": len(jobs), "seconds": round(seconds, 2)},
+                f"render {len(prompts)} prompts for regenerate, {workers} worker(s): {seconds:.1f} s "
+                f"({len(prompts) / seconds:,.0f} prompts/s)")
+
+    compared = each_worker_count(args.workers, render, "jobs")
+    if compared is None:
+        return 1
+    results, _ = compared
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

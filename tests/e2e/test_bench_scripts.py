@@ -188,6 +188,19 @@ def test_drafter_step_times_the_recipe_step_of_both_drafters_and_profiles_it(tmp
     assert "drafter-step S dflash2 (8b): " not in stdout and re.search(r"drafter-step S dflash2 \(tiny\): [0-9.]+ ms", stdout)
 
 
+def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
+    """bench/drafter_step.py --gradients both ways at the tiny Qwen3-8B-shaped config A: a row each,
+    each step clipped on a real gradient norm (a zero norm is an update that saw no gradients),
+    and the table names each run's gradients."""
+    out = tmp_path / "step.json"
+    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--gradients", "handed-over,buffers",
+                      "--compile", "off", "--warmup", "1", "--steps", "2", "--json", str(out)))
+    results = json.loads(out.read_text())["results"]
+    assert [r["gradients"] for r in results] == ["handed-over", "buffers"], results
+    assert all(r["last_grad_norm"] > 0 for r in results), results
+    assert re.search(r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers ", stdout, re.M), stdout
+
+
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     from test_decode_loop import write_chat_pair
