@@ -69,6 +69,11 @@ def stage_settings(work: Work, stage: str) -> dict[str, Any]:
     return json.loads(json.dumps(settings))  # as the book reads it back
 
 
+def _setting(settings: dict[str, Any], key: str) -> str:
+    """A recorded setting as a message shows it; one the recipe leaves out has train's default."""
+    return repr(settings[key]) if key in settings else "unset (the default)"
+
+
 class StageBook:
     """WORK/stages.json: per stage its settings, done, rows, seconds (over all runs), and notes."""
 
@@ -84,7 +89,7 @@ class StageBook:
             if recorded is None:
                 continue
             wanted = stage_settings(work, stage)
-            changed = [f"{key} {recorded.get(key)!r} then, {wanted.get(key)!r} now"
+            changed = [f"{key} {_setting(recorded, key)} then, {_setting(wanted, key)} now"
                        for key in sorted(set(recorded) | set(wanted)) if recorded.get(key) != wanted.get(key)]
             if changed:
                 raise ConfigError(f"{self.path}: stage {stage} was started with other settings ({'; '.join(changed)}); "

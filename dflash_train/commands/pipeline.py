@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ConfigError, option
+from ..config import ConfigError, ModelSettings, option
 from ..export.rules import ARCHITECTURE
 from ..files import check_outside_inputs
 from ..progress import format_seconds
@@ -38,6 +38,12 @@ class PipelineConfig:
     device: str = option("auto", "auto (cuda:0 if present, else cpu), cpu or cuda:N")
     data: str = option("", "train on these answers (a `regenerate` .jsonl made before, e.g. with --endpoint) instead "
                            "of the prompts, self-prompts and regenerate stages; never written to")
+    arch: str = option("", "the drafter, in place of the recipe's [train] arch: dflash or dflash2 (default: the "
+                           "recipe's)")
+
+    def overrides(self) -> dict[str, dict[str, str]]:
+        """What the flags change in the recipe."""
+        return {"train": {"arch": self.arch}} if self.arch else {}
 
     def validate(self) -> None:
         if not self.target:
@@ -60,11 +66,14 @@ class PipelineConfig:
             raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
         check_work_folder(Path(self.out))
         check_outside_inputs(self.out, "--out", [self.target, self.data])
-        load_recipe(self.recipe)  # every key checked now, before any model loads
+        archs = ModelSettings.__dataclass_fields__["arch"].metadata["choices"]
+        if self.arch and self.arch not in archs:
+            raise ConfigError(f"--arch {self.arch!r}: use {' or '.join(archs)}")
+        load_recipe(self.recipe, self.overrides())  # every key checked now, before any model loads
 
 
 def run_pipeline(config: PipelineConfig) -> int:
-    recipe = load_recipe(config.recipe)
+    recipe = load_recipe(config.recipe, config.overrides())
     return run_recipe(recipe, config.target, Path(config.out), config.stages or list(STAGES), config.device,
                       "dflash-train pipeline", answers=config.data)
 

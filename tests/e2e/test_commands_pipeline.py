@@ -267,6 +267,7 @@ def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, caps
     (("--device", "cuda:8"), "device cuda:8: not available here"),
     (("--device", "gpu0"), "device 'gpu0': use auto, cpu, cuda or cuda:N"),
     (("--data", "absent.jsonl"), "--data absent.jsonl: no such file"),
+    (("--arch", "eagle3"), "--arch 'eagle3': use dflash or dflash2"),
 ])
 def test_flag_errors_are_one_line_before_any_stage_runs(files, tmp_path, capsys, flags, message):
     """A device that is not on this machine, or answers that are not there, are refused at once:
@@ -372,15 +373,16 @@ def answers_file(path: Path, count: int) -> Path:
 
 @pytest.mark.timeout(600)
 def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys, one_thread):
-    """...with a DFlash2 drafter: the summary names the class that loads its export."""
+    """...with a DFlash2 drafter (`--arch`, in place of the recipe's): the summary names the class
+    that loads its export, and a rerun with the recipe's own arch is refused, naming it."""
     given = answers_file(tmp_path / "answers.jsonl", 8)
     before = given.read_bytes()
     work = tmp_path / "work"
     recipe = tmp_path / "dflash2.toml"
     # With a [speed] run beside [eval]'s: each loads and warms up its own models (stage_eval says why).
-    recipe.write_text(files["recipe"].read_text().replace("[train]\n", '[train]\narch = "dflash2"\nselector_top_k = 4\n')
+    recipe.write_text(files["recipe"].read_text().replace("[train]\n", "[train]\nselector_top_k = 4\n")
                       + '[speed]\nbench = ["{}"]\nlimit = 1\ndecoder = "auto"\n'.format(files["dev"]))
-    assert main(args(files, work, "--data", str(given), recipe=recipe)) == 0
+    assert main(args(files, work, "--data", str(given), "--arch", "dflash2", recipe=recipe)) == 0
     out = capsys.readouterr().out
     assert out.count("\ndecoder: ") == 2 and out.count("\ntarget ") == 2
     speed = json.loads((work / "speed.json").read_text())["benchmarks"]["dev"]["summary"]
@@ -392,8 +394,10 @@ def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys
     assert list(recorded) == ["train", "export", "eval"] and recorded["train"]["rows"] == 8
     assert recorded["train"]["settings"]["data"] == str(given) and "prompts.count" not in recorded["train"]["settings"]
     assert given.read_bytes() == before and not (work / "data.jsonl").exists()
+    assert main(args(files, work, "--data", str(given), recipe=recipe)) == 2
+    assert "stage train was started with other settings (train.arch 'dflash2' then, unset (the default) now)" in capsys.readouterr().err
     other = answers_file(tmp_path / "other.jsonl", 6)
-    assert main(args(files, work, "--data", str(other), recipe=recipe)) == 2
+    assert main(args(files, work, "--data", str(other), "--arch", "dflash2", recipe=recipe)) == 2
     assert f"stage train was started with other settings (data '{given}' then, '{other}' now)" in capsys.readouterr().err
     assert main(args(files, work, "--data", str(tmp_path / "none.jsonl"), recipe=recipe)) == 2
     assert "--data " in capsys.readouterr().err
