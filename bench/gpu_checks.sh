@@ -206,6 +206,9 @@ for name in "${stages[@]}"; do
         # Issue #40 item 1: the Qwen3-8B-shaped step as train runs it on CUDA (the fused head), with a kernel profile of A.
         step-fused) stage step-fused ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A,D --head fused --profile A \
             --profile-dir "$OUT" --json "$OUT/step_fused.json" ;;
+        # The 8B-shaped step graphed (gradient buffers) against eager with handed-over gradients and with buffers, one process.
+        step-gradients) stage step-gradients ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --head fused \
+            --cuda-graphs on,off --gradients handed-over,buffers --json "$OUT/step_gradients.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac
