@@ -74,6 +74,8 @@ class PipelineConfig:
 
 def run_pipeline(config: PipelineConfig) -> int:
     recipe = load_recipe(config.recipe, config.overrides())
+    if config.arch:  # the start line and the summary say what the flag changed
+        recipe = dataclasses.replace(recipe, name=f"{recipe.name} with --arch {config.arch}")
     return run_recipe(recipe, config.target, Path(config.out), config.stages or list(STAGES), config.device,
                       "dflash-train pipeline", answers=config.data)
 
