@@ -217,6 +217,9 @@ _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integer
                str: ("a string", "strings"), dict: ("a table", "tables")}
 
 
+ARCHS = ("dflash", "dflash2")  # the drafter architectures `--arch` names
+
+
 def _expand_home(item: str) -> str:
     """An item of a comma-separated list with its leading `~/` expanded: the shell expands `~` only
     at the start of a word, so in `--data ~/a.jsonl,~/b.jsonl` the second path arrives as typed."""
@@ -453,7 +456,7 @@ class ModelSettings(Section):
     num_layers: int = option(5, "drafter decoder layers", at_least=1)
     target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)", at_least=0)
-    arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)", choices=("dflash", "dflash2"))
+    arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)", choices=ARCHS)
     conv_kernel_size: int = option(2, "dflash2: taps of each layer's causal convolutions (along the block); 2 as in the released drafters", at_least=1)
     conv_group_size: int = option(16, "dflash2: channels sharing one dynamic kernel; must divide the target's hidden size", at_least=1)
     selector_rank: int = option(64, "dflash2: rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters)", at_least=1)
@@ -768,6 +771,6 @@ def _names(cls: type) -> tuple[str, ...]:
 
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        names = [str(c) for c in choices]
+        names = [str(c) for c in choices if c != ""]  # "" is a flag left out, not a value to offer
         raise ConfigError(f"{_flag(name)} {value!r}: use {', '.join(names[:-1])} or {names[-1]}")
 

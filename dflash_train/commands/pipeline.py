@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ConfigError, ModelSettings, option
+from ..config import ARCHS, ConfigError, check_choices, option
 from ..export.rules import ARCHITECTURE
 from ..files import check_outside_inputs
 from ..progress import format_seconds
@@ -39,7 +39,7 @@ class PipelineConfig:
     data: str = option("", "train on these answers (a `regenerate` .jsonl made before, e.g. with --endpoint) instead "
                            "of the prompts, self-prompts and regenerate stages; never written to")
     arch: str = option("", "the drafter, in place of the recipe's [train] arch: dflash or dflash2 (default: the "
-                           "recipe's)")
+                           "recipe's)", choices=("", *ARCHS))
 
     def overrides(self) -> dict[str, dict[str, str]]:
         """What the flags change in the recipe."""
@@ -66,9 +66,7 @@ class PipelineConfig:
             raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
         check_work_folder(Path(self.out))
         check_outside_inputs(self.out, "--out", [self.target, self.data])
-        archs = ModelSettings.__dataclass_fields__["arch"].metadata["choices"]
-        if self.arch and self.arch not in archs:
-            raise ConfigError(f"--arch {self.arch!r}: use {' or '.join(archs)}")
+        check_choices(self)
         load_recipe(self.recipe, self.overrides())  # every key checked now, before any model loads
 
 
