@@ -347,11 +347,8 @@ class Step:
         self.lr_from_tensors = False  # the update reads its lr from `lrs` (captured updates; needs fused AdamW)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device = self.params[0].device
-        with torch.no_grad():
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
         self.gradient_buffers = True  # False: hand_over_gradients
+        self.fill_missing_gradients()  # the persistent buffers, made once
         zeros = dict(device=self.device, dtype=torch.float32)
         block = drafter.config.block_size
         self.loss_sum = torch.zeros((), **zeros)
@@ -371,15 +368,18 @@ class Step:
         self.gradient_buffers = False
         self.drop_gradients()
 
+    def fill_missing_gradients(self) -> None:
+        """A zero gradient for each parameter without one: the buffers at the start, and, with
+        handed-over gradients, one this step's backward did not reach, as a buffer would be (AdamW
+        skips a parameter whose gradient is None, and its moments and decay would then differ)."""
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
     @property
     def grads(self) -> list[torch.Tensor]:
-        """The parameters' gradients now; one this step's backward did not reach is made zero, as
-        a buffer would be (AdamW skips a parameter whose gradient is None, and its moments and
-        decay would then differ)."""
-        if not self.gradient_buffers:
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+        """The parameters' gradients now (`fill_missing_gradients`)."""
+        self.fill_missing_gradients()
         return [p.grad for p in self.params]
 
     @torch.no_grad()
