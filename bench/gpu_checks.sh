@@ -36,6 +36,17 @@ quality_args() {
         --eval-limit 40 --mtbench-every-other --deadline-seconds $(( limit - 15 )) --fp8 "$mode"
         --cache-dir /tmp/dflash-cache --json-dir "$json_dir")
 }
+# FlashAttention-4 (flex's BACKEND=FLASH) into /tmp/flash-site, once per machine, from the wheels in
+# FA4_WHEELS: flash-attn-4, nvidia-cutlass-dsl with its core, base and cu13 libraries, quack-kernels,
+# apache-tvm-ffi, torch-c-dlpack-ext, einops, protobuf (cp312 where binary; torch brings cuda-bindings).
+# The machine has no registry, and `pip install --target` skips cutlass's .pth file, so its
+# dsl_packages folder goes on the path by hand.
+install_flash_attention() {
+    { [ -d /tmp/flash-site/flash_attn ] ||
+        python3 -m pip install -q --no-index --no-deps --target /tmp/flash-site "${FA4_WHEELS:-.stage/fa4}"/*.whl; } &&
+        export PYTHONPATH="$PYTHONPATH:/tmp/flash-site:/tmp/flash-site/nvidia_cutlass_dsl/dsl_packages" &&
+        python3 -c "import flash_attn.cute.interface, cutlass; print('flash-attn-4 importable')"
+}
 # moved-tests: the GPU tests of every room the house move touched, one stage per group.
 stages=()
 for name in "$@"; do
@@ -209,6 +220,13 @@ for name in "${stages[@]}"; do
         # The 8B-shaped step graphed (gradient buffers) against eager with handed-over gradients and with buffers, one process.
         step-gradients) stage step-gradients ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --head fused \
             --cuda-graphs on,off --gradients handed-over,buffers --json "$OUT/step_gradients.json" ;;
+        # flex attention on FlashAttention-4's kernels against Triton's at config A (output and gradients compared),
+        # then the drafter step on them: STEP_CONFIGS (default A,D) at STEP_DIMS (default 8b).
+        flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config A \
+            --only default,flash --json "$OUT/flash.json" ;;
+        step-flash) install_flash_attention && stage step-flash ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
+            --dims ${STEP_DIMS:-8b} --head fused \
+            --flex-options '{"BACKEND": "FLASH"}' --json "$OUT/step_flash.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

@@ -201,6 +201,31 @@ def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
     assert re.search(r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers ", stdout, re.M), stdout
 
 
+
+def test_flex_tuning_checks_each_candidate_against_the_default_and_picks_only_what_matches(tmp_path):
+    """bench/flex_tuning.py on the CPU (forward only): each candidate's output compared with the
+    default's; `--pick` merges Triton's fastest forward and backward tiles, takes another backend
+    only when it beats that merge, and never a candidate whose result differs from the default's."""
+    out = tmp_path / "flex.json"
+    ok(bench("flex_tuning.py", "--device", "cpu", "--tiny", "--repeats", "1", "--only", "fwd 128/64 s3 w8", "--json", str(out)))
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == ["default", "fwd 128/64 s3 w8"], results
+    assert all(r["forward_ms"] > 0 and r["relative_error"] < 1e-6 for r in results), results
+    assert bench("flex_tuning.py", "--device", "cpu", "--only", "flesh").returncode == 2
+
+    def pick(flash_ms: float, flash_error: float) -> dict:
+        rows = [("default", None, 1.0, 3.0, 0.0), ("fwd", {"fwd_BLOCK_M": 64}, 0.9, 3.1, 0.0),
+                ("bwd", {"bwd_BLOCK_M1": 32}, 1.1, 2.0, 0.0), ("flash", {"BACKEND": "FLASH"}, 0.5, flash_ms - 0.5, flash_error)]
+        picked = tmp_path / "pick.json"
+        picked.write_text(json.dumps({"results": [
+            {"name": n, "options": o, "forward_ms": f, "backward_ms": b, "fwd_bwd_ms": f + b, "relative_error": e}
+            for n, o, f, b, e in rows]}))
+        return json.loads(ok(bench("flex_tuning.py", "--pick", str(picked))) or "{}")
+
+    assert pick(flash_ms=2.5, flash_error=1e-3) == {"BACKEND": "FLASH"}  # beats 0.9 + 2.0 by more than 3 %
+    assert pick(flash_ms=2.85, flash_error=1e-3) == {"fwd_BLOCK_M": 64, "bwd_BLOCK_M1": 32}
+    assert pick(flash_ms=2.5, flash_error=0.5) == {"fwd_BLOCK_M": 64, "bwd_BLOCK_M1": 32}
+
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
     from test_decode_loop import write_chat_pair
