@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,9 @@ def test_a_periodic_write_that_fails_stops_the_run_with_its_error(tmp_path, targ
 
     def block_the_checkpoints_folder(_worker, step):
         if step == 2:  # after step 3 (0-based 2), before step 4's save
+            # Step 2's write may still be running: it would make the folder again.
+            for writer in [t for t in threading.enumerate() if t.name.startswith("checkpoint-")]:
+                writer.join()
             shutil.rmtree(out / "checkpoints")
             (out / "checkpoints").write_text("not a folder")
 
