@@ -131,15 +131,21 @@ def check_gpus() -> list[Finding]:
     return found
 
 
-def check_flex() -> list[Finding]:
+def check_flex(backend: str = "flex") -> list[Finding]:
     """The drafter's attention: flex with the DFlash block mask, compiled, forward and backward,
-    compared with SDPA on the dense mask."""
+    compared with SDPA on the dense mask; on Triton's kernels (`flex`) or FlashAttention-4's (`flash`)."""
     import torch
 
+    from ..core.attention import attend, dense_mask, flash_kernels_missing, make_mask
+
+    name = "flex attention" if backend == "flex" else "flash kernels"
+    if backend == "flash" and (missing := flash_kernels_missing()):
+        return [Finding("skip", name, f"--attention flash needs FlashAttention-4: {missing}")]
     if not torch.cuda.is_available():
-        return [Finding("skip", "flex attention", "no CUDA: flex attention's backward is not implemented on CPU; "
+        return [Finding("skip", name, "no CUDA: flex attention's backward is not implemented on CPU; "
                         "training there uses SDPA (--attention auto)")]
-    from ..core.attention import attend, block_mask, dense_mask
+    if backend == "flash" and torch.cuda.get_device_capability(0)[0] < 9:
+        return [Finding("skip", name, "cuda:0 is older than Hopper: FlashAttention-4 does not train there (--attention flex)")]
 
     device = torch.device("cuda", 0)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -152,15 +158,15 @@ def check_flex() -> list[Finding]:
 
     q, k, v = tensor(4, queries), tensor(2, keys), tensor(2, keys)
     start = time.perf_counter()
-    out = attend(q, k, v, block_mask(anchors, context, block), scale=0.125)
+    out = attend(q, k, v, make_mask(backend, anchors, context, block), scale=0.125)
     out.float().square().sum().backward()
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     reference = attend(q.detach(), k.detach(), v.detach(), dense_mask(anchors, context, block), scale=0.125)
     error = float((out.detach().float() - reference.float()).abs().max())
     if error > 0.05 or q.grad is None or not torch.isfinite(q.grad).all():
-        return [Finding("FAIL", "flex attention", f"compiled flex disagrees with SDPA by {error:.3g} (or no finite gradient)")]
-    return [Finding("ok", "flex attention", f"compiled forward+backward on cuda:0 in {seconds:.1f} s "
+        return [Finding("FAIL", name, f"compiled flex disagrees with SDPA by {error:.3g} (or no finite gradient)")]
+    return [Finding("ok", name, f"compiled forward+backward on cuda:0 in {seconds:.1f} s "
                     f"(first compile; matches SDPA to {error:.1g})")]
 
 
@@ -235,6 +241,7 @@ def run_doctor(config: DoctorConfig) -> int:
         ("compile gate", check_compile_gate),
         ("GPU", check_gpus),
         ("flex attention", check_flex),
+        ("flash kernels", lambda: check_flex("flash")),
         ("disk", lambda: check_disk(config.out)),
     ]
     if config.target:

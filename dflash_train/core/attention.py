@@ -8,13 +8,16 @@ queries are the N·B block tokens. A query in block n (anchored at position a_n)
 Padded anchor slots get a_n = 0, so they see only their own block: no empty rows, no NaN.
 
 Backends: flex_attention with a BlockMask (compiled; GPU; its backward does not exist on
-CPU) and SDPA with a dense boolean mask evaluated from the very same `mask_mod`.
+CPU) on Triton's kernels (`flex`) or on FlashAttention-4's CuTe DSL kernels (`flash`: the
+`flash-attn-4` package, Hopper or newer), and SDPA with a dense boolean mask evaluated from the
+very same `mask_mod`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import importlib.util
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +96,18 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
     )
 
 
+class FlexMask(NamedTuple):
+    """A BlockMask with the flex kernel options it runs under: () for Triton's kernels,
+    FLASH_KERNELS for FlashAttention-4's (same mask, same function; bf16 results differ in
+    rounding only)."""
+
+    block_mask: "BlockMask"
+    kernel_options: tuple[tuple[str, str], ...] = ()
+
+
+FLASH_KERNELS = (("BACKEND", "FLASH"),)
+FLEX_BACKENDS = ("flex", "flash")  # the backends that run flex_attention (compiled, CUDA only)
+
 # Triton tile / pipelining choices passed to every flex call (None: the torch release's own
 # defaults for the GPU); `bench/flex_tuning.py` measures candidates on the DFlash mask.
 flex_kernel_options: dict | None = None
@@ -104,15 +119,17 @@ def _flex():
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "BlockMask | torch.Tensor | None", scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "FlexMask | BlockMask | torch.Tensor | None", scale: float
 ) -> torch.Tensor:
     """q: [b, heads, Q, d]; k, v: [b, kv_heads, K, d] (grouped-query heads allowed)."""
-    if BlockMask is not None and isinstance(mask, BlockMask):
+    if isinstance(mask, FlexMask) or (BlockMask is not None and isinstance(mask, BlockMask)):
+        block, kernels = (mask.block_mask, dict(mask.kernel_options)) if isinstance(mask, FlexMask) else (mask, {})
         # Inside a compiled drafter forward the surrounding graph compiles flex itself;
         # called eagerly, flex must go through torch.compile to get its fused kernel.
         flex = flex_attention if torch.compiler.is_compiling() else _flex()
-        options = {"kernel_options": dict(flex_kernel_options)} if flex_kernel_options else {}
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
+        options = {**(flex_kernel_options or {}), **kernels}
+        return flex(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                    **({"kernel_options": options} if options else {}))
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -122,12 +139,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """'auto' -> flex on CUDA, sdpa elsewhere (flex has no CPU backward)."""
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
-    if backend not in ("flex", "sdpa"):
-        raise ValueError(f"attention backend {backend!r}: use auto, flex or sdpa")
+    if backend not in ("flex", "flash", "sdpa"):
+        raise ValueError(f"attention backend {backend!r}: use auto, flex, flash or sdpa")
     return backend
+
+
+def flash_kernels_missing() -> str | None:
+    """Why flex cannot run on FlashAttention-4's kernels here (its package is not importable), else None."""
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is not None:
+            return None
+    except ImportError:
+        pass
+    return "the flash-attn-4 package is not installed (pip install flash-attn-4; for CUDA 13: flash-attn-4[cu13])"
 
 
 def make_mask(backend: str, anchors: torch.Tensor, context_len: int, block_size: int):
     if backend == "flex":
         return block_mask(anchors, context_len, block_size)
+    if backend == "flash":
+        return FlexMask(block_mask(anchors, context_len, block_size), FLASH_KERNELS)
     return dense_mask(anchors, context_len, block_size)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ..config import ConfigError, TrainConfig
+from ..core.attention import FLEX_BACKENDS
 from ..core.drafter import DrafterConfig
 from ..core.objective import ObjectiveConfig
 from ..files import check_outside_inputs, remove_leftover_staging, write_json_atomic
@@ -127,8 +128,9 @@ def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], 
     CUDA graphs the target's feature forward compiles too (in its thread's warm-up, which runs
     alone: startup.Warmup), once per bucket and target thread."""
     backends = attention_backends(config, layout)
-    compiles = "flex" in backends.values() or any(compiles_drafter(config, d) for d in layout.drafter_devices) or any(
-        compiles_target(config, d, target) for d in layout.target_devices)
+    compiles = (any(b in FLEX_BACKENDS for b in backends.values())
+                or any(compiles_drafter(config, d) for d in layout.drafter_devices)
+                or any(compiles_target(config, d, target) for d in layout.target_devices))
     if not compiles:
         return None
     threads = max(sum(len(plan.devices) for plan in plans), len(layout.target_devices))
@@ -261,7 +263,7 @@ def build_drafter_workers(
     replicas = build_replicas(plan, config, run.resume, frozen, backends, nodes)
     for replica in replicas:  # its step: graphed, or eager with its compiles before step 1
         attach_step(replica, config, run.graphs, shape_buckets(config), feature_dtype(run.sources),
-                    compiled=compiles_drafter(config, replica.device) or backends[replica.device] == "flex")
+                    compiled=compiles_drafter(config, replica.device) or backends[replica.device] in FLEX_BACKENDS)
     checkpointer = Checkpointer(
         plan.run_dir, config.checkpoint.save_every, config.checkpoint.keep_checkpoints,
         {"train_config": plan.config.flat_values(), "layer_union": layer_union(run.plans), "stream": run.stream,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..core.attention import FLEX_BACKENDS, flash_kernels_missing
 from ..core.drafter import DrafterConfig
 from ..core.objective import ObjectiveConfig
 from ..parallel.launch import Launch, place_devices
@@ -35,10 +36,17 @@ def resolve_layout(config: TrainConfig, launch: Launch | None = None) -> Layout:
         [resolve_device(d) for d in (config.parallel.drafter_devices or [config.parallel.device])],
     ], launch)
     layout = Layout(targets, drafters)
+    attention = config.parallel.attention
+    if attention == "flash" and (missing := flash_kernels_missing()):
+        raise ConfigError(f"--attention flash: {missing}; use --attention flex or auto")
     on_cpu = [str(d) for d in layout.drafter_devices if d.type != "cuda"]
-    if config.parallel.attention == "flex" and on_cpu:
-        raise ConfigError(f"--attention flex: flex attention has no backward pass on {', '.join(on_cpu)} (it trains "
-                          "on CUDA only); use --attention sdpa or auto")
+    if attention in FLEX_BACKENDS and on_cpu:
+        raise ConfigError(f"--attention {attention}: flex attention has no backward pass on {', '.join(on_cpu)} (it "
+                          "trains on CUDA only); use --attention sdpa or auto")
+    if attention == "flash" and (before_hopper := [str(d) for d in layout.drafter_devices
+                                                   if torch.cuda.get_device_capability(d)[0] < 9]):
+        raise ConfigError(f"--attention flash: FlashAttention-4 trains on Hopper or newer GPUs, not "
+                          f"{', '.join(before_hopper)}; use --attention flex or auto")
     return layout
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_train.cli import main
+from dflash_train.core.attention import flash_kernels_missing
 from tiny import tiny_hf_model
 
 ROOT = Path(__file__).parent.parent.parent
@@ -50,6 +51,8 @@ def test_doctor_in_process_reports_every_check_and_passes_here(target_dir, cache
     if not torch.cuda.is_available():
         assert lines["GPU"].startswith("info no CUDA GPU")
         assert lines["flex attention"].startswith("skip ") and "backward is not implemented on CPU" in lines["flex attention"]
+    if flash_kernels_missing():
+        assert lines["flash kernels"] == "skip --attention flash needs FlashAttention-4: " + flash_kernels_missing()
     assert lines["disk: cache"].startswith("ok ") and "GiB free" in lines["disk: cache"] and str(cache_dir) in lines["disk: cache"]
     assert lines["disk: --out"].startswith("ok ") and "not there yet" in lines["disk: --out"]
     assert lines["target"] == "ok Qwen3Config: 6 layers, hidden 64, vocab 96"
@@ -105,4 +108,6 @@ def test_doctor_on_a_gpu_runs_the_products_peers_and_the_flex_compile(cache_dir,
     if torch.cuda.device_count() > 1:
         assert "0->1" in lines["peer access"]
     assert lines["flex attention"].startswith("ok compiled forward+backward on cuda:0")
+    if not flash_kernels_missing() and torch.cuda.get_device_capability(0)[0] >= 9:
+        assert lines["flash kernels"].startswith("ok compiled forward+backward on cuda:0")
     assert lines["triton"].startswith("ok ")

@@ -361,6 +361,30 @@ def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
     assert eager["startup"]["time_to_first_step_s"] is not None
 
 
+def test_train_with_flashattention_kernels_captures_its_graphs_and_follows_flex(tmp_path):
+    """`--attention flash` (needs the flash-attn-4 package and a Hopper GPU; skipped without them,
+    where it proves nothing): train() captures every graph with FlashAttention-4's kernels inside,
+    and its bf16 losses follow the Triton-kernel run's within the spread the graphed test allows."""
+    pytest.importorskip("flash_attn.cute")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FlashAttention-4 trains on Hopper or newer")
+    target = _target(torch.bfloat16)
+    samples = pattern_samples(64, min_len=30, max_len=250)
+    losses = {}
+    for attention in ("flash", "flex"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = train(_pipeline_config(tmp_path / attention, attention=attention, cuda_graphs="on"),
+                            samples=samples, target=target, log=open(os.devnull, "w"))
+        assert not [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
+        notes = summary["startup"]["warmup_notes"]["drafter-0"]
+        assert "graphs captured" in notes and "eager" not in notes, notes
+        metrics = (tmp_path / attention / "metrics.jsonl").read_text().splitlines()
+        losses[attention] = [json.loads(line)["loss"] for line in metrics]
+    assert len(losses["flash"]) == len(losses["flex"]) == 24
+    assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(losses["flash"], losses["flex"])), losses
+
+
 def test_a_hybrid_target_is_captured_uncompiled_under_compile_target_auto_and_one_line_says_so(tmp_path):
     """--compile-target auto compiles dense targets only: a hybrid's feature forward is captured
     plain (0 compiled), and the start says so once."""

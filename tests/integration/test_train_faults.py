@@ -19,6 +19,7 @@ from tiny import pattern_samples, tiny_target, tiny_train_config
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError
+from dflash_train.core.attention import flash_kernels_missing
 from dflash_train.errors import RunFailed
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.trainer import train
@@ -309,6 +310,13 @@ def test_batch_size_larger_than_the_usable_rows(tmp_path, target):
 def test_flex_attention_on_the_cpu_is_refused(tmp_path, target):
     with pytest.raises(ConfigError, match="--attention flex: flex attention has no backward pass on cpu"):
         train(_config(tmp_path, attention="flex"), samples=pattern_samples(8), target=target, log=_quiet())
+    assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.skipif(flash_kernels_missing() is None, reason="flash-attn-4 is installed here")
+def test_flashattention_kernels_without_their_package_are_refused(tmp_path, target):
+    with pytest.raises(ConfigError, match=r"--attention flash: the flash-attn-4 package is not installed \(pip install flash-attn-4"):
+        train(_config(tmp_path, attention="flash"), samples=pattern_samples(8), target=target, log=_quiet())
     assert not (tmp_path / "run.json").exists()
 
 

@@ -142,3 +142,50 @@ def test_closed_form_block_mask_in_flex_equals_sdpa(context_len, block_size, num
     got = flex_attention(q, k, v, block_mask=block_mask(anchors, context_len, block_size), scale=0.25, enable_gqa=True)
     want = attend(q, k, v, dense_mask(anchors, context_len, block_size), scale=0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flash_backend_runs_the_flex_mask_on_flashattention_kernels():
+    """`--attention flash`: the same closed-form BlockMask as flex, carried with the kernel option
+    that selects FlashAttention-4's kernels; the option reaches flex (a wrong one is refused there;
+    the CPU's flex ignores a valid one), and a compiled caller takes new anchors without a recompile."""
+    from dflash_train.core.attention import FLASH_KERNELS, FlexMask, make_mask
+
+    context_len, block_size, num_anchors = 200, 16, 9
+    queries = num_anchors * block_size
+    q, k, v = _random_qkv(2, 4, 2, queries, context_len + queries, 16, seed=6)
+    masks = [make_mask("flash", _anchors(2, num_anchors, context_len, valid, seed=seed), context_len, block_size)
+             for seed, valid in ((12, [3, 9]), (13, [9, 0]))]
+    flex = make_mask("flex", _anchors(2, num_anchors, context_len, [3, 9], seed=12), context_len, block_size)
+    assert isinstance(masks[0], FlexMask) and masks[0].kernel_options == FLASH_KERNELS
+    assert torch.equal(masks[0].block_mask.kv_indices, flex.kv_indices)
+    with pytest.raises(ValueError, match="BACKEND"):
+        attend(q, k, v, FlexMask(masks[0].block_mask, (("BACKEND", "CUTLASS"),)), scale=0.25)
+
+    compiled = torch.compile(lambda q, k, v, mask: attend(q, k, v, mask, scale=0.25), dynamic=False)
+    for i, (mask, valid) in enumerate(zip(masks, ([3, 9], [9, 0]))):
+        want = attend(q, k, v, dense_mask(_anchors(2, num_anchors, context_len, valid, seed=12 + i), context_len, block_size), scale=0.25)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            torch.testing.assert_close(compiled(q, k, v, mask), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context_len,block_size,num_anchors,valid", CASES)
+def test_flash_kernels_gradients_equal_sdpa_on_gpu(context_len, block_size, num_anchors, valid):
+    """FlashAttention-4's kernels (needs the flash-attn-4 package and a Hopper GPU; skipped without
+    them, where it proves nothing) against SDPA on the dense mask, in bf16 as training runs them."""
+    pytest.importorskip("flash_attn.cute")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FlashAttention-4 trains on Hopper or newer")
+    from dflash_train.core.attention import make_mask
+
+    anchors = _anchors(2, num_anchors, context_len, valid, seed=3).cuda()
+    queries = num_anchors * block_size
+    tensors = [t.cuda().bfloat16().requires_grad_() for t in _random_qkv(2, 4, 2, queries, context_len + queries, 64, seed=4)]
+    flash_out = torch.compile(attend, dynamic=False)(*tensors, make_mask("flash", anchors, context_len, block_size), scale=0.125)
+    flash_grads = torch.autograd.grad(flash_out.float().square().sum(), tensors)
+    exact = [t.detach().float().requires_grad_() for t in tensors]
+    sdpa_out = attend(*exact, dense_mask(anchors, context_len, block_size), scale=0.125)
+    sdpa_grads = torch.autograd.grad(sdpa_out.square().sum(), exact)
+    torch.testing.assert_close(flash_out.float(), sdpa_out, rtol=2e-2, atol=2e-2)
+    for got, want in zip(flash_grads, sdpa_grads):
+        torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
