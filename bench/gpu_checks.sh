@@ -36,11 +36,9 @@ quality_args() {
         --eval-limit 40 --mtbench-every-other --deadline-seconds $(( limit - 15 )) --fp8 "$mode"
         --cache-dir /tmp/dflash-cache --json-dir "$json_dir")
 }
-# FlashAttention-4 (flex's BACKEND=FLASH) into /tmp/flash-site, once per machine, from the wheels in
-# FA4_WHEELS: flash-attn-4, nvidia-cutlass-dsl with its core, base and cu13 libraries, quack-kernels,
-# apache-tvm-ffi, torch-c-dlpack-ext, einops, protobuf (cp312 where binary; torch brings cuda-bindings).
-# The machine has no registry, and `pip install --target` skips cutlass's .pth file, so its
-# dsl_packages folder goes on the path by hand.
+# FlashAttention-4 (`train --attention flash`) into /tmp/flash-site, once per machine, from the wheels
+# in FA4_WHEELS (bench/stage_flash.sh downloads them here and prints the calls that carry them).
+# `pip install --target` skips cutlass's .pth file, so its dsl_packages folder goes on the path by hand.
 install_flash_attention() {
     { [ -d /tmp/flash-site/flash_attn ] ||
         python3 -m pip install -q --no-index --no-deps --target /tmp/flash-site "${FA4_WHEELS:-.stage/fa4}"/*.whl; } &&
