@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_train.target.model import default_dtype  # noqa: E402
 
 from dflash_train.config import FP8_CHOICES  # noqa: E402
+from dflash_train.core.attention import flash_kernels_missing, resolve_backend  # noqa: E402
 from dflash_train.core.drafter import DrafterConfig  # noqa: E402
 from dflash_train.core.objective import fused_head_segment, fused_head_unsupported  # noqa: E402
 from dflash_train.core.step import (  # noqa: E402
@@ -104,7 +105,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
-    backend = "flex" if device.type == "cuda" else "sdpa"
+    backend = resolve_backend(args.attention, device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     flops = step_flops(config, shape["batch"], shape["seq"], anchor_valid, batch.anchors.cpu())
 
@@ -190,7 +191,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         "peak_gb": round(peak, 2), "tflop_per_step": round(flops / 1e12, 2),
         "mfu": round(flops / (ms / 1000) / (PEAK_TFLOPS * 1e12), 4), "warmup_s": round(warm_s, 1),
         "last_loss": round(last["step"].loss, 4), "last_grad_norm": round(last["step"].grad_norm, 4),
-        "dims": args.dims, "host_count": args.host_count, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
+        "dims": args.dims, "host_count": args.host_count, "attention": backend, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
         "cuda_graphs": graphs, "gradients": gradients if graphs == "off" else "buffers", "pipelined_ms": round(pipelined_ms, 2),
         "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
     }
@@ -243,6 +244,8 @@ def main() -> int:
     parser.add_argument("--gradients", default="handed-over",
                         help="comma-separated, eager steps: handed-over (the backward's own gradient tensors, dropped "
                              "by each update: what train runs without graphs), buffers (persistent, zeroed each step)")
+    parser.add_argument("--attention", choices=["auto", "flex", "flash", "sdpa"], default="auto",
+                        help="train --attention: auto (flex on CUDA, sdpa on CPU), flex, flash (FlashAttention-4's kernels), sdpa")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -250,6 +253,8 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.dump_traceback_later(540, exit=True)
     device = torch.device(args.device)
+    if args.attention == "flash" and (missing := flash_kernels_missing()):
+        parser.error(f"--attention flash: {missing}")
     if args.flex_options:
         from dflash_train.core import attention
 
@@ -309,7 +314,8 @@ def main() -> int:
             mode = "bf16" if r["fp8"] == "off" else f"--fp8 {r['fp8']}"
             graphs = (", --cuda-graphs on" if r["cuda_graphs"] == "on" else
                       ", gradient buffers" if r["gradients"] == "buffers" else "")
-            print(f"drafter-step {r['config']} ({mode}{graphs}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
+            attention = ", --attention flash" if r["attention"] == "flash" else ""
+            print(f"drafter-step {r['config']} ({mode}{graphs}{attention}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
                   f"{r['speedup_vs_specforge']:.2f}x SpecForge")
     for r in results:
         if r["config"] in RECIPE_SHAPES and "error" not in r:

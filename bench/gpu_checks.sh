@@ -223,8 +223,7 @@ for name in "${stages[@]}"; do
         flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config A \
             --only default,flash --json "$OUT/flash.json" ;;
         step-flash) install_flash_attention && stage step-flash ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
-            --dims ${STEP_DIMS:-8b} --head fused \
-            --flex-options '{"BACKEND": "FLASH"}' --json "$OUT/step_flash.json" ;;
+            --dims ${STEP_DIMS:-8b} --head fused --attention flash --json "$OUT/step_flash.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

@@ -4,6 +4,7 @@ and not on the GPU. What these scripts measure about the product is proved again
 in the product's own tests; nothing here imports bench/.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -200,6 +201,19 @@ def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
     assert all(r["last_grad_norm"] > 0 for r in results), results
     assert re.search(r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers ", stdout, re.M), stdout
 
+
+
+def test_drafter_step_runs_the_attention_train_runs_and_refuses_flash_without_its_package(tmp_path):
+    """bench/drafter_step.py --attention: the step's backend is recorded per row (auto = sdpa on the
+    CPU); --attention flash without the flash-attn-4 package stops before any model is built."""
+    out = tmp_path / "step.json"
+    ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--compile", "off", "--warmup", "1",
+             "--steps", "1", "--json", str(out)))
+    assert [r["attention"] for r in json.loads(out.read_text())["results"]] == ["sdpa"]
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn-4 is installed here")
+    refused = bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--attention", "flash")
+    assert refused.returncode == 2 and "--attention flash: the flash-attn-4 package is not installed" in refused.stderr
 
 
 def test_flex_tuning_checks_each_candidate_against_the_default_and_picks_only_what_matches(tmp_path):
