@@ -96,12 +96,15 @@ def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, r
 def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
                 footer: list[str], answers: str) -> int:
     from ..target.model import check_layer_ids_fit
+    from ..train.layout import resolve_layout
 
     check_work_folder(folder)
     work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)
     stages = plan(work, book, requested)
     check_layer_ids_fit(work.train_config().model.target_layer_ids, work.target)  # not after minutes of regenerating
+    if "train" in stages:
+        resolve_layout(work.train_config())  # its devices and attention backend (e.g. flash's package), the same way
     if "eval" in stages:
         check_benchmarks(recipe)
     check_decontamination(work, stages)

@@ -15,6 +15,7 @@ from test_generate_regenerate import tiny_smollm_dir
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError
+from dflash_train.core.attention import flash_kernels_missing
 from dflash_train.progress import format_seconds
 from dflash_train.recipe import builtin_recipes, load_recipe
 
@@ -260,6 +261,23 @@ def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, caps
     err = capsys.readouterr().err
     assert message in err and str(bad) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("attention, message", [
+    ("flex", "--attention flex: flex attention has no backward pass on cpu"),
+    pytest.param("flash", "--attention flash: the flash-attn-4 package is not installed",
+                 marks=pytest.mark.skipif(flash_kernels_missing() is None, reason="flash-attn-4 is installed here")),
+])
+def test_a_train_stage_that_cannot_run_here_stops_the_pipeline_at_its_start(files, tmp_path, capsys, attention, message):
+    """A recipe's attention backend the train stage could not run (flex on the CPU, flash without
+    its package) is refused before the prompts stage, not after minutes of regenerating."""
+    recipe = tmp_path / "own.toml"
+    recipe.write_text(files["recipe"].read_text().replace("[train]\n", f"[train]\nattention = '{attention}'\n"))
+    work = tmp_path / "work"
+    assert main(args(files, work, recipe=recipe)) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not work.exists()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 8, reason="needs a CUDA device index that is not here")
