@@ -97,12 +97,12 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
 
 
 class FlexMask(NamedTuple):
-    """A BlockMask with the flex kernel options it runs under: () for Triton's kernels,
-    FLASH_KERNELS for FlashAttention-4's (same mask, same function; bf16 results differ in
-    rounding only)."""
+    """A BlockMask with the flex kernel options it runs under, e.g. FLASH_KERNELS for
+    FlashAttention-4's kernels (same mask, same function; bf16 results differ in rounding only).
+    A plain BlockMask runs on Triton's kernels."""
 
     block_mask: "BlockMask"
-    kernel_options: tuple[tuple[str, str], ...] = ()
+    kernel_options: tuple[tuple[str, str], ...]
 
 
 FLASH_KERNELS = (("BACKEND", "FLASH"),)
