@@ -84,7 +84,13 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
 
 
-def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash", gradients="handed-over"):
+def flash_mark(result: dict) -> str:
+    """What a summary line adds for a row on FlashAttention-4's kernels (nothing for train's default)."""
+    return ", --attention flash" if result["attention"] == "flash" else ""
+
+
+def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash", gradients="handed-over",
+               attention="auto"):
     config = drafter_config(dims, args.block_size, arch)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
@@ -105,7 +111,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
-    backend = resolve_backend(args.attention, device)
+    backend = resolve_backend(attention, device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     flops = step_flops(config, shape["batch"], shape["seq"], anchor_valid, batch.anchors.cpu())
 
@@ -244,8 +250,9 @@ def main() -> int:
     parser.add_argument("--gradients", default="handed-over",
                         help="comma-separated, eager steps: handed-over (the backward's own gradient tensors, dropped "
                              "by each update: what train runs without graphs), buffers (persistent, zeroed each step)")
-    parser.add_argument("--attention", choices=["auto", "flex", "flash", "sdpa"], default="auto",
-                        help="train --attention: auto (flex on CUDA, sdpa on CPU), flex, flash (FlashAttention-4's kernels), sdpa")
+    parser.add_argument("--attention", default="auto",
+                        help="comma-separated train --attention backends: auto (flex on CUDA, sdpa on CPU), flex, "
+                             "flash (FlashAttention-4's kernels), sdpa")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -253,7 +260,11 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.dump_traceback_later(540, exit=True)
     device = torch.device(args.device)
-    if args.attention == "flash" and (missing := flash_kernels_missing()):
+    attentions = args.attention.split(",")
+    for attention in attentions:
+        if attention not in ("auto", "flex", "flash", "sdpa"):
+            parser.error(f"--attention {attention!r}: choose from auto, flex, flash, sdpa")
+    if "flash" in attentions and (missing := flash_kernels_missing()):
         parser.error(f"--attention flash: {missing}")
     if args.flex_options:
         from dflash_train.core import attention
@@ -286,26 +297,29 @@ def main() -> int:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         for arch in archs:
             for mode in modes:
-                for graphs, gradients in [(g, m) for g in graph_modes for m in gradient_modes]:
+                runs = [(a, g, m) for a in attentions for g in graph_modes for m in gradient_modes]
+                for attention, graphs, gradients in runs:
                     if graphs == "on" and gradients != gradient_modes[0]:
                         continue  # graphs always hold buffers: one run
                     try:
-                        result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients)
+                        result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients, attention)
                     except Exception as error:  # noqa: BLE001 - report and go on with the next config
-                        result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs,
-                                  "gradients": gradients, "error": f"{type(error).__name__}: {error}"}
+                        result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs, "gradients": gradients,
+                                  "attention": attention, "error": f"{type(error).__name__}: {error}"}
                     results.append(result)
                     print(json.dumps(result), flush=True)
                     gc.collect()  # the drafter and its optimizer sit in reference cycles: else the next
                     if device.type == "cuda":  # config's peak memory counts them
                         torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'attn':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
           f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8} error: {r['error']}")
+            print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}"
+                  f" error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
+        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}"
+              f"{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
               f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
@@ -314,21 +328,20 @@ def main() -> int:
             mode = "bf16" if r["fp8"] == "off" else f"--fp8 {r['fp8']}"
             graphs = (", --cuda-graphs on" if r["cuda_graphs"] == "on" else
                       ", gradient buffers" if r["gradients"] == "buffers" else "")
-            attention = ", --attention flash" if r["attention"] == "flash" else ""
-            print(f"drafter-step {r['config']} ({mode}{graphs}{attention}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
+            print(f"drafter-step {r['config']} ({mode}{graphs}{flash_mark(r)}): {r['ms_per_step']:.1f} ms, MFU {r['mfu'] * 100:.1f}%, "
                   f"{r['speedup_vs_specforge']:.2f}x SpecForge")
     for r in results:
         if r["config"] in RECIPE_SHAPES and "error" not in r:
             mode = "" if r["fp8"] == "off" else f", --fp8 {r['fp8']}"
             graphs = ", graphed" if r["cuda_graphs"] == "on" else ""
-            print(f"drafter-step {r['config']} {r['arch']} ({args.dims}{mode}{graphs}): {r['ms_per_step']:.1f} ms, "
+            print(f"drafter-step {r['config']} {r['arch']} ({args.dims}{mode}{graphs}{flash_mark(r)}): {r['ms_per_step']:.1f} ms, "
                   f"{r['pipelined_ms']:.1f} ms back to back, {r['samples_per_s']:.1f} samples/s")
-    by_key = {(r["config"], r["arch"], r["fp8"], r["cuda_graphs"]): r for r in results if "error" not in r}
-    for (config_name, arch, fp8_mode, graphs), r in by_key.items():
-        eager = by_key.get((config_name, arch, fp8_mode, "off"))
+    by_key = {(r["config"], r["arch"], r["fp8"], r["attention"], r["cuda_graphs"]): r for r in results if "error" not in r}
+    for (config_name, arch, fp8_mode, attention, graphs), r in by_key.items():
+        eager = by_key.get((config_name, arch, fp8_mode, attention, "off"))
         named = config_name + ("" if arch == "dflash" else f" {arch}")
         if graphs == "on" and eager is not None:
-            print(f"graphed drafter-step {named} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}): "
+            print(f"graphed drafter-step {named} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}{flash_mark(r)}): "
                   f"{r['pipelined_ms']:.1f} ms/step back to back (eager {eager['pipelined_ms']:.1f}); "
                   f"synchronised per step {r['ms_per_step']:.1f} (eager {eager['ms_per_step']:.1f})")
     if args.json:

@@ -219,11 +219,12 @@ for name in "${stages[@]}"; do
         step-gradients) stage step-gradients ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --head fused \
             --cuda-graphs on,off --gradients handed-over,buffers --json "$OUT/step_gradients.json" ;;
         # flex attention on FlashAttention-4's kernels against Triton's at config A (output and gradients compared),
-        # then the drafter step on them: STEP_CONFIGS (default A,D) at STEP_DIMS (default 8b), STEP_GRAPHS (off; on,off: both).
+        # then the drafter step on each, one process: STEP_CONFIGS (default A,D) at STEP_DIMS (default 8b), STEP_GRAPHS
+        # (off; on,off: both).
         flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config A \
             --only default,flash --json "$OUT/flash.json" ;;
         step-flash) install_flash_attention && stage step-flash ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
-            --dims ${STEP_DIMS:-8b} --head fused --attention flash --cuda-graphs ${STEP_GRAPHS:-off} --json "$OUT/step_flash.json" ;;
+            --dims ${STEP_DIMS:-8b} --head fused --attention flex,flash --cuda-graphs ${STEP_GRAPHS:-off} --json "$OUT/step_flash.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

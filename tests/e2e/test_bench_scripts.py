@@ -204,12 +204,15 @@ def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
 
 
 def test_drafter_step_runs_the_attention_train_runs_and_refuses_flash_without_its_package(tmp_path):
-    """bench/drafter_step.py --attention: the step's backend is recorded per row (auto = sdpa on the
-    CPU); --attention flash without the flash-attn-4 package stops before any model is built."""
+    """bench/drafter_step.py --attention: a row per backend, each recorded as the step ran it (auto =
+    sdpa on the CPU); an unknown backend, and flash without the flash-attn-4 package, stop it
+    before any model is built."""
     out = tmp_path / "step.json"
-    ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--compile", "off", "--warmup", "1",
-             "--steps", "1", "--json", str(out)))
-    assert [r["attention"] for r in json.loads(out.read_text())["results"]] == ["sdpa"]
+    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--attention", "auto,sdpa",
+                      "--compile", "off", "--warmup", "1", "--steps", "1", "--json", str(out)))
+    assert [r["attention"] for r in json.loads(out.read_text())["results"]] == ["sdpa", "sdpa"]
+    assert len(re.findall(r"^A +dflash +off +off +handed- +sdpa ", stdout, re.M)) == 2, stdout
+    assert bench("drafter_step.py", "--device", "cpu", "--tiny", "--attention", "flex,cudnn").returncode == 2
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn-4 is installed here")
     refused = bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--attention", "flash")
