@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.drafter_step import QWEN3_8B, SPECFORGE  # noqa: E402
+from bench.drafter_step import QWEN3_8B, RECIPE_SHAPES, SMOLLM2, SPECFORGE  # noqa: E402
 from dflash_train.core.attention import block_mask  # noqa: E402
 from dflash_train.train.synthetic import TINY, drafter_config, make_batch  # noqa: E402
 
@@ -102,7 +102,8 @@ def main() -> int:
     from torch.nn.attention.flex_attention import flex_attention
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="A")
+    parser.add_argument("--config", default="A", help="a shape of bench/drafter_step.py: A, B, D, or S (at --dims smollm2)")
+    parser.add_argument("--dims", choices=["8b", "smollm2"], default="8b", help="the drafter's heads and head size")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
@@ -116,9 +117,12 @@ def main() -> int:
         return 0
     faulthandler.dump_traceback_later(300, exit=True)
     device = torch.device(args.device)
-    dims = TINY if args.tiny else QWEN3_8B
+    dims = TINY if args.tiny else {"8b": QWEN3_8B, "smollm2": SMOLLM2}[args.dims]
     config = drafter_config(dims, 16)
-    shape = {k: SPECFORGE[args.config][k] for k in ("batch", "seq", "anchors")}
+    shapes = {**SPECFORGE, **RECIPE_SHAPES}
+    if args.config not in shapes:
+        parser.error(f"--config {args.config!r}: choose from {', '.join(shapes)}")
+    shape = {k: shapes[args.config][k] for k in ("batch", "seq", "anchors")}
     if args.tiny:
         shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -218,11 +218,11 @@ for name in "${stages[@]}"; do
         # The 8B-shaped step graphed (gradient buffers) against eager with handed-over gradients and with buffers, one process.
         step-gradients) stage step-gradients ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs A --head fused \
             --cuda-graphs on,off --gradients handed-over,buffers --json "$OUT/step_gradients.json" ;;
-        # flex attention on FlashAttention-4's kernels against Triton's at config A (output and gradients compared),
+        # flex attention on FlashAttention-4's kernels against Triton's at FLEX_CONFIG (A; S with FLEX_DIMS=smollm2),
         # then the drafter step on each, one process: STEP_CONFIGS (default A,D) at STEP_DIMS (default 8b), STEP_GRAPHS
         # (off; on,off: both).
-        flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config A \
-            --only default,flash --json "$OUT/flash.json" ;;
+        flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config ${FLEX_CONFIG:-A} \
+            --dims ${FLEX_DIMS:-8b} --only default,flash --json "$OUT/flash.json" ;;
         step-flash) install_flash_attention && stage step-flash ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
             --dims ${STEP_DIMS:-8b} --head fused --attention flex,flash --cuda-graphs ${STEP_GRAPHS:-off} --json "$OUT/step_flash.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
