@@ -36,7 +36,7 @@ from .compile_gate import CompileGate
 from .coordinator import Coordinator
 from .drafter_worker import StepHook
 from .layout import DrafterPlan, Layout, layer_union, plan_drafters, resolve_layout, step_share
-from .precision import uncompiled_target_note
+from .precision import attention_backends, uncompiled_target_note
 from .reporting import Sink, open_sinks
 from .resume import ResumePoint, find_resume_point, run_target_identity, set_aside_later_checkpoints, step_range
 from .startup import choose_cuda_graphs
@@ -172,10 +172,11 @@ def settings_every_node_shares(config: TrainConfig) -> dict[str, Any]:
 
 def layout_line(run: Run, pipeline: Pipeline) -> str:
     config, plans, nodes = run.config, run.plans, run.nodes
+    backends = attention_backends(config, run.layout)
     drafters = "; ".join(
         f"{p.name}: {p.drafter_config.arch}, {p.drafter_config.num_hidden_layers} layers, B={p.drafter_config.block_size}, "
         f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
-        f"on {', '.join(map(str, p.devices))}"
+        f"on {', '.join(map(str, p.devices))}, attention {'/'.join(sorted({backends[d] for d in p.devices}))}"
         for p in plans
     )
     planner = pipeline.planner

@@ -372,11 +372,13 @@ def test_train_with_flashattention_kernels_captures_its_graphs_and_follows_flex(
     samples = pattern_samples(64, min_len=30, max_len=250)
     losses = {}
     for attention in ("flash", "flex"):
+        log = io.StringIO()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             summary = train(_pipeline_config(tmp_path / attention, attention=attention, cuda_graphs="on"),
-                            samples=samples, target=target, log=open(os.devnull, "w"))
+                            samples=samples, target=target, log=log)
         assert not [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
+        assert f"on cuda:0, attention {attention}\n" in log.getvalue()
         notes = summary["startup"]["warmup_notes"]["drafter-0"]
         assert "graphs captured" in notes and "eager" not in notes, notes
         metrics = (tmp_path / attention / "metrics.jsonl").read_text().splitlines()

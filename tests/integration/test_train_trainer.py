@@ -1,5 +1,6 @@
 """The training loop on one device: learning, checkpoints, resume, clear errors."""
 
+import io
 import json
 import os
 from pathlib import Path
@@ -39,6 +40,14 @@ def test_tiny_overfit_loss_falls(tmp_path, target):
     assert last < first / 20, (first, last)  # stated factor: 20x (measured ~700x)
     assert history[-1]["accuracy"] > 0.95 and history[-1]["tau_sim"] > 3.5  # B = 4: tau at most 4
     assert summary["drafters"]["drafter"]["export"]
+
+
+def test_the_start_line_names_each_drafters_attention_backend(tmp_path, target):
+    """--attention auto resolves per device (sdpa on the CPU) and the start says which one runs."""
+    log = io.StringIO()
+    train(_config(tmp_path, steps=1, num_layers=1), samples=pattern_samples(8), target=target, log=log)
+    line = next(line for line in log.getvalue().splitlines() if line.startswith("pipeline: "))
+    assert line.endswith("on cpu, attention sdpa"), line
 
 
 def test_a_bf16_target_trains_a_float32_drafter(tmp_path):
