@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_train.target.model import default_dtype  # noqa: E402
 
-from dflash_train.config import FP8_CHOICES  # noqa: E402
+from dflash_train.config import ARCHS, ATTENTION_BACKENDS, FP8_CHOICES  # noqa: E402
 from dflash_train.core.attention import flash_kernels_missing, resolve_backend  # noqa: E402
 from dflash_train.core.drafter import DrafterConfig  # noqa: E402
 from dflash_train.core.objective import fused_head_segment, fused_head_unsupported  # noqa: E402
@@ -82,6 +82,15 @@ def step_flops(config: DrafterConfig, batch: int, seq: int, anchor_valid: torch.
     pairs = float(((anchors.float() + B) * B * anchor_valid.float()).sum())
     return (6 * p_layers * tq + 6 * p_kv * batch * seq + 4 * p_fc * batch * seq + 4 * H * config.vocab_size * tq
             + 3 * 4 * heads * d * config.num_hidden_layers * pairs)
+
+
+def comma_choices(parser: argparse.ArgumentParser, flag: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    """The items of a comma-separated flag, each one of `choices` (else the parser's error, exit 2)."""
+    items = value.split(",")
+    for item in items:
+        if item not in choices:
+            parser.error(f"{flag} {item!r}: choose from {', '.join(choices)}")
+    return items
 
 
 def flash_mark(result: dict) -> str:
@@ -260,10 +269,7 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.dump_traceback_later(540, exit=True)
     device = torch.device(args.device)
-    attentions = args.attention.split(",")
-    for attention in attentions:
-        if attention not in ("auto", "flex", "flash", "sdpa"):
-            parser.error(f"--attention {attention!r}: choose from auto, flex, flash, sdpa")
+    attentions = comma_choices(parser, "--attention", args.attention, ("auto", *ATTENTION_BACKENDS))
     if "flash" in attentions and (missing := flash_kernels_missing()):
         parser.error(f"--attention flash: {missing}")
     if args.flex_options:
@@ -272,22 +278,10 @@ def main() -> int:
         attention.flex_kernel_options = json.loads(args.flex_options)
     args.dims = "tiny" if args.tiny else args.dims
     dims = {"8b": QWEN3_8B, "small": SMALL, "smollm2": SMOLLM2, "tiny": TINY}[args.dims]
-    archs = args.arch.split(",")
-    for arch in archs:
-        if arch not in ("dflash", "dflash2"):
-            parser.error(f"--arch {arch!r}: choose from dflash, dflash2")
-    modes = args.fp8.split(",")
-    for mode in modes:
-        if mode not in FP8_CHOICES:
-            parser.error(f"--fp8 {mode!r}: choose from {FP8_CHOICES}")
-    graph_modes = args.cuda_graphs.split(",")
-    for mode in graph_modes:
-        if mode not in ("on", "off"):
-            parser.error(f"--cuda-graphs {mode!r}: choose from on, off")
-    gradient_modes = args.gradients.split(",")
-    for mode in gradient_modes:
-        if mode not in ("handed-over", "buffers"):
-            parser.error(f"--gradients {mode!r}: choose from handed-over, buffers")
+    archs = comma_choices(parser, "--arch", args.arch, ARCHS)
+    modes = comma_choices(parser, "--fp8", args.fp8, FP8_CHOICES)
+    graph_modes = comma_choices(parser, "--cuda-graphs", args.cuda_graphs, ("on", "off"))
+    gradient_modes = comma_choices(parser, "--gradients", args.gradients, ("handed-over", "buffers"))
     results = []
     for name in args.configs.split(","):
         if name not in SPECFORGE and name not in RECIPE_SHAPES:

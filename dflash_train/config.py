@@ -218,6 +218,7 @@ _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integer
 
 
 ARCHS = ("dflash", "dflash2")  # the drafter architectures `--arch` names
+ATTENTION_BACKENDS = ("flex", "flash", "sdpa")  # what `--attention` names, besides auto
 
 
 def _expand_home(item: str) -> str:
@@ -569,7 +570,7 @@ class ParallelSettings(Section):
     drafter_devices: list[str] = option([], "devices of the drafter worker threads, e.g. cuda:1,cuda:2", per_node=True)
     mode: str = option("replicas", "replicas: one drafter data-parallel over drafter_devices; variants: one drafter per entry of `variants`", choices=("replicas", "variants"))
     variants: list[DrafterSpec] = option([], "variants mode: per-drafter overrides, e.g. [{name='b8', block_size=8}]")
-    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only), flash (flex on FlashAttention-4's kernels: the flash-attn-4 package, Hopper or newer; docs/PERF.md) or sdpa", choices=("auto", "flex", "flash", "sdpa"), per_node=True)
+    attention: str = option("auto", "auto (flex on CUDA, sdpa on CPU), flex (CUDA only), flash (flex on FlashAttention-4's kernels: the flash-attn-4 package, Hopper or newer; docs/PERF.md) or sdpa", choices=("auto", *ATTENTION_BACKENDS), per_node=True)
     precision: str = option("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
     compile: str = option("auto", "torch.compile the drafter forward: auto (on CUDA), on, off", choices=ON_OFF, per_node=True)
     compile_target: str = option("auto", "under CUDA graphs, torch.compile the target's feature forward before its capture (fewer, fused kernels; one compile per bucket): auto (wherever --compile compiles, dense targets only: a hybrid or MoE target's compile took minutes at real shapes and yielded no compiled graph), on (hybrids and MoE too), off", choices=("auto", "on", "off"), per_node=True)

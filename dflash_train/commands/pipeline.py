@@ -102,9 +102,10 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     work = Work(recipe, str(Path(target).resolve()), folder, device, str(Path(answers).resolve()) if answers else "")
     book = StageBook(folder)
     stages = plan(work, book, requested)
-    check_layer_ids_fit(work.train_config().model.target_layer_ids, work.target)  # not after minutes of regenerating
+    train_config = work.train_config()
+    check_layer_ids_fit(train_config.model.target_layer_ids, work.target)  # not after minutes of regenerating
     if "train" in stages:
-        resolve_layout(work.train_config())  # its devices and attention backend (e.g. flash's package), the same way
+        resolve_layout(train_config)  # its devices and attention backend (e.g. flash's package), the same way
     if "eval" in stages:
         check_benchmarks(recipe)
     check_decontamination(work, stages)

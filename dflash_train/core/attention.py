@@ -22,6 +22,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..config import ATTENTION_BACKENDS
+
 try:  # flex_attention is in every supported torch; guarded so a broken build still imports
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover
@@ -139,8 +141,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """'auto' -> flex on CUDA, sdpa elsewhere (flex has no CPU backward)."""
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
-    if backend not in ("flex", "flash", "sdpa"):
-        raise ValueError(f"attention backend {backend!r}: use auto, flex, flash or sdpa")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: use auto, {', '.join(ATTENTION_BACKENDS[:-1])} or {ATTENTION_BACKENDS[-1]}")
     return backend
 
 
