@@ -88,6 +88,8 @@ class NodeGroup:
         self.stop_requested: str | None = None  # a signal's request, for the next vote
         self.broken = False  # a collective failed: no more collectives
         self.finished = False  # every rank reached `finish`
+        self._in_flight = 0  # collectives under way in any thread of this process
+        self._in_flight_lock = threading.Lock()
         self._closing = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -181,16 +183,29 @@ class NodeGroup:
         released = error is None and self.finished
         if released and self.hosts_store:
             self._wait_for_release()
-        # After an error, worker threads may still be inside a collective; destroying the
-        # groups under them aborts the process, so leaving them to process exit is safer.
-        if dist.is_initialized() and not self.broken and error is None:
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            self._destroy_groups(clean=error is None and not self.broken)
         if released and not self.hosts_store:
             with contextlib.suppress(Exception):  # its last use of the store (heartbeat still ticking): the host may leave
                 self.store.set(f"released/{self.rank}", "1")
         self._closing.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=2 * HEARTBEAT_SECONDS)
+
+    def _destroy_groups(self, clean: bool) -> None:
+        """Destroy the process groups while the interpreter is whole: a gloo group left to process
+        exit aborts it now and then ("terminate called without an active exception", exit -6 where
+        2 was due). Not under a collective another thread is still inside (that aborts at once);
+        an NCCL group only after a clean run, since a failed step may leave its work on the GPU."""
+        import torch.distributed as dist
+
+        with self._in_flight_lock:
+            if self._in_flight:
+                return
+        if clean or self.backend == "gloo":
+            dist.destroy_process_group()
+        elif self.control is not None:
+            dist.destroy_process_group(self.control)
 
     def _wait_for_release(self) -> None:
         """The store's host leaves last: a finished rank may still be reading the store (its own
@@ -238,6 +253,8 @@ class NodeGroup:
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
         """Turns a failed collective into NodeLost naming the ranks that left."""
+        with self._in_flight_lock:
+            self._in_flight += 1
         try:
             yield
         except NodeLost:
@@ -245,6 +262,9 @@ class NodeGroup:
         except Exception as error:
             self.broken = True
             raise lost_error(self._name_lost(), what, error) from error
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
 
     def _name_lost(self) -> dict[int, str]:
         try:

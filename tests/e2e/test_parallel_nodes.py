@@ -452,9 +452,11 @@ def _train_args(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--block-size", "4", "--device", "cpu", "--log-every", "1", "--dist-timeout", "30", *extra]
 
 
-def launch_by_environment(tmp_path: Path, args_by_rank: list[list[str]], timeout: float = 120.0) -> list[dict]:
-    """Each rank a plain `python -m dflash_train.cli` with RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT set by hand (no torchrun agent: rank 0 hosts the store); its exit code and output."""
+def launch_by_environment(tmp_path: Path, args_by_rank: list[list[str]], timeout: float = 120.0,
+                          program: tuple[str, ...] = ("-m", "dflash_train.cli")) -> list[dict]:
+    """Each rank a plain `python -m dflash_train.cli` (or `program`) with RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT set by hand (no torchrun agent: rank 0 hosts the store); its exit
+    code and output."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
     procs = []
@@ -462,7 +464,7 @@ def launch_by_environment(tmp_path: Path, args_by_rank: list[list[str]], timeout
         env = {**base, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(args_by_rank)),
                "LOCAL_WORLD_SIZE": str(len(args_by_rank)), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], env=env, cwd=tmp_path,
+        procs.append(subprocess.Popen([sys.executable, *program, *args], env=env, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
     outcomes = []
     deadline = time.monotonic() + timeout
@@ -508,6 +510,36 @@ def test_ranks_with_other_settings_or_another_target_stop_at_start(tmp_path):
                       "rank 1 has the target"):
             assert named in lines[0], lines[0]
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+LEAVE_AFTER = """
+import os, sys
+import torch.distributed as dist
+from dflash_train.errors import ConfigError
+from dflash_train.parallel.launch import detect_launch
+from dflash_train.parallel.nodes import NodeGroup, NodeLost
+
+try:
+    with NodeGroup(detect_launch(), timeout=3) as nodes:
+        if sys.argv[1] == "a lost rank" and nodes.rank == 1:
+            os._exit(3)
+        nodes.agree({"value": nodes.rank}, "the test value")
+except (ConfigError, NodeLost) as error:
+    print(type(error).__name__, "left initialized" if dist.is_initialized() else "destroyed", flush=True)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("case", ["disagreement", "a lost rank"])
+def test_a_rank_that_leaves_with_an_error_destroys_its_gloo_groups(tmp_path, case):
+    """Gloo groups left to process exit abort it now and then ("terminate called without an
+    active exception", exit -6 where 2 was due: seen in CI on the disagreement test above). Every
+    rank that leaves with an error and no collective under way destroys them first: after the
+    disagreement every rank; after a lost rank, the rank that noticed."""
+    outcomes = launch_by_environment(tmp_path, [[case]] * 2, timeout=60, program=("-c", LEAVE_AFTER))
+    expected = {"disagreement": [(2, "ConfigError destroyed")] * 2,
+                "a lost rank": [(2, "NodeLost destroyed"), (3, "")]}[case]
+    assert [(o["code"], o["out"].strip()) for o in outcomes] == expected, outcomes
 
 
 def test_resume_against_another_target_is_refused(tmp_path, capsys):
