@@ -71,6 +71,8 @@ for name in "${stages[@]}"; do
             quality_args "$second" cuda:1 "$OUT/$second" ${QUALITY_LIMIT:-570}
             stage quality-fp8-$second ${QUALITY_LIMIT:-570} python3 "${QUALITY_ARGS[@]}" &
             wait ;;
+        # bf16 parameters with float32 master weights: the update against today's casts and fused AdamW (8B-shaped drafter).
+        master-weights) stage master-weights ${MASTER_LIMIT:-150} python3 bench/master_weights.py --dims 8b --json "$OUT/master_weights.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
         lossless) stage lossless 125 python3 bench/lossless_dtype.py --gguf "$GGUF" --prompts 12 --procs-per-device 6 \

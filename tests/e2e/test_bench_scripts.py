@@ -84,6 +84,19 @@ def test_head_ce_times_the_reference_on_the_cpu_and_refuses_the_fused_kernel_the
     assert refused.returncode == 2 and "not a CUDA device" in refused.stderr, refused.stderr
 
 
+def test_master_weights_update_follows_torchs_fused_adamw_and_skips_a_non_finite_step(tmp_path):
+    """bench/master_weights.py, compiled, on the CPU: its master-weight AdamW against torch's fused
+    AdamW on float32 parameters from the same bf16 gradients (the script exits 1 when the weights
+    differ by more than rounding, or when a non-finite step changed either), and its summary line."""
+    out = tmp_path / "master.json"
+    printed = ok(bench("master_weights.py", "--device", "cpu", "--tiny", "--iters", "3", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["non_finite_step_skipped"] and result["compile"] == "on"
+    assert result["largest_difference"] <= 1e-4 * result["largest_update"], result
+    assert re.search(r"^master weights tiny: today [\d.]+ ms, master [\d.]+ ms \(-?[\d.]+ ms saved a step\), "
+                     r"0\.1M parameters$", printed, re.MULTILINE), printed
+
+
 def test_render_speed_renders_each_way_and_reads_the_rows_back(smollm2_dir, tmp_path):
     """bench/render_speed.py on the 64-row smoke file: one line per worker count, then the read-back
     line (the script itself checks every case and the read-back give the same samples)."""
