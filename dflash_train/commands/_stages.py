@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ConfigError
+from ..config import ConfigError, UserError
 from ..errors import RunFailed
 from ..files import write_json_atomic
 from ..progress import format_seconds
@@ -100,6 +100,11 @@ class StageBook:
         entry["runs"] += 1
         self.save()
         return entry
+
+    def forget(self, stage: str) -> None:
+        """Drop the stage's record: it failed on its settings before making anything."""
+        self.data.pop(stage, None)
+        self.save()
 
     def done(self, stage: str) -> bool:
         return bool(self.data.get(stage, {}).get("done"))
@@ -206,15 +211,28 @@ class Work:
 
     def applies(self, stage: str) -> bool:
         """Whether this run has the stage at all."""
+        return self.without(stage) is None
+
+    def without(self, stage: str) -> str | None:
+        """Why this run has no `stage`, or None where it has it."""
         if stage in DATA_STAGES and self.answers:
-            return False
-        if stage == "self-prompts":
-            return self.recipe.self_prompts.count > 0
-        if stage == "features":
-            return self.recipe.features.cache
-        if stage == "export-gguf":
-            return self.target.endswith(".gguf")
-        return True
+            return "--data gives the answers"
+        if stage == "self-prompts" and not self.recipe.self_prompts.count:
+            return "the recipe's [self_prompts] count is 0"
+        if stage == "features" and not self.recipe.features.cache:
+            return "the recipe's [features] cache is false"
+        if stage == "export-gguf" and not self.target.endswith(".gguf"):
+            return "the target is not a .gguf file"
+        return None
+
+    def outputs(self, stage: str) -> list[Path]:
+        """What `stage` leaves in the work folder for the stages after it and for the user."""
+        return {
+            "prompts": [self.train_prompts], "self-prompts": [self.self_prompts, self.mixed_prompts],
+            "regenerate": [self.data], "features": [self.features], "train": [self.run], "export": [self.drafter],
+            "export-gguf": [self.drafter_gguf],
+            "eval": [self.eval_json, *([self.speed_json] if self.recipe.speed.bench else [])],
+        }[stage]
 
     def train_config(self):
         features = str(self.features) if self.recipe.features.cache else ""
@@ -293,6 +311,9 @@ def stage_regenerate(work: Work) -> tuple[int, str]:
         dtype=settings.dtype, device=work.device,
     )))
     rows = count_rows(work.data)
+    if not rows:  # nothing to train on: the settings that skipped every prompt must be changeable
+        raise ConfigError(f"regenerate wrote no answers to {work.data}: every prompt was skipped (the counts above "
+                          "say why); change the recipe's [regenerate] or [prompts] settings")
     return rows, f"{rows} answers written by the target in {work.data}"
 
 
@@ -370,6 +391,30 @@ def check_benchmarks(recipe: Recipe) -> None:
             load_benchmark(name)
         except ConfigError as error:
             raise ConfigError(f"recipe {recipe.name}: [eval] or [speed] bench: {error}") from None
+
+
+def check_recipe_inputs(work: Work, stages: list[str]) -> None:
+    """What the stages will read and write fits, checked without loading a model: the prompt
+    source is a readable file (or the built-in set), and the recipe's requests and answers fit
+    the target's context. A wrong value fails now, not after the stages before it have run and
+    recorded their settings."""
+    from ..data.readers import check_readable
+    from ..generate.regenerate import prompt_token_limit
+    from ..target.model import declared_context
+
+    context = declared_context(work.target)
+    source, own, regenerate = work.recipe.prompts.source, work.recipe.self_prompts, work.recipe.regenerate
+    reads_source = "prompts" in stages or "eval" in stages and "dev" in work.recipe.eval.bench
+    try:
+        if reads_source and source != "default":
+            check_readable(source, flag="[prompts] source")
+        if "self-prompts" in stages:
+            prompt_token_limit(context, own.max_new_tokens, names=("[self_prompts] max_new_tokens", ""))
+        if "regenerate" in stages:
+            prompt_token_limit(context, regenerate.max_new_tokens, regenerate.max_prompt_tokens,
+                               names=("[regenerate] max_new_tokens", "[regenerate] max_prompt_tokens"))
+    except UserError as error:
+        raise ConfigError(f"recipe {work.recipe.name}: {error}") from None
 
 
 def check_decontamination(work: Work, stages: list[str]) -> None:
@@ -470,6 +515,10 @@ def plot_training_curve(metrics_path: Path, png_path: Path) -> Path:
 # -------------------------------------------------------------------------------------------
 
 
+def _holds_something(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0 or path.is_dir() and any(path.iterdir())
+
+
 def say(message: str) -> None:
     print(f"[pipeline] {message}", flush=True)
 
@@ -484,16 +533,20 @@ def check_work_folder(folder: Path) -> None:
 
 
 def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
-    """The stages to run, in order, checked before anything runs: each one's earlier stages
-    done or run now, and no started one with other settings."""
-    stages = [s for s in STAGES if s in requested and work.applies(s)]
+    """The stages to run, in order (`requested` by name, or every stage the run has when empty),
+    checked before anything runs: a named stage the run has, each one's earlier stages done or
+    run now, and no started one with other settings."""
+    for stage in requested:
+        if not work.applies(stage):
+            raise ConfigError(f"--stages {stage}: this run has no {stage} stage ({work.without(stage)})")
+    stages = [s for s in STAGES if (s in requested or not requested) and work.applies(s)]
     for stage in stages:
-        for earlier in STAGES[: STAGES.index(stage)]:
-            if stage in AFTER_TRAIN and earlier in AFTER_TRAIN:
-                continue  # each reads the training's checkpoint, not another's output
-            if work.applies(earlier) and earlier not in stages and not book.done(earlier):
-                raise ConfigError(f"--stages: {stage} needs {earlier}, which is not done in {work.folder}; "
-                                  f"add it (--stages {','.join(s for s in STAGES if s in (*stages, earlier))})")
+        missing = [earlier for earlier in STAGES[: STAGES.index(stage)]
+                   if not (stage in AFTER_TRAIN and earlier in AFTER_TRAIN)  # each reads the checkpoint, not another's output
+                   and work.applies(earlier) and earlier not in stages and not book.done(earlier)]
+        if missing:
+            raise ConfigError(f"--stages: {stage} needs {', '.join(missing)}, not done in {work.folder}; add "
+                              f"{'it' if len(missing) == 1 else 'them'} (--stages {','.join(s for s in STAGES if s in (*stages, *missing))})")
     book.check(work, stages)
     return stages
 
@@ -503,15 +556,24 @@ def run_stages(work: Work, book: StageBook, stages: list[str]) -> dict[str, floa
     spent: dict[str, float] = {}
     for number, stage in enumerate(stages, 1):
         where = f"{number}/{len(stages)} {stage}"
-        if book.done(stage):
+        gone = [path for path in work.outputs(stage) if not path.exists()]
+        if book.done(stage) and not gone:
             entry = book.entry(stage)
             say(f"{where}: done in an earlier run ({entry.get('rows', 0)} rows, {format_seconds(entry['seconds'])}); skipped")
             continue
+        if book.done(stage):
+            say(f"{where}: done in an earlier run, but {', '.join(map(str, gone))} is gone: running it again")
         settings = stage_settings(work, stage)
         entry = book.start(stage, settings)
+        entry["done"] = False
         say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
-        with StageClock(book, entry) as clock:  # records the seconds however the stage ends
-            rows, note = STAGE_FUNCTIONS[stage](work)
+        try:
+            with StageClock(book, entry) as clock:  # records the seconds however the stage ends
+                rows, note = STAGE_FUNCTIONS[stage](work)
+        except UserError:
+            if not any(_holds_something(path) for path in work.outputs(stage)):
+                book.forget(stage)  # it made nothing that other settings would mix with: the fixed recipe may run
+            raise
         spent[stage] = clock.seconds
         entry.update(done=True, rows=rows, note=note)
         book.save()

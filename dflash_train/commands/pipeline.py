@@ -22,7 +22,8 @@ from ..export.rules import ARCHITECTURE
 from ..files import check_outside_inputs
 from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
-from ._stages import EXPORTS, STAGES, Interrupted, StageBook, Work, check_benchmarks, check_decontamination, check_work_folder, plan, run_stages, say
+from ._stages import (EXPORTS, STAGES, Interrupted, StageBook, Work, check_recipe_inputs, check_benchmarks,
+                      check_decontamination, check_work_folder, plan, run_stages, say)
 
 
 @dataclasses.dataclass
@@ -74,15 +75,16 @@ def run_pipeline(config: PipelineConfig) -> int:
     recipe = load_recipe(config.recipe, config.overrides())
     if config.arch:  # the start line and the summary say what the flag changed
         recipe = dataclasses.replace(recipe, name=f"{recipe.name} with --arch {config.arch}")
-    return run_recipe(recipe, config.target, Path(config.out), config.stages or list(STAGES), config.device,
+    return run_recipe(recipe, config.target, Path(config.out), config.stages, config.device,
                       "dflash-train pipeline", answers=config.data)
 
 
 def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, requested: list[str], device: str,
                command: str, footer: list[str] = (), answers: str = "") -> int:
-    """Plan and check everything (no model loaded), run the stages, print the summary screen; one
-    live process per work folder (its stages resume what they find). `target` may be a function
-    that finds it (quickstart's conversion), called once the folder is held."""
+    """Plan and check everything (no model loaded), run the stages (`requested` by name, or every
+    stage the run has when empty), print the summary screen; one live process per work folder
+    (its stages resume what they find). `target` may be a function that finds it (quickstart's
+    conversion), called once the folder is held."""
     from ..files import hold_output
     from ..target.model import resolve_device
 
@@ -109,6 +111,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     if "eval" in stages:
         check_benchmarks(recipe)
     check_decontamination(work, stages)
+    check_recipe_inputs(work, stages)
     folder.mkdir(parents=True, exist_ok=True)
     say(f"recipe {recipe.name} ({recipe.description}); stages {', '.join(stages)}; work folder {folder}")
     started = time.monotonic()

@@ -82,7 +82,6 @@ For a strong drafter, on a GPU (one H200: about 20 minutes, tau 3.55 on HumanEva
 def run_quickstart(config: QuickstartConfig) -> int:
     from ..recipe import load_recipe
     from ..target.gguf import smollm2_target_dir
-    from ._stages import STAGES
     from .pipeline import run_recipe
 
     # Checked before the target is converted: the flags become the recipe's values.
@@ -112,5 +111,5 @@ def run_quickstart(config: QuickstartConfig) -> int:
         "decoder are the same ones a full GPU run uses.",
         GPU_RECIPE,
     ]
-    return run_recipe(recipe, target, Path(config.run.out), list(STAGES), config.run.device,
+    return run_recipe(recipe, target, Path(config.run.out), [], config.run.device,
                       "dflash-train quickstart", footer)

@@ -121,9 +121,12 @@ class RegenerateConfig(SectionedConfig):
         if self.input.split not in SPLIT_CHOICES:
             raise ConfigError(f"--split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
         if not self.server.endpoint:  # with --endpoint, --target may be a folder holding only the tokenizer
-            from ..target.model import check_target_path
+            from ..generate.regenerate import prompt_token_limit
+            from ..target.model import check_target_path, declared_context
 
             check_target_path(self.input.target, "--target")
+            prompt_token_limit(declared_context(self.input.target), self.generation.max_new_tokens,
+                               self.input.max_prompt_tokens)  # before the target loads
         inputs = [self.input.target, *([self.input.prompts] if self.input.prompts != "default" else [])]
         check_outside_inputs(self.output.out, "--out", inputs)
 
@@ -248,6 +251,7 @@ def _local_engine(config: RegenerateConfig, device: Any, settings: Any) -> tuple
     target = load_target_for(config.input.target, device, config.local.dtype)
     if target.tokenizer is None:
         raise ConfigError(f"{target.path}: no tokenizer next to the model; it is needed to render the prompts")
-    max_prompt_tokens = config.input.max_prompt_tokens or prompt_token_limit(target.model.config, settings)
+    context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0)
+    max_prompt_tokens = prompt_token_limit(context, settings.max_new_tokens, config.input.max_prompt_tokens)
     engine = local_engine(target, settings, batch_size=config.local.batch_size, max_prompt_tokens=max_prompt_tokens)
     return engine, target.tokenizer, max_prompt_tokens, {"stop_token_ids": stop_token_ids(target.model, target.tokenizer)}

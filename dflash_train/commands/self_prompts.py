@@ -77,9 +77,11 @@ class SelfPromptsConfig(SectionedConfig):
         check_target_flags(self.input.target, self.output.out, "auto", self.local.dtype)
         if not self.output.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file")
-        from ..target.model import check_target_path
+        from ..generate.regenerate import prompt_token_limit
+        from ..target.model import check_target_path, declared_context
 
         check_target_path(self.input.target, "--target")
+        prompt_token_limit(declared_context(self.input.target), self.generation.max_new_tokens)  # before the target loads
         check_new_output(self.output.out, "--out", [self.input.target])
         if self.output.split not in SPLITS:
             raise ConfigError(f"--split {self.output.split!r}: use {', '.join(SPLITS)}")

@@ -132,15 +132,21 @@ def row_seed(seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def prompt_token_limit(model_config: Any, settings: GenerationSettings) -> int | None:
-    """The longest prompt a target's context leaves room for (None when it declares none)."""
-    context = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+def prompt_token_limit(context: int | None, max_new_tokens: int, max_prompt_tokens: int = 0,
+                       names: tuple[str, str] = ("--max-new-tokens", "--max-prompt-tokens")) -> int | None:
+    """The longest prompt to admit: `max_prompt_tokens`, else what the target's `context` leaves
+    after the answer (None when neither bounds it). Refused when an answer could run past the
+    context: positions the target was never trained on make garbage training rows. `names` are
+    what the user calls the two settings (flags, or a recipe's keys)."""
+    new_name, prompt_name = names
     if not context:
-        return None
-    if context - settings.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the "
-                          f"target's {context}-token context")
-    return context - settings.max_new_tokens
+        return max_prompt_tokens or None
+    if context - max_new_tokens < 1:
+        raise ConfigError(f"{new_name} {max_new_tokens} leaves no room for a prompt in the target's {context}-token context")
+    if max_prompt_tokens and max_prompt_tokens + max_new_tokens > context:
+        raise ConfigError(f"{prompt_name} {max_prompt_tokens} + {new_name} {max_new_tokens} exceed the target's "
+                          f"{context}-token context: an answer could run past it; lower one of them")
+    return max_prompt_tokens or context - max_new_tokens
 
 
 def settings_path(out: Path) -> Path:

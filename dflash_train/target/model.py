@@ -473,6 +473,29 @@ def check_target_path(path: str | Path, flag: str = "") -> None:
         raise TargetError(f"{where}: not a Hugging Face model folder (no config.json) and not a .gguf file")
 
 
+def declared_context(path: str | Path) -> int | None:
+    """The context length a target declares, read without loading it: config.json's
+    max_position_embeddings (or its text_config's), or a .gguf file's `ARCH.context_length` (what
+    its conversion makes max_position_embeddings). None where it declares none or cannot be read
+    here: the load that follows names that problem."""
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf" and path.is_file():
+            from .gguf_header import read_gguf_header
+
+            fields = read_gguf_header(path).fields
+            architecture = fields.get("general.architecture")
+            length = fields.get(f"{architecture.value}.context_length") if architecture else None
+            value = length.value if length else None
+        else:
+            raw = json.loads((path / "config.json").read_text())
+            inner = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+            value = raw.get("max_position_embeddings") or inner.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_target(
     path: str | Path,
     device: str | torch.device = "cpu",

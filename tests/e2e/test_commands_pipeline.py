@@ -199,7 +199,7 @@ def test_a_started_stage_refuses_other_settings_naming_the_setting(files, tmp_pa
     assert "stage prompts was started with other settings (prompts.count 10 then, 8 now)" in err
     # A later stage needs the earlier ones: refused before anything loads, naming what is missing.
     assert main(args(files, work, "--stages", "train")) == 2
-    assert "--stages: train needs regenerate, which is not done" in capsys.readouterr().err
+    assert "--stages: train needs regenerate, not done in" in capsys.readouterr().err
     # A folder that is not a pipeline's work folder is never written into.
     other = tmp_path / "other"
     other.mkdir()
@@ -228,7 +228,7 @@ def test_the_exports_and_eval_each_need_only_training_and_read_none_of_each_othe
     work = Work(load_recipe(str(files["recipe"])), "target.gguf", tmp_path / "work")
     book = StageBook(work.folder)
     book.data = {stage: {"done": True, "settings": stage_settings(work, stage)} for stage in ("prompts", "regenerate")}
-    with pytest.raises(ConfigError, match="--stages: eval needs train, which is not done"):
+    with pytest.raises(ConfigError, match="--stages: eval needs train, not done in .*; add it \\(--stages train,eval\\)"):
         plan(work, book, ["eval"])
     book.data["train"] = {"done": True, "settings": stage_settings(work, "train")}
     for alone in ("eval", "export", "export-gguf"):
@@ -251,6 +251,13 @@ def test_the_exports_and_eval_each_need_only_training_and_read_none_of_each_othe
     (("num_anchors = 8", "num_anchors = 8\nlr = inf"), "[train] --lr must be a finite number"),
     (("[train]\n", "[self_prompts]\ncount = 20\n[train]\n"), "[self_prompts] count 20 is more than [prompts] count 10"),
     (("steps = 4", "steps = 4\nmode = 'variants'"), "[train] mode 'variants': the pipeline trains one drafter"),
+    # The tiny target's context is 512 tokens (read from its config.json, not by loading it).
+    (("max_new_tokens = 12", "max_new_tokens = 600"),
+     "[regenerate] max_new_tokens 600 leaves no room for a prompt in the target's 512-token context"),
+    (("max_prompt_tokens = 64", "max_prompt_tokens = 505"),
+     "[regenerate] max_prompt_tokens 505 + [regenerate] max_new_tokens 12 exceed the target's 512-token context"),
+    (("[train]\n", "[self_prompts]\ncount = 2\nmax_new_tokens = 512\n[train]\n"),
+     "[self_prompts] max_new_tokens 512 leaves no room for a prompt"),
 ])
 def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, capsys, edit, message):
     bad = tmp_path / "bad.toml"
@@ -261,6 +268,68 @@ def test_recipe_errors_name_the_key_before_any_model_loads(files, tmp_path, caps
     err = capsys.readouterr().err
     assert message in err and str(bad) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "work").exists()
+
+
+def test_a_prompt_source_that_cannot_be_read_is_named_before_any_stage_runs(files, tmp_path, capsys):
+    """Before, `[prompts] source` was read when its stage ran: the stage was recorded with it, so
+    the corrected recipe was refused as other settings for a started stage."""
+    work = tmp_path / "work"
+    for source, problem in (("bogus", "unsupported file type"), (tmp_path / "gone.jsonl", "no such file")):
+        recipe = tmp_path / "own.toml"
+        recipe.write_text(files["recipe"].read_text().replace(str(files["prompts"]), str(source)))
+        assert main(args(files, work, recipe=recipe)) == 2
+        err = capsys.readouterr().err
+        assert f"recipe {recipe}: [prompts] source {source}: {problem}" in err and len(err.strip().splitlines()) == 1, err
+        assert not work.exists()
+
+
+def test_stages_naming_a_stage_this_run_lacks_are_refused(files, tmp_path, capsys):
+    """Before, such a stage was left out silently and the run said `finished`, exit 0."""
+    work = tmp_path / "work"
+    given = answers_file(tmp_path / "answers.jsonl", 4)
+    for extra, message in ((("--stages", "export-gguf"), "this run has no export-gguf stage (the target is not a .gguf file)"),
+                           (("--stages", "features"), "this run has no features stage (the recipe's [features] cache is false)"),
+                           (("--stages", "self-prompts"), "this run has no self-prompts stage (the recipe's [self_prompts] count is 0)"),
+                           (("--stages", "regenerate", "--data", str(given)), "this run has no regenerate stage (--data gives the answers)")):
+        assert main(args(files, work, *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"--stages {extra[1]}: {message}" in err and len(err.strip().splitlines()) == 1, err
+        assert not work.exists()
+    # Every missing earlier stage is named at once, with the --stages that runs them.
+    assert main(args(files, work, "--stages", "eval")) == 2
+    assert f"--stages: eval needs prompts, regenerate, train, not done in {work}; add them (--stages prompts,regenerate,train,eval)" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_a_regenerate_stage_that_answers_nothing_fails_and_the_fixed_recipe_runs(files, tmp_path, capsys, one_thread):
+    """Every prompt longer than [regenerate] max_prompt_tokens: before, the stage was recorded
+    done with 0 rows, training failed on the empty file, and the corrected recipe was refused as
+    other settings for a started stage."""
+    work = tmp_path / "work"
+    short = tmp_path / "short.toml"
+    short.write_text(files["recipe"].read_text().replace("max_prompt_tokens = 64", "max_prompt_tokens = 2"))
+    assert main(args(files, work, "--stages", "prompts,regenerate", recipe=short)) == 2
+    err = capsys.readouterr().err
+    assert f"regenerate wrote no answers to {work / 'data.jsonl'}: every prompt was skipped" in err
+    assert list(book(work)) == ["prompts"]  # the failed stage left no record, nothing to mix with
+    assert main(args(files, work, "--stages", "prompts,regenerate")) == 0
+    assert book(work)["regenerate"]["rows"] == 10
+
+
+@pytest.mark.timeout(600)
+def test_a_done_stage_whose_output_is_gone_runs_again(files, tmp_path, capsys, one_thread):
+    """Before, a done export whose folder had been moved away was skipped, and the run said
+    `finished` with no drafter."""
+    work = tmp_path / "work"
+    assert main(args(files, work, "--stages", "prompts,regenerate,train,export")) == 0
+    (work / "drafter").rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(args(files, work, "--stages", "export")) == 0
+    out = capsys.readouterr().out
+    assert f"1/1 export: done in an earlier run, but {work / 'drafter'} is gone: running it again" in out
+    assert (work / "drafter" / "model.safetensors").is_file() and book(work)["export"]["done"]
+    assert (work / "drafter" / "model.safetensors").read_bytes() == (tmp_path / "moved" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("attention, message", [

@@ -347,6 +347,17 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
                                          f"--target {half}: not a GGUF file (0 bytes"),
         "train on layers the target does not have": ([*common, "--target", str(target), "--data", str(data),
                                                       "--target-layer-ids", "1,99"], "target_layer_ids [99] out of range"),
+        # The tiny target's context is 512 tokens: an answer past it would be garbage training data.
+        "regenerate answers longer than the context": (
+            ["regenerate", "--target", str(target), "--prompts", str(data), "--out", str(out / "rows.jsonl"),
+             "--max-new-tokens", "512"], "--max-new-tokens 512 leaves no room for a prompt in the target's 512-token context"),
+        "regenerate prompts and answers longer than the context": (
+            ["regenerate", "--target", str(target), "--prompts", str(data), "--out", str(out / "rows.jsonl"),
+             "--max-new-tokens", "400", "--max-prompt-tokens", "128"],
+            "--max-prompt-tokens 128 + --max-new-tokens 400 exceed the target's 512-token context"),
+        "self-prompts longer than the context": (
+            ["self-prompts", "--target", str(target), "--count", "2", "--out", str(out / "own.jsonl"),
+             "--max-new-tokens", "600"], "--max-new-tokens 600 leaves no room for a prompt in the target's 512-token context"),
     }
     for case, (args, expected) in cases.items():
         assert main(args) == 2, case
