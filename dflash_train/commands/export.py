@@ -116,6 +116,12 @@ def run_check(folder: str, target: str = "") -> int:
         run = (Path(folder) / "checkpoints").is_dir() or (Path(folder) / "state.json").is_file()
         hint = f"; a training run or checkpoint: export it first (dflash-train export {folder} --out DIR)" if run else ""
         raise UserError(f"--check {folder}: no config.json, so not a drafter folder{hint}")
+    try:
+        config = json.loads((Path(folder) / "config.json").read_bytes())
+    except (OSError, ValueError) as error:  # each rule would fail on it, none would say why
+        raise UserError(f"--check {folder}: its config.json cannot be read as JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--check {folder}: its config.json holds {type(config).__name__}, not a JSON object")
     shape = None
     if target:
         try:

@@ -65,6 +65,8 @@ class PipelineConfig:
             raise ConfigError(f"--data {self.data}: no such file")
         if self.data and not self.data.endswith(".jsonl"):
             raise ConfigError(f"--data {self.data}: not a .jsonl file (the answers `regenerate` writes)")
+        if self.data:
+            Path(self.data).open("rb").close()  # unreadable: the OS error names it now, not after the target loads
         check_work_folder(Path(self.out))
         check_outside_inputs(self.out, "--out", [self.target, self.data])
         check_choices(self)

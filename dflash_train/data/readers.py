@@ -219,6 +219,7 @@ def check_readable(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS, 
         raise DataError(where, "", f"unsupported file type; expected one of {', '.join(formats)}")
     if not path.is_file():
         raise DataError(where, "", "no such file")
+    path.open("rb").close()  # unreadable (permissions): the OS error names the file now, not once a model has loaded
     return suffix
 
 

@@ -211,6 +211,8 @@ def read_export_config(folder: Path, flag: str = "") -> dict[str, Any]:
             f"{where}: not a DFlash drafter (its config.json has {what} and no dflash_config; a target model's "
             "folder?); pass the folder `dflash-train export` wrote"
         )
+    for weights in sorted(folder.glob("*.safetensors")):
+        weights.open("rb").close()  # unreadable: the OS error names it now (safetensors calls it missing, and later)
     return raw
 
 

@@ -67,11 +67,18 @@ def test_unreadable_inputs_are_one_line_naming_the_file(tiny, tmp_path):
     config = tmp_path / "unread.toml"
     config.write_text("lr = 1e-3\n")
     config.chmod(0)
+    drafter = _exported_drafter(tmp_path / "drafter")
+    (drafter / "model.safetensors").chmod(0)
     common = ["--target", str(target), "--device", "cpu"]
     cases = {
+        # Both were found only after the target loaded; the drafter's as "No such file".
+        "pipeline --data": ["pipeline", "--target", str(target), "--recipe", "quickstart", "--out", str(tmp_path / "w"),
+                            "--data", str(unreadable)],
+        "eval --drafter weights": ["eval", *common, "--drafter", str(drafter), "--bench", "humaneval"],
         "train --data (T01)": ["train", *common, "--data", str(unreadable), "--out", str(tmp_path / "t"), "--steps", "1"],
         "cache-features --data (CF06)": ["cache-features", *common, "--data", str(unreadable), "--out", str(tmp_path / "c")],
-        "regenerate --prompts (G01)": ["regenerate", *common, "--prompts", str(unreadable), "--out", str(tmp_path / "g.jsonl")],
+        "regenerate --prompts (G01)": ["regenerate", *common, "--prompts", str(unreadable), "--out", str(tmp_path / "g.jsonl"),
+                                       "--max-new-tokens", "8"],
         "train --config (CFG-unreadable)": ["train", "--config", str(config), "--out", str(tmp_path / "t2")],
     }
     for case, args in cases.items():
@@ -80,7 +87,20 @@ def test_unreadable_inputs_are_one_line_naming_the_file(tiny, tmp_path):
                               env=ENV, cwd=tmp_path, timeout=300)
         assert done.returncode == 2, (case, done.stderr[-2000:])
         line = _last_line(done.stderr)
-        assert "permission denied" in line and ("unread.jsonl" in line or "unread.toml" in line), (case, line)
+        assert "permission denied" in line and any(name in line for name in ("unread.jsonl", "unread.toml", "model.safetensors")), (case, line)
+        assert "loading target" not in done.stdout, case
+
+
+def _exported_drafter(out: Path) -> Path:
+    import torch
+    from tiny import tiny_target
+
+    from dflash_train.core.drafter import DFlashDrafter, DrafterConfig
+    from dflash_train.export.hf import export_model
+
+    config = DrafterConfig.from_target(tiny_target("llama").spec, num_layers=1, block_size=4, mask_token_id=95,
+                                       target_layer_ids=[1, 3])
+    return export_model(DFlashDrafter(config), out, dtype=torch.float32)
 
 
 # --- a damaged regenerate output (D11: G04, G05, G06) ----------------------------------------------

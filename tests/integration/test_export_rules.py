@@ -282,6 +282,12 @@ def test_check_command_prints_each_verdict_and_writes_nothing(valid_export, tmp_
     assert "no such folder" in capsys.readouterr().err
     assert main(["export", "--check", str(valid_export), "--target", str(tmp_path)]) == 2
     assert "not a Hugging Face model folder" in capsys.readouterr().err
+    # A config.json that is not a JSON object: one line saying so, not every rule failing on it.
+    for content, said in ((b"\xff\x00", "cannot be read as JSON"), (b"[1, 2]", "holds list, not a JSON object")):
+        (broken / "config.json").write_bytes(content)
+        assert main(["export", "--check", str(broken)]) == 2
+        err = capsys.readouterr().err
+        assert f"--check {broken}: its config.json {said}" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_check_command_runs_without_torch(valid_export):
