@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     if command.positional:
         value = getattr(args, f"_{command.positional}")
         delattr(args, f"_{command.positional}")
+        flag = "--" + command.positional.replace("_", "-")
+        if value is not None and getattr(args, command.positional, None) is not None:  # one would be dropped silently
+            print(f"dflash-train {args.command}: {command.positional.upper()} is given twice, as the first argument "
+                  f"and as {flag}; give it once", file=sys.stderr)
+            return 2
         if value is not None:
             setattr(args, command.positional, value)
     try:

@@ -123,6 +123,8 @@ def check_new_output(path: str | Path, flag: str, inputs: Iterable[str | Path] =
 def check_outside_inputs(path: str | Path, flag: str, inputs: Iterable[str | Path] = ()) -> Path:
     """Refuse an output path below a file, or inside or equal to one of the command's `inputs`
     (for outputs a command may resume or add to, which `check_new_output` would refuse)."""
+    if str(path) == "-":
+        raise ConfigError(f"{flag} -: standard output is not an output here; give a file path")
     out = Path(path)
     for parent in out.absolute().parents:
         if parent.exists():
@@ -389,7 +391,13 @@ class OutputLock:
             except FileNotFoundError:
                 if self._missing_folders():
                     continue  # another process that had made the folder too removed it as it ended: make it again
-                raise  # a folder above is there but cannot hold files (a dangling link)
+                raise ConfigError(f"{self.flag} {self.output}: {self.path.parent} cannot hold files "
+                                  "(a dangling link, or a system folder)") from None
+            except OSError as error:  # the lock beside the output is ours: name the flag, not the lock
+                reason = os_error_reason(error)
+                if reason is None:
+                    raise
+                raise ConfigError(f"{self.flag} {self.output}: cannot write in {self.path.parent}: {reason}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

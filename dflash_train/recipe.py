@@ -146,6 +146,11 @@ class Recipe:
         except ConfigError as error:
             raise ConfigError(f"recipe {self.name}: [train] {error}") from None
 
+    @property
+    def titled(self) -> str:
+        """Its name, with its description where it has one."""
+        return f"{self.name} ({self.description})" if self.description else self.name
+
     def section_values(self, section: str) -> dict[str, Any]:
         """One table's values, as the stage record keeps them."""
         value = getattr(self, section)

@@ -5,6 +5,7 @@ against the serving engines' loader rules."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from ..config import DTYPE_NAMES, ConfigError, UserError, option
@@ -41,6 +42,9 @@ class ExportConfig:
                                   "the drafter file carries")
             if self.force:
                 raise ConfigError("--format gguf writes a new file and never replaces one: pass it without --force")
+            if self.out.endswith(("/", os.sep)):
+                raise ConfigError(f"--out {self.out} names a folder; --format gguf writes one file: name it "
+                                  f"(e.g. --out {self.out.rstrip('/' + os.sep) or '.'}/drafter.gguf)")
         elif self.target:
             raise ConfigError("--target is only for --check and --format gguf (an export takes the target's dims from "
                               "the checkpoint)")

@@ -115,7 +115,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     check_decontamination(work, stages)
     check_recipe_inputs(work, stages)
     folder.mkdir(parents=True, exist_ok=True)
-    say(f"recipe {recipe.name} ({recipe.description}); stages {', '.join(stages)}; work folder {folder}")
+    say(f"recipe {recipe.titled}; stages {', '.join(stages)}; work folder {folder}")
     started = time.monotonic()
     try:
         run_stages(work, book, stages)
@@ -147,7 +147,7 @@ def summary_screen(work: Work, book: StageBook, command: str, elapsed: float, fo
         before_eval = sum(book.entry(stage)["seconds"] for stage in STAGES[: STAGES.index("eval")] if book.done(stage))
         lines.append(f"  ready       the drafter after {format_seconds(before_eval)} (stages up to {exports[-1]}, over all runs)"
                      + (f"; eval {format_seconds(book.entry('eval')['seconds'])} more" if book.done("eval") else ""))
-    lines += [f"  recipe      {work.recipe.name}: {work.recipe.description}",
+    lines += [f"  recipe      {work.recipe.titled}",
               f"  target      {work.target}"]
     if work.answers:
         lines.append(f"  data        the answers given: {work.data}")

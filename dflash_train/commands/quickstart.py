@@ -68,6 +68,8 @@ class QuickstartConfig(SectionedConfig):
     run: RunSettings
 
     def validate(self) -> None:
+        if not self.run.out:
+            raise ConfigError("--out is empty: name the folder the quickstart writes (default runs/quickstart)")
         if Path(self.run.out).exists() and not Path(self.run.out).is_dir():
             raise ConfigError(f"--out {self.run.out} is a file; the quickstart writes a folder (new, or one it wrote "
                               "before)")

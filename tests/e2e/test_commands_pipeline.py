@@ -475,7 +475,7 @@ def test_answers_given_with_data_replace_the_data_stages(files, tmp_path, capsys
     speed = json.loads((work / "speed.json").read_text())["benchmarks"]["dev"]["summary"]
     assert speed["prompts"] == 1 and speed["identical_to_baseline"] == speed["compared"] == 1
     assert "stages train, export, eval" in out and f"data        the answers given: {given}" in out
-    assert f"recipe      {recipe} with --arch dflash2: " in out
+    assert f"recipe      {recipe} with --arch dflash2 (a tiny recipe for the tests)\n" in out
     assert "(Hugging Face folder; dflash.DFlash2DraftModel.from_pretrained loads it)" in out
     assert json.loads((work / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     recorded = book(work)

@@ -90,6 +90,42 @@ def test_unreadable_inputs_are_one_line_naming_the_file(tiny, tmp_path):
         assert "permission denied" in line and any(name in line for name in ("unread.jsonl", "unread.toml", "model.safetensors")), (case, line)
         assert "loading target" not in done.stdout, case
 
+    # An output in a folder this user may not write in: named by its flag, not by the lock file beside it.
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    shard = tmp_path / "shard.json"
+    shard.write_text("{}")
+    command = " ".join(map(str, [*CLI, "eval-merge", shard, "--json", readonly / "merged.json"]))
+    done = subprocess.run([*prefix, command] if prefix else command.split(), capture_output=True, text=True,
+                          env=ENV, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and _last_line(done.stderr) == (
+        f"dflash-train eval-merge: --json {readonly / 'merged.json'}: cannot write in {readonly}: permission denied "
+        "(this user may not read or write it) (EACCES)"), done.stderr
+
+
+def test_flags_given_oddly_are_one_line(tmp_path, capsys):
+    """A value given twice (first argument and its flag: one was dropped silently), `-` as an output
+    file (a file named `-` was written), a GGUF output named as a folder (a file named like the
+    folder was written), an empty quickstart --out (the current folder), an output in a folder
+    that cannot hold files (a traceback naming the lock file)."""
+    shard = tmp_path / "shard.json"
+    shard.write_text("{}")
+    cases = {
+        "positional and flag": (["export", "runs/a", "--checkpoint", "runs/b", "--out", "x"],
+                                "CHECKPOINT is given twice, as the first argument and as --checkpoint; give it once"),
+        "stdout as a file": (["eval-merge", str(shard), "--json", "-"], "--json -: standard output is not an output here"),
+        "gguf into a folder": (["export", "runs/a", "--format", "gguf", "--target", "t.gguf", "--out", "newdir/"],
+                               "--out newdir/ names a folder; --format gguf writes one file: name it (e.g. --out newdir/drafter.gguf)"),
+        "empty quickstart out": (["quickstart", "--out", ""], "--out is empty"),
+        "a folder that holds no files": (["eval-merge", str(shard), "--json", "/proc/merged.json"],
+                                         "--json /proc/merged.json: /proc cannot hold files"),
+    }
+    for case, (args, expected) in cases.items():
+        assert main(args) == 2, case
+        assert expected in _last_line(capsys.readouterr().err), case
+    assert not (tmp_path / "-").exists() and not Path("-").exists()
+
 
 def _exported_drafter(out: Path) -> Path:
     import torch
