@@ -102,6 +102,7 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     from ..data.render import render_prompt, stop_token_ids
     from ..decode.loop import describe_decoder, generate, make_decoder
     from ..eval.run import load_pair, pair_identity, run_benchmark
+    from ..eval.merge import prompt_list_record
     from ..eval.stats import format_benchmark, format_summary, summarize
     from ..target.model import dtype_from_name, resolve_device
 
@@ -111,9 +112,11 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     thinking = THINKING[config.prompts.thinking]
     # Resolve every benchmark before loading models: a typo should fail in a second, not a minute.
     benches = {}
+    prompt_lists = {}  # each benchmark's whole list, for eval-merge to tell shards of an edited file apart
     for name in config.prompts.bench:
         prompts = load_benchmark(name)
         benches[bench_label(name)] = prompts[config.prompts.offset :][: config.prompts.limit or None]
+        prompt_lists[bench_label(name)] = prompt_list_record(prompts)
     if not any(benches.values()):
         raise UserError(f"no prompts left after --offset {config.prompts.offset} in {', '.join(config.prompts.bench)}")
     target, drafter = load_pair(config.models.target, config.models.drafter, device, dtype)
@@ -167,7 +170,8 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
             "dtype": str(dtype).removeprefix("torch."),
             "stop_token_ids": stops,
             "pair": pair,
-            "benchmarks": {name: {"summary": summaries[name], "prompts": records[name]} for name in summaries},
+            "benchmarks": {name: {"summary": summaries[name], "prompt_list": prompt_lists[name], "prompts": records[name]}
+                           for name in summaries},
         }
         out = output.write((json.dumps(payload, indent=1) + "\n").encode())
         print(f"wrote {out}" + ("" if out == Path(config.output.json) else f" ({config.output.json} appeared during the run)"))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..config import ConfigError, option
 from ..files import NewFileOutput, check_new_output
-from ..eval.stats import format_benchmark, format_summary, merge_eval_results
+from ..eval.merge import merge_eval_results
+from ..eval.stats import format_benchmark, format_summary
 
 
 @dataclasses.dataclass

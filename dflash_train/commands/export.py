@@ -4,6 +4,7 @@ against the serving engines' loader rules."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -61,8 +62,21 @@ class ExportConfig:
 def run_export(config: ExportConfig) -> int:
     if config.check:
         return run_check(config.check, config.target)
-    if config.format == "gguf":
-        return _export_gguf(config)
+    from ..files import hold_output
+
+    run = _run_around(config.out)
+    # Inside a training run, the export is written only while no live `train` holds that run: its
+    # own end would replace the folder without a word.
+    with hold_output(run, "--out") if run else contextlib.nullcontext():
+        return _export_gguf(config) if config.format == "gguf" else _export_folder(config)
+
+
+def _run_around(out: str) -> Path | None:
+    """The training run folder (one with checkpoints/) that `out` lies in, if any."""
+    return next((folder for folder in Path(out).resolve().parents if (folder / "checkpoints").is_dir()), None)
+
+
+def _export_folder(config: ExportConfig) -> int:
     import torch
     from safetensors import SafetensorError
 

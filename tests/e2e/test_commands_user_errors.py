@@ -449,7 +449,8 @@ def test_regenerate_with_no_prompt_to_answer_is_one_line_and_writes_nothing(tiny
     bad.write_text('{"bad": 1}\n{"prompt": ""}\n')
     for prompts, expected in ((empty, "(it has no rows)"), (bad, "(see the skipped rows above)")):
         out = tmp_path / "answers.jsonl"
-        assert main(["regenerate", "--target", str(target), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"]) == 2
+        assert main(["regenerate", "--target", str(target), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
+                     "--max-new-tokens", "8"]) == 2
         captured = capsys.readouterr()
         assert _last_line(captured.err) == f"dflash-train regenerate: --prompts {prompts}: no prompt to answer in it {expected}"
         assert "loading target" not in captured.out and not list(tmp_path.glob("answers.jsonl*")), prompts

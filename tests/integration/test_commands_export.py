@@ -91,3 +91,20 @@ def test_a_failed_folder_write_keeps_the_old_folder(tmp_path):
 
     write_dir_atomically(final, lambda staging: (staging / "b").write_text("new"))
     assert sorted(os.listdir(final)) == ["b"] and sorted(os.listdir(tmp_path)) == ["folder"]
+
+
+@pytest.mark.parametrize("form", ["hf", "gguf"])
+def test_an_export_into_a_run_that_a_live_train_holds_is_refused(run_dir, tmp_path, capsys, form):
+    """The trainer holds its run folder (`hold_output`) and writes run/export at its end: an export
+    written there meanwhile was replaced without a word. Held here as a live train holds it."""
+    from dflash_train.files import hold_output
+
+    out = run_dir / ("export" if form == "hf" else "drafter.gguf")
+    extra = ["--format", "gguf", "--target", str(tmp_path / "t.gguf")] if form == "gguf" else []
+    with hold_output(run_dir, "--out"):
+        assert main(["export", str(run_dir), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {run_dir.resolve()} is in use by another live process (pid {os.getpid()}" in err, err
+    assert not out.exists()
+    if form == "hf":  # with no live train on it, the run takes its export
+        assert main(["export", str(run_dir), "--out", str(out)]) == 0 and (out / "model.safetensors").is_file()

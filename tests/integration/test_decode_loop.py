@@ -38,7 +38,8 @@ from dflash_train.decode.loop import generate, rejection_sample
 from dflash_train.eval.benchmarks import load_benchmark, read_prompt_file
 from dflash_train.eval.in_training import InTrainingEvaluator, hook_free_view
 from dflash_train.eval.run import load_pair
-from dflash_train.eval.stats import MergeError, merge_eval_results, tau_statistics
+from dflash_train.eval.merge import MergeError, merge_eval_results
+from dflash_train.eval.stats import tau_statistics
 
 REPO = Path(__file__).resolve().parents[2]
 

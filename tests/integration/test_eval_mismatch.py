@@ -23,7 +23,7 @@ from processes import hidden_copies, paused_cli
 from test_decode_loop import char_tokenizer, random_drafter
 
 from dflash_train import cli
-from dflash_train.eval.stats import MergeError, merge_eval_results
+from dflash_train.eval.merge import MergeError, merge_eval_results
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "tests" / "data" / "eval_prompts.jsonl"
