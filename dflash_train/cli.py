@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from . import __version__
 from .config import add_arguments, from_args, leaf_fields
-from .errors import RunFailed, UserError, os_error_reason
+from .errors import RunFailed, StoppedAndKept, UserError, os_error_reason
 
 
 class Command(NamedTuple):
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as error:
         print(f"dflash-train {args.command}: {error}", file=sys.stderr)
         return 1
+    except StoppedAndKept:
+        return 130
     except KeyboardInterrupt:
         print("aborted", file=sys.stderr)
         return 130

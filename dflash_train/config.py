@@ -218,6 +218,10 @@ _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integer
 
 
 ARCHS = ("dflash", "dflash2")  # the drafter architectures `--arch` names
+# The folders a variants run keeps at the top of --out beside its variants' folders (its files have
+# a '.' in their names, which a variant's name may not): a variant of one of these names would
+# write into them. tests/unit/test_config.py checks this against what the trainer writes.
+RUN_FOLDER_ENTRIES = ("tensorboard", "checkpoints", "export")
 ATTENTION_BACKENDS = ("flex", "flash", "sdpa")  # what `--attention` names, besides auto
 
 
@@ -436,7 +440,7 @@ class DataSettings(Section):
     features: str = option("", "read target features from this cache (dflash-train cache-features) instead of running the target", per_node=True)
     thinking: str = option("auto", "thinking templates (Qwen3) when rendering --data and the eval prompts: auto (template default), on or off", choices=tuple(THINKING))
     token_ids: str = option("auto", "rows with their answer's generated token ids (regenerate writes them): auto = train on those ids where their tokenizer is the target's, ignore = re-tokenize the text", choices=TOKEN_IDS)
-    max_seq_len: int = option(2048, "longer conversations are truncated", at_least=2)
+    max_seq_len: int = option(2048, "longer conversations are truncated", at_least=2, at_most=1 << 20)
     seq_buckets: list[int] = option([], "padded sequence lengths, increasing, at most max_seq_len (one compile each); empty = automatic up to max_seq_len", at_least=2)
     min_supervised_tokens: int = option(2, "skip rows with fewer assistant tokens than this", at_least=0)
 
@@ -453,8 +457,8 @@ class DataSettings(Section):
 @dataclasses.dataclass(frozen=True)
 class ModelSettings(Section):
     target: str = option("", "target model: a Hugging Face folder or a .gguf file", per_node=True)
-    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2)
-    num_layers: int = option(5, "drafter decoder layers", at_least=1)
+    block_size: int = option(16, "draft block size B (anchor + B-1 predicted tokens; at least 2: a block of 1 drafts nothing)", at_least=2, at_most=1024)
+    num_layers: int = option(5, "drafter decoder layers", at_least=1, at_most=256)
     target_layer_ids: list[int] = option([], "target layers to capture; empty = the rule of docs/SEMANTICS.md with num_layers layers", at_least=0)
     mask_token_id: int | None = option(None, "MASK token id; empty = resolved from the tokenizer (see docs)", at_least=0)
     arch: str = option("dflash", "drafter architecture: dflash, or dflash2 (adds per-layer dynamic convolutions and a candidate selector; see README)", choices=ARCHS)
@@ -481,9 +485,9 @@ class ObjectiveSettings(Section):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings(Section):
-    steps: int = option(1000, "optimizer steps", at_least=1)
+    steps: int = option(1000, "optimizer steps", at_least=1, at_most=10**9)
     batch_size: int = option(8, "sequences per micro-batch, per drafter replica", at_least=1)
-    grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1)
+    grad_accum: int = option(1, "micro-batches per optimizer step, per replica", at_least=1, at_most=1 << 16)
     lr: float = option(6e-4, "peak learning rate (AdamW), > 0", above=0, fixed_by_checkpoint=True)
     weight_decay: float = option(0.0, "AdamW weight decay, >= 0", at_least=0, fixed_by_checkpoint=True)
     adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", at_least=0, below=1, fixed_by_checkpoint=True)
@@ -698,6 +702,9 @@ class TrainConfig(SectionedConfig):
             raise TypeError("TrainConfig: `data` names both the [data] section and its files; "
                             "use config.replace(data=[...]) to change the files")
         super().__init__(**values)
+        if self.model.block_size > self.data.max_seq_len:
+            raise ConfigError(f"--block-size {self.model.block_size} is longer than --max-seq-len {self.data.max_seq_len}: "
+                              "no block fits in a row")
         object.__setattr__(self, "_drafters", self._make_drafters())
 
     def flat_values(self) -> dict[str, Any]:
@@ -726,7 +733,7 @@ class TrainConfig(SectionedConfig):
         for i, spec in enumerate(self.parallel.variants):
             where = f"variants[{i}]"
             label = spec.name or f"variant{i}"
-            folder = check_folder_name(label, f"{where}: name")  # the variant trains into OUT/<name>
+            folder = check_folder_name(label, f"{where}: name", RUN_FOLDER_ENTRIES)  # the variant trains into OUT/<name>
             if folder in folders:
                 raise ConfigError(f"{where}: name {label!r} is used twice (names are folders: "
                                   f"{folders[folder]!r} is the same folder)")

@@ -14,6 +14,11 @@ class ConfigError(UserError, ValueError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
 
 
+class StoppedAndKept(KeyboardInterrupt):
+    """A Ctrl-C a command has handled: it kept what it finished and said so (and how to resume);
+    the CLI exits 130 without the `aborted` of an unhandled one."""
+
+
 class RunFailed(Exception):
     """A run stopped because going on would produce garbage (e.g. gradients non-finite step after
     step); the message says why and what was kept."""

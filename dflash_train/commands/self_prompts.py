@@ -27,7 +27,9 @@ class InputSettings(Section):
 class OutputSettings(Section):
     """Which requests are kept, and where they are written."""
 
-    count: int | None = option(None, "requests to keep (sampled in rounds until reached); required", at_least=1)
+    count: int | None = option(None, "requests to keep (sampled in rounds until reached; each round holds its "
+                                     "candidates in memory, so at most 1,000,000: run again with another --seed "
+                                     "for more); required", at_least=1, at_most=1_000_000)
     out: str = option("", "the prompts .jsonl to write ({id, source, messages} rows); never overwrites a file")
     split: str = option("train", "keep requests of the train split, the dev split (1 in 100 texts, the rule of "
                                  "`dflash-train prompts`) or all")

@@ -61,6 +61,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence, TextIO
 from ..config import ConfigError, UserError
 from ..data.readers import DataError, Prompt, RowStats
 from ..data.render import RenderError, decode_text, render_prompt, tokenizer_fingerprint
+from ..errors import StoppedAndKept
 from ..files import write_json_atomic
 from ..processes import default_workers, map_anywhere
 from ..progress import Progress, format_seconds
@@ -253,6 +254,7 @@ class RegenerationReport:
         tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
         finish = ", ".join(f"{k} {v}" for k, v in sorted(self.finish.items())) or "none"
         skipped = self.stats.skipped - self.failed
+        unanswered = self.stats.read - (self.new + self.resumed) - self.failed - skipped  # in flight at a stop
         lines = [
             "=" * 72,
             "regenerate summary" + (" (interrupted: run the same command again to resume)" if self.interrupted else ""),
@@ -264,7 +266,8 @@ class RegenerationReport:
             f"  token ids   {self.with_token_ids} of {self.new} rows carry their answer's generated token ids"
             + (f" (tokenizer {self.fingerprint})" if self.fingerprint and self.with_token_ids else "")
             + "".join(f"; {n} without: {why}" for why, n in sorted(self.text_only.items())),
-            f"  accounting  input {self.stats.read} = ok {self.new + self.resumed} + failed {self.failed} + skipped {skipped}",
+            f"  accounting  input {self.stats.read} = ok {self.new + self.resumed} + failed {self.failed} + skipped {skipped}"
+            + (f" + not answered yet {unanswered} (the next run answers them)" if unanswered else ""),
             "=" * 72,
             self.stats.summary(),
         ]
@@ -458,7 +461,7 @@ def regenerate(
                         "run the same command again to resume") from None
     except KeyboardInterrupt:
         report.interrupted = True
-        raise
+        raise StoppedAndKept() from None  # the summary below says what was kept and how to resume
     finally:
         writer.close()  # finished rows are whole: keep them, whatever ended the run
         report.seconds = time.monotonic() - started

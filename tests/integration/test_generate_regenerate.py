@@ -384,6 +384,33 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tiny_dir, tmp_p
     assert [c.id for c in read_conversations(killed)] == [r["id"] for r in killed_rows]
 
 
+def test_one_ctrl_c_stops_with_the_summary_and_every_prompt_accounted(tiny_dir, tmp_path):
+    """A single SIGINT mid-run: exit 130 after the summary, which counts the prompts still in
+    flight (before: the accounting did not add up to the input, and `aborted` followed the
+    summary as if nothing had been handled)."""
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("".join(f"{t} Then add a second fact about {t.split()[-1]}\n" for t in TEXTS * 2))
+    out = tmp_path / "answers.jsonl"
+    process = subprocess.Popen(_cli("regenerate", "--target", str(tiny_dir), "--prompts", str(prompt_file),
+                                    "--max-new-tokens", "32", "--batch-size", "2", "--device", "cpu",
+                                    "--flush-seconds", "0", "--out", str(out)),
+                               cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 4:
+            process.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.005)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "aborted" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert "regenerate summary (interrupted: run the same command again to resume)" in stdout
+    line = next(line for line in stdout.splitlines() if line.strip().startswith("accounting"))
+    numbers = [int(n) for n in re.findall(r"\d+", line)]
+    assert numbers[0] == 40 and sum(numbers[1:]) == 40 and "not answered yet" in line, line
+
+
 def test_cli_validates_its_flags(tmp_path, capsys):
     assert cli_main(["regenerate", "--target", "x", "--prompts", "p.txt", "--out", str(tmp_path / "o.json")]) == 2
     assert "use a .jsonl file" in capsys.readouterr().err

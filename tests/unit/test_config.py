@@ -178,6 +178,13 @@ gamma = 4
     (dict(keep_checkpoints=0), "--keep-checkpoints must be at least 1"),
     (dict(stop_after_bad_steps=-1), "--stop-after-bad-steps must be at least 0"),
     (dict(target_layer_ids=[1, 3, 1]), "--target-layer-ids 1,3,1: a layer is named twice"),
+    # Sizes no run can use: before, a traceback after the target loaded (OverflowError, MemoryError,
+    # a 320 GB allocation), or a block longer than any row accepted silently.
+    (dict(steps=10**23), "--steps must be in"),
+    (dict(grad_accum=10**11), "--grad-accum must be in"),
+    (dict(block_size=100_000), "--block-size must be in"),
+    (dict(num_layers=100_000), "--num-layers must be in"),
+    (dict(block_size=200, max_seq_len=128), "--block-size 200 is longer than --max-seq-len 128: no block fits in a row"),
 ])
 def test_bad_values_are_refused_where_the_config_is_made(values, match):
     with pytest.raises(ConfigError, match=match):
