@@ -189,7 +189,7 @@ def test_commands_name_a_file_that_is_not_gzip(chat_target, tmp_path, capsys, co
     flags = {
         "train": ["--data", str(fake), "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu"],
         "cache-features": ["--data", str(fake), "--out", str(tmp_path / "cache"), "--device", "cpu"],
-        "regenerate": ["--prompts", str(fake), "--out", str(tmp_path / "out.jsonl"), "--device", "cpu"],
+        "regenerate": ["--prompts", str(fake), "--out", str(tmp_path / "out.jsonl"), "--device", "cpu", "--max-new-tokens", "8"],
     }[command]
     code = cli.main([command, "--target", str(chat_target), *flags])
     err = capsys.readouterr().err
