@@ -38,7 +38,8 @@ class LayerSettings(Section):
 class OutputSettings(Section):
     """The cache folder and how its shards are written."""
 
-    out: str = option("", "cache folder (new or empty; an interrupted cache there is resumed)")
+    out: str = option("", "cache folder (new or empty; an interrupted cache there is resumed, a complete one is "
+                          "verified: every written shard is read whole and a damaged one is rewritten)")
     shard_size_mb: float = option(1024.0, "shard file size in MiB (a shard is the unit of resume)", above=0, at_most=1 << 20)
     dtype: str = option("auto", "stored dtype: auto (the target's: bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
 
@@ -66,17 +67,20 @@ class CacheFeaturesConfig(SectionedConfig):
 
     def validate(self) -> None:
         from ..data.readers import CONVERSATION_FORMATS, check_readable
-        from ..target.model import check_target_path
+        from ..target.model import check_layer_ids_fit, check_target_path
+        from ..train.supply import check_distinct_files
 
         check_target_flags(self.input.target, self.output.out, self.input.thinking, self.output.dtype)
         if not self.input.data:
             raise ConfigError("no data: pass --data FILE.jsonl (conversations with assistant answers)")
         for path in self.input.data:
             check_readable(path, CONVERSATION_FORMATS, "--data")  # before the target loads
+        check_distinct_files(self.input.data, "--data")
         if Path(self.output.out).exists() and not Path(self.output.out).is_dir():
             raise ConfigError(f"--out {self.output.out} is a file; the cache is a folder (new, empty, or an "
                               "interrupted cache to resume)")
         check_target_path(self.input.target, "--target")
+        check_layer_ids_fit(list(self.layers.target_layer_ids), self.input.target)  # a folder's depth, from config.json
         check_outside_inputs(self.output.out, "--out", [self.input.target, *self.input.data])
         if self.input.token_ids not in TOKEN_IDS:
             raise ConfigError(f"--token-ids {self.input.token_ids!r}: use {' or '.join(TOKEN_IDS)}")
@@ -90,17 +94,27 @@ def run_cache_features(config: CacheFeaturesConfig) -> int:
 def _run_cache_features(config: CacheFeaturesConfig) -> int:
     import torch
 
-    from ..data.feature_cache import DTYPES, write_feature_cache
+    from ..data.feature_cache import DTYPES, check_cache_folder, recorded_target_identity, write_feature_cache
     from ..data.samples import load_training_samples
     from ..target.model import default_target_layer_ids, resolve_device
 
     device = resolve_device(config.compute.device)
-    target = load_target_for(config.input.target, device, config.output.dtype)
-    if target.tokenizer is None:
-        raise ConfigError(f"{config.input.target}: no tokenizer next to the model; it is needed to render --data")
     data = [str(Path(p).resolve()) for p in config.input.data]
     thinking = THINKING[config.input.thinking]
     rows = config.input
+    # --out against the settings known before the target loads (minutes for a big one); all of
+    # them are checked once it has loaded.
+    known = {"target_identity": recorded_target_identity(config.input.target), "max_seq_len": rows.max_seq_len,
+             "min_supervised_tokens": rows.min_supervised_tokens, "enable_thinking": thinking, "data": data,
+             "token_ids": rows.token_ids}
+    if config.layers.target_layer_ids:
+        known["layer_ids"] = list(config.layers.target_layer_ids)
+    if config.output.dtype != "auto":
+        known["dtype"] = config.output.dtype
+    check_cache_folder(config.output.out, known)
+    target = load_target_for(config.input.target, device, config.output.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{config.input.target}: no tokenizer next to the model; it is needed to render --data")
     samples, stats = load_training_samples(
         data, target.tokenizer, max_length=rows.max_seq_len, min_supervised_tokens=rows.min_supervised_tokens,
         enable_thinking=thinking, token_ids=rows.token_ids,
@@ -117,8 +131,7 @@ def _run_cache_features(config: CacheFeaturesConfig) -> int:
     report = write_feature_cache(
         target, samples, stats, config.output.out, layer_ids=layer_ids, dtype=dtype, batch_size=batch_size,
         shard_size_mb=config.output.shard_size_mb,
-        settings={"max_seq_len": rows.max_seq_len, "min_supervised_tokens": rows.min_supervised_tokens,
-                  "enable_thinking": thinking, "data": data, "token_ids": rows.token_ids},
+        settings={k: v for k, v in known.items() if k not in ("layer_ids", "dtype")},  # those the writer derives
     )
     print(report.summary())
     return 0

@@ -8,7 +8,9 @@ and `CachedFeatures` is the trainer's FeatureSource over it.
 
 On-disk format (version 1), all little-endian:
 
-    CACHE_DIR/cache.json         header: format, version, target, target dims, layer_ids, dtype,
+    CACHE_DIR/cache.json         header: format, version, target, target dims, target_identity
+                                 (the record `train --resume` and `eval --json` keep: config.json
+                                 sha256, sampled weights fingerprint), layer_ids, dtype,
                                  width (= len(layer_ids) * hidden_size), rendering settings, data
                                  files, expected samples and tokens, rows accounting, complete
     CACHE_DIR/shard-00000.bin    records, one per sample, each starting at a 64-byte boundary:
@@ -26,9 +28,10 @@ the feature bytes, and of the input_ids + loss_mask bytes.
 Completion and resume. A shard counts as written when its index exists and the .bin has the
 size the index states; anything else (a .bin without index, a size mismatch, a temporary file) is
 what an interrupted writer leaves and is deleted and rewritten. `complete: true` is set in the
-header after the last shard. A restart with the same settings keeps every written shard (after
-checking that their samples still render to the stored tokens) and writes the rest; other
-settings are refused.
+header after the last shard. A restart with the same settings keeps every written shard whose
+checksums verify (reading it whole: a shard damaged on disk is removed and rewritten, said in one
+line) and whose samples still render to the stored tokens, and writes the rest; a restart on a
+complete cache is how it is verified and repaired. Other settings are refused.
 
 Verification on read: opening checks the header, the shard sizes and the token checksums of every
 sample; a sample's feature checksum is checked the first time its features are read (a full scan
@@ -58,7 +61,7 @@ from ..config import DTYPE_NAMES, ConfigError
 from ..files import fsync_dir as _fsync_dir
 from ..files import write_json_atomic as _write_json
 from ..progress import Progress, format_seconds
-from ..target.model import check_target_layer_ids, default_dtype
+from ..target.model import check_target_layer_ids, default_dtype, target_identity
 from .readers import RowStats
 from .samples import TrainingSample, has_valid_anchor
 
@@ -68,10 +71,14 @@ ALIGN = 64
 HEADER = "cache.json"
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the stored dtypes, by name
 # The rendering and capture settings a resumed write must share with the first one.
-_SETTINGS = ("target", "layer_ids", "dtype", "width", "max_seq_len", "min_supervised_tokens", "enable_thinking", "data",
-             "token_ids", "answers")
-# What a cache written before a setting was recorded had, in effect.
+_SETTINGS = ("target", "target_identity", "layer_ids", "dtype", "width", "max_seq_len", "min_supervised_tokens",
+             "enable_thinking", "data", "token_ids", "answers")
+# What a cache written before a setting was recorded had, in effect. A setting absent from an
+# older header and not listed here (target_identity) is unknown, so not compared.
 _UNRECORDED = {"token_ids": "auto", "answers": {}}
+# The fields of a target identity that tell two targets apart (the path is not one: the same
+# model may be mounted elsewhere).
+_IDENTITY_FIELDS = ("config_sha256", "weights_fingerprint")
 # Sorting samples by length inside windows of this many batches keeps padding low.
 _WINDOW_BATCHES = 16
 _MiB = 1 << 20
@@ -105,6 +112,87 @@ def _human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def recorded_target_identity(path: str | Path | None) -> dict[str, str] | None:
+    """What a cache records of the target at `path` (the --target given: a folder or a .gguf): its
+    resolved path and its `target_identity`, the record `eval --json` keeps; None for a target
+    that is not on disk (given in memory)."""
+    if not path or not Path(path).exists():
+        return None
+    return {"path": str(Path(path).resolve()), **target_identity(path)}
+
+
+def _identity_differences(before: dict[str, Any] | None, now: dict[str, Any] | None) -> str:
+    """Which parts of two target identities differ, in words ("" when they are one target)."""
+    before, now = before or {}, now or {}
+    differs = [name for name in _IDENTITY_FIELDS if before.get(name) != now.get(name)]
+    return " and ".join("config.json" if name == "config_sha256" else "sampled weights" for name in differs)
+
+
+def check_made_from(header: dict[str, Any], directory: str | Path, target: str | Path, flag: str = "--target") -> None:
+    """A target other than the one a cache's features came from is refused: the same shape is not
+    enough (a fine-tune, a base model and its instruct tune), the drafter would learn another
+    model's features under this model's head. A cache made before the identity was recorded is not
+    checked (`FeatureCache.identity_note` says so)."""
+    recorded = header.get("target_identity")
+    if not isinstance(recorded, dict):
+        return
+    mine = target_identity(target)
+    if _identity_differences(recorded, mine):
+        what = _identity_differences(recorded, mine)
+        made_from = recorded.get("path") or header.get("target")
+        raise FeatureCacheError(f"{flag} {target} is not the target the feature cache {directory} was made from "
+                                f"({made_from}): their {what} differ; train with --target {made_from}, or make a cache "
+                                "from this target with dflash-train cache-features")
+
+
+def read_header(directory: str | Path) -> dict[str, Any]:
+    """The header of a complete feature cache (what training reads before the target loads);
+    FeatureCacheError naming what is missing, damaged or unfinished."""
+    directory = Path(directory)
+    header_path = directory / HEADER
+    if not header_path.is_file():
+        raise FeatureCacheError(f"{directory}: not a feature cache (no {HEADER}); make one with dflash-train cache-features")
+    header = _read_json(header_path)
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise FeatureCacheError(f"{header_path}: format {header.get('format')} v{header.get('version')}, "
+                                f"this version reads {FORMAT} v{VERSION}")
+    if not header.get("complete"):
+        raise FeatureCacheError(f"{directory}: the feature cache is incomplete (its writer was interrupted); "
+                                "run the same dflash-train cache-features command again to finish it")
+    return header
+
+
+def _change(key: str, before: Any, now: Any) -> str:
+    """One setting that differs between a cache on disk and this write, in words; "" if none."""
+    if key == "target_identity":  # the model's files (its path is the `target` setting)
+        what = _identity_differences(before, now)
+        where = (before or {}).get("path"), (now or {}).get("path")
+        return f"the target's {what}: {where[0]} before, {where[1]} now" if what else ""
+    return f"{key}: {before!r} before, {now!r} now" if before != now else ""
+
+
+def check_cache_folder(out: str | Path, settings: dict[str, Any]) -> None:
+    """`out` can take a cache made with `settings`: it is new, empty, or holds a cache (complete or
+    interrupted) made with the same settings. `settings` may hold only some of the header's keys:
+    cache-features checks those it knows before the target loads, and all of them after."""
+    out = Path(out)
+    header_path = out / HEADER
+    if header_path.is_file():
+        before = _read_json(header_path, "restore it, or write the cache to another --out")
+        changed = [_change(k, before.get(k, _UNRECORDED.get(k)), settings[k]) for k in _SETTINGS
+                   if k in settings and (k in before or k in _UNRECORDED)]
+        changed = [change for change in changed if change]
+        if before.get("format") != FORMAT or before.get("version") != VERSION:
+            changed.insert(0, f"format {before.get('format')} v{before.get('version')}")
+        if changed:
+            raise FeatureCacheError(
+                f"{out} holds a feature cache made with other settings ({'; '.join(changed)}); "
+                "use the same settings to resume it, or another --out"
+            )
+    elif out.is_dir() and any(out.iterdir()):
+        raise FeatureCacheError(f"{out} is not empty and holds no feature cache ({HEADER}); choose an empty or new folder")
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,18 +246,55 @@ class _ShardWriter:
         self.shards_written += 1
 
 
-def _written_shards(directory: Path, log: TextIO) -> dict[int, dict]:
-    """Complete shards by number; removes what an interrupted writer left."""
+def _shard_damage(data_file: Path, index: dict, width: int, element: int) -> str | None:
+    """Why a written shard's bytes are not those its index recorded (the first sample whose
+    checksum fails), or None: the whole shard is read, at about the disk's speed."""
+    size = data_file.stat().st_size
+    if size == 0:
+        return "empty" if index["samples"] else None
+    with open(data_file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            for entry in index["samples"]:
+                features, record = _record_bytes(entry["length"], width, element)
+                start = entry["offset"]
+                if start + record > size:
+                    return f"sample {entry['id']} does not fit the shard"
+                if zlib.crc32(view[start : start + features]) != entry["crc_features"]:
+                    return f"sample {entry['id']}: feature checksum mismatch"
+                if zlib.crc32(view[start + features : start + record]) != entry["crc_tokens"]:
+                    return f"sample {entry['id']}: token checksum mismatch"
+        finally:
+            view.release()  # before the mapping closes
+    return None
+
+
+def _written_shards(directory: Path, log: TextIO, width: int, element: int) -> dict[int, dict]:
+    """Complete shards whose checksums verify, by number; removes what an interrupted writer left
+    and any shard damaged since it was written (its samples are written again)."""
     complete: dict[int, dict] = {}
-    for index_file in sorted(directory.glob("shard-*.json")):
+    indexes = sorted(directory.glob("shard-*.json"))
+    if indexes:
+        held = sum(p.with_suffix(".bin").stat().st_size for p in indexes if p.with_suffix(".bin").is_file())
+        print(f"{directory}: verifying the checksums of {len(indexes)} written shards ({_human(held)})", file=log)
+    for index_file in indexes:
         number = int(index_file.stem.split("-")[1])
         data_file = index_file.with_suffix(".bin")
         try:
             index = json.loads(index_file.read_text())
         except json.JSONDecodeError:
             index = None
-        if index is not None and data_file.is_file() and data_file.stat().st_size == index["bytes"]:
+        try:
+            fits = index is not None and data_file.is_file() and data_file.stat().st_size == index["bytes"]
+            damage = _shard_damage(data_file, index, width, element) if fits else None
+        except (KeyError, TypeError):  # an index without the fields a writer gives it
+            fits, damage = False, None
+        if fits and damage is None:
             complete[number] = index
+        elif damage is not None:
+            print(f"{directory}: {data_file.name} is damaged ({damage}); rewriting it", file=log)
+            index_file.unlink()
+            data_file.unlink()
         else:
             print(f"{directory}: {index_file.name} does not match its shard; rewriting it", file=log)
             index_file.unlink()
@@ -239,6 +364,9 @@ def write_feature_cache(
         "format": FORMAT, "version": VERSION, "target": str(target.path),
         "target_spec": {"model_type": spec.model_type, "hidden_size": spec.hidden_size,
                         "num_hidden_layers": spec.num_hidden_layers, "vocab_size": spec.vocab_size},
+        # What `train --features --target` compares its target with (settings may give the --target
+        # path the user named, e.g. a .gguf, where target.path is its converted folder).
+        "target_identity": recorded_target_identity(target.path),
         "layer_ids": list(layer_ids), "dtype": _dtype_name(dtype), "width": width,
         "max_seq_len": None, "min_supervised_tokens": None, "enable_thinking": None, "data": [],
         "token_ids": "auto", **(settings or {}),
@@ -251,21 +379,9 @@ def write_feature_cache(
     }
     out.mkdir(parents=True, exist_ok=True)
     header_path = out / HEADER
-    if header_path.is_file():
-        before = _read_json(header_path, "restore it, or write the cache to another --out")
-        changed = [f"{k}: {before.get(k, _UNRECORDED.get(k))!r} before, {header[k]!r} now" for k in _SETTINGS
-                   if before.get(k, _UNRECORDED.get(k)) != header[k]]
-        if before.get("format") != FORMAT or before.get("version") != VERSION:
-            changed.insert(0, f"format {before.get('format')} v{before.get('version')}")
-        if changed:
-            raise FeatureCacheError(
-                f"{out} holds a feature cache made with other settings ({'; '.join(changed)}); "
-                "use the same settings to resume it, or another --out"
-            )
-    elif any(out.iterdir()):
-        raise FeatureCacheError(f"{out} is not empty and holds no feature cache ({HEADER}); choose an empty or new folder")
-
-    written = _written_shards(out, log)
+    check_cache_folder(out, header)
+    element = torch.empty((), dtype=dtype).element_size()
+    written = _written_shards(out, log, width, element)
     by_id = {s.sample_id: s for s in samples}
     kept: set[int] = set()
     for number, index in written.items():
@@ -280,7 +396,6 @@ def write_feature_cache(
     todo = [s for s in samples if s.sample_id not in kept]
 
     # The size estimate, before any work.
-    element = torch.empty((), dtype=dtype).element_size()
     per_token = width * element + 5
     total_tokens = header["tokens"]
     remaining_tokens = sum(len(s.input_ids) for s in todo)
@@ -386,16 +501,7 @@ class FeatureCache:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        header_path = self.directory / HEADER
-        if not header_path.is_file():
-            raise FeatureCacheError(f"{self.directory}: not a feature cache (no {HEADER}); make one with dflash-train cache-features")
-        header = _read_json(header_path)
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise FeatureCacheError(f"{header_path}: format {header.get('format')} v{header.get('version')}, "
-                                    f"this version reads {FORMAT} v{VERSION}")
-        if not header.get("complete"):
-            raise FeatureCacheError(f"{self.directory}: the feature cache is incomplete (its writer was interrupted); "
-                                    "run the same dflash-train cache-features command again to finish it")
+        header = read_header(self.directory)
         self.header = header
         self.target: str = header["target"]
         self.layer_ids: list[int] = list(header["layer_ids"])
@@ -447,7 +553,7 @@ class FeatureCache:
             tokens = memoryview(mapped)[offset + feature_bytes : offset + record]
             if zlib.crc32(tokens) != entry["crc_tokens"]:
                 raise FeatureCacheError(f"{self.directory}: {where}: token checksum mismatch, the shard is corrupt; "
-                                        f"delete {path.name} and {index_file.name} and run cache-features again")
+                                        "run the same dflash-train cache-features command again to rewrite it")
             input_ids = torch.frombuffer(mapped, dtype=torch.int32, count=length, offset=offset + feature_bytes).long()
             loss_mask = torch.frombuffer(mapped, dtype=torch.uint8, count=length, offset=offset + feature_bytes + 4 * length).bool()
             self._entries[sample_id] = _Entry(number, offset, length, entry["crc_features"], entry["source"])
@@ -497,8 +603,8 @@ class FeatureCache:
                 path = self._shard_paths[entry.shard]
                 raise FeatureCacheError(
                     f"{path}: sample {sample_id} ({entry.source}): feature checksum mismatch (stored {entry.crc_features:#010x}, "
-                    f"read {crc:#010x}): the shard is corrupt; delete {path.name} and {path.with_suffix('.json').name} "
-                    "and run cache-features again to rewrite it"
+                    f"read {crc:#010x}): the shard is corrupt; run the same dflash-train cache-features command again "
+                    "to rewrite it (it verifies every shard)"
                 )
             with self._lock:
                 self._verified.add(sample_id)
@@ -516,6 +622,14 @@ class FeatureCache:
                 f"{self.layer_ids} (missing {missing}); train with --target-layer-ids taken from the cache's layers, or "
                 "rebuild the cache with dflash-train cache-features --target-layer-ids covering the drafter's"
             )
+
+    def identity_note(self) -> str | None:
+        """A line for a cache made before caches recorded their target's identity, whose target
+        therefore cannot be compared with `train --target` (only its shape is)."""
+        if isinstance(self.header.get("target_identity"), dict):
+            return None
+        return (f"features: the feature cache {self.directory} records no target identity (made by an older "
+                "dflash-train, or from a target given in memory): only the target's shape is checked against it, not its weights")
 
     def check_target(self, target: Any) -> None:
         """The target used for embedding/head/tokenizer must be the one the features came from."""

@@ -65,6 +65,10 @@ def load_feature_supply(
             raise ConfigError(f"pass --data or --features, not both: the feature cache {config.data.features} holds its own samples")
         cache = FeatureCache(config.data.features)
         cached_thinking(config, cache)
+        if config.model.target and (note := cache.identity_note()):
+            # Accepted, not refused: a cache is hours of target forwards, and a cache from before
+            # the identity was recorded still has its shape checked (check_target, below).
+            print(note, file=log)
         if not targets:
             # No target forward runs for training; its embedding, head and tokenizer are still
             # needed (one copy serves every target worker), and the in-training evaluator runs it whole.
@@ -127,12 +131,30 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
                 check_layer_ids_fit(layer_ids, config.model.target)
         elif not config.data.features:
             raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file), or --features CACHE")
+        if config.model.target and config.data.features:
+            from ..data.feature_cache import check_made_from, read_header
+
+            # A sampled fingerprint (a few MiB read), so a cache of another target is refused before this one loads.
+            check_made_from(read_header(config.data.features), config.data.features, config.model.target)
     if samples_given or config.data.features:
         return
     if not config.data.data:
         raise ConfigError("no training data: pass --data FILE.jsonl (conversations with assistant answers)")
     for path in config.data.data:
         check_readable(path, CONVERSATION_FORMATS, "--data")
+    check_distinct_files(config.data.data, "--data")
+
+
+def check_distinct_files(paths: Sequence[str], flag: str) -> None:
+    """A file named twice (`a.jsonl,./a.jsonl`, or through a link) is refused: its rows would be
+    read twice, silently doubling what is trained on. Resolved paths are compared."""
+    seen: dict[Path, str] = {}
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            same = f" (the same file as {seen[resolved]})" if seen[resolved] != path else ""
+            raise ConfigError(f"{flag} {path} is given twice{same}: each file's rows would be read twice; name it once")
+        seen[resolved] = path
 
 
 def load_samples(config: TrainConfig, supply: FeatureSupply, log: TextIO) -> tuple[list, Rendering | None]:

@@ -455,3 +455,45 @@ def test_regenerate_with_no_prompt_to_answer_is_one_line_and_writes_nothing(tiny
         assert _last_line(captured.err) == f"dflash-train regenerate: --prompts {prompts}: no prompt to answer in it {expected}"
         assert "loading target" not in captured.out and not list(tmp_path.glob("answers.jsonl*")), prompts
     assert "skipped 1: prompt: empty" in captured.out
+
+
+def test_feature_cache_inputs_are_refused_before_the_target_loads(tiny, feature_cache, tmp_path, capsys):
+    """train --features with a --target other than the cache's (same shape, other weights), a
+    --data file named twice (its rows would be read twice), and cache-features' layers beyond the
+    target, an --out that is not empty, or a cache made with other settings: one line, exit 2,
+    before `loading target`."""
+    from test_parallel_nodes import _noisy_copy
+
+    target, data = tiny
+    other = _noisy_copy(target, tmp_path / "fine-tune")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    twice = f"{data},{data.parent}/./{data.name}"
+    learn = ["--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1",
+             "--num-anchors", "8", "--block-size", "4", "--device", "cpu"]
+    cache = ["cache-features", "--target", str(target), "--device", "cpu", "--max-seq-len", "128", "--num-layers", "1"]
+    cases = {
+        "train on another target's cache": (
+            ["train", "--features", str(feature_cache), "--target", str(other), *learn],
+            f"--target {other} is not the target the feature cache {feature_cache} was made from ({target.resolve()}): "
+            "their sampled weights differ"),
+        "train on a file given twice": (["train", "--target", str(target), "--data", twice, *learn],
+                                        f"--data {data.parent}/./{data.name} is given twice (the same file as {data})"),
+        "cache a file given twice": ([*cache, "--data", twice, "--out", str(tmp_path / "c")], "is given twice"),
+        "cache layers the target does not have": ([*cache, "--data", str(data), "--target-layer-ids", "7", "--out",
+                                                   str(tmp_path / "c")], "target_layer_ids [7] out of range"),
+        "cache into a folder that holds something else": ([*cache, "--data", str(data), "--out", str(busy)],
+                                                          f"{busy} is not empty and holds no feature cache"),
+        "cache with other settings": ([*cache, "--data", str(data), "--out", str(feature_cache), "--max-seq-len", "64"],
+                                      "made with other settings (max_seq_len: 128 before, 64 now)"),
+        "cache from another target": ([*cache, "--target", str(other), "--data", str(data), "--out", str(feature_cache)],
+                                      "made with other settings (the target's sampled weights: "),
+    }
+    for case, (args, expected) in cases.items():
+        capsys.readouterr()
+        assert main(args) == 2, case
+        captured = capsys.readouterr()
+        assert expected in _last_line(captured.err), (case, captured.err)
+        assert "loading target" not in captured.out and not (tmp_path / "run").exists(), case
+    assert not (tmp_path / "c").exists() and sorted(p.name for p in busy.iterdir()) == ["notes.txt"]

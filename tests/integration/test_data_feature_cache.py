@@ -3,6 +3,7 @@ cached and live features train identically, the writer resumes, corruption is ca
 
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -281,3 +282,64 @@ def test_gpu_training_from_cache_evaluates_on_the_gpu(tiny_dir, cache_dir, tmp_p
     assert seen["device"].type == "cuda"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "tau_real" in records[-1]
+
+
+def test_train_refuses_a_cache_made_from_another_target(tiny_dir, cache_dir, tmp_path):
+    """The same shape with other weights (a fine-tune) is refused before the target loads, naming
+    both; the cache's own target trains; a cache from before the identity was recorded is
+    accepted with a note (refusing it would throw away hours of target forwards)."""
+    from test_parallel_nodes import _noisy_copy
+
+    other = _noisy_copy(Path(tiny_dir), tmp_path / "fine-tune")
+    assert json.loads((cache_dir / "cache.json").read_text())["target_identity"]["path"] == str(Path(tiny_dir).resolve())
+    with pytest.raises(FeatureCacheError, match=rf"--target {other} is not the target the feature cache {cache_dir} was "
+                                                rf"made from \({Path(tiny_dir).resolve()}\): their sampled weights differ"):
+        train(_train_config(tmp_path / "refused", features=str(cache_dir), target=str(other)), log=_quiet())
+    assert not (tmp_path / "refused").exists()
+    train(_train_config(tmp_path / "same", features=str(cache_dir), target=str(tiny_dir), steps=1), log=_quiet())
+    older = tmp_path / "older"
+    shutil.copytree(cache_dir, older)
+    header = json.loads((older / "cache.json").read_text())
+    del header["target_identity"]
+    (older / "cache.json").write_text(json.dumps(header))
+    log = tmp_path / "older.log"
+    with open(log, "w") as handle:
+        train(_train_config(tmp_path / "old", features=str(older), target=str(other), steps=1), log=handle)
+    assert f"the feature cache {older} records no target identity" in log.read_text()
+
+
+def test_writer_refuses_to_resume_with_another_target(tiny, samples, tiny_dir, tmp_path):
+    from test_parallel_nodes import _noisy_copy
+
+    out = tmp_path / "cache"
+    _write(tiny, samples, out)
+    other = load_target(_noisy_copy(Path(tiny_dir), tmp_path / "fine-tune"), "cpu")
+    with pytest.raises(FeatureCacheError, match=r"other settings \(target: .*; the target's sampled weights: "):
+        _write(other, samples, out)
+
+
+def test_a_rerun_on_a_complete_cache_verifies_it_and_rewrites_a_damaged_shard(tiny, samples, tmp_path):
+    """A shard damaged on disk at its size (a flipped bit) is found by running the writer again on
+    the complete cache, which rewrites that shard only; every feature then verifies."""
+    out = tmp_path / "cache"
+    _write(tiny, samples, out)
+    index_file, entry = _first_entry(out)
+    shard = index_file.with_suffix(".bin")
+    data = bytearray(shard.read_bytes())
+    data[entry["offset"] + 1000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    damaged = len(json.loads(index_file.read_text())["samples"])
+    others = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.bin") if p != shard}
+    log = tmp_path / "log.txt"
+    with open(log, "w") as handle:
+        report = _write(tiny, samples, out, log=handle)
+    text = log.read_text()
+    assert "verifying the checksums of" in text
+    assert f"{shard.name} is damaged (sample {entry['id']}: feature checksum mismatch); rewriting it" in text
+    assert report.samples_written == damaged > 0
+    assert report.samples_kept + report.samples_written == len(samples[0])
+    for path, identity in others.items():
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == identity  # not rewritten
+    cache = FeatureCache(out)
+    for sample in cache.samples():
+        cache.features_of(sample.sample_id)  # every checksum verifies
