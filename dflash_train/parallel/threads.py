@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
 from .streams import WorkerStream
 from .utilisation import WorkerMeter
 
@@ -76,9 +77,14 @@ class StopSignal:
     def wait(self, seconds: float) -> bool:
         return self._event.wait(seconds)
 
-    def error(self) -> PipelineError | None:
+    def error(self) -> BaseException | None:
+        """What stopped the pipeline: the first worker's own error where it is bad input found
+        mid-run (a damaged feature shard: one line and exit 2 at the command line, as if found
+        at start), else a PipelineError carrying every failed worker's traceback."""
         if not self.failures:
             return None
+        if isinstance(self.failures[0].error, UserError):
+            return self.failures[0].error
         parts = [f"worker {f.worker} failed:\n{f.traceback}" for f in self.failures]
         return PipelineError("\n".join(parts))
 

@@ -202,6 +202,25 @@ def test_train_features_with_a_broken_cache_file_names_it(tiny, feature_cache, t
     assert f"{broken}: damaged (not valid JSON" in line, line
 
 
+def test_train_features_on_a_shard_damaged_in_place_stops_with_one_line(tiny, feature_cache, tmp_path, capsys):
+    """Bytes flipped inside a shard (same size): found when a worker reads it, mid-run. The
+    worker's error reaches the command line as itself: one line, exit 2 (before: exit 1 and the
+    worker's traceback, wrapped as a pipeline failure)."""
+    target, _ = tiny
+    cache = tmp_path / "cache"
+    shutil.copytree(feature_cache, cache)
+    shard = cache / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[5000:5064] = bytes(b ^ 0xFF for b in data[5000:5064])
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["train", "--target", str(target), "--features", str(cache), "--out", str(tmp_path / "run"),
+                 "--steps", "40", "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8",
+                 "--block-size", "4", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(shard) in _last_line(err), err[-2000:]
+
+
 # --- a full disk (D11: DF01, X17) --------------------------------------------------------------------
 
 def _tmpfs_prefix(tmp_path: Path, kib: int) -> tuple[Path, str]:
