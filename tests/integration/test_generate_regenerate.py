@@ -348,6 +348,16 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from dflash_train.cli import main; sys.exit(main(sys.argv[1:]))", *args]
 
 
+def signal_after_rows(process: subprocess.Popen, out: Path, rows: int, signum: int, timeout: float = 120.0) -> None:
+    """Send `signum` once `out` holds `rows` rows (the run is mid-way), unless the run ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= rows:
+            process.send_signal(signum)
+            return
+        time.sleep(0.005)
+
+
 def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tiny_dir, tmp_path, capsys):
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("".join(f"{t} Then add a second fact about {t.split()[-1]}\n" for t in TEXTS * 2))
@@ -360,12 +370,7 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tiny_dir, tmp_p
     killed = tmp_path / "killed.jsonl"
     process = subprocess.Popen(_cli(*args, "--out", str(killed)), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if killed.exists() and killed.read_bytes().count(b"\n") >= 4:
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
+    signal_after_rows(process, killed, 4, signal.SIGKILL)
     process.wait()
     stderr = process.stderr.read().decode()
     assert process.returncode == -signal.SIGKILL, f"the run ended by itself before it could be killed: {stderr[-2000:]}"
@@ -396,12 +401,7 @@ def test_one_ctrl_c_stops_with_the_summary_and_every_prompt_accounted(tiny_dir, 
                                     "--flush-seconds", "0", "--out", str(out)),
                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if out.exists() and out.read_bytes().count(b"\n") >= 4:
-            process.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.005)
+    signal_after_rows(process, out, 4, signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-2000:]
     assert "aborted" not in stderr and "Traceback" not in stderr, stderr[-2000:]
