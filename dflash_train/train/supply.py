@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence, TextIO
 
 import torch
 
-from ..config import THINKING, ConfigError, TrainConfig
+from ..config import THINKING, ConfigError, TrainConfig, UserError
 from ..target.model import Target, load_target
 from .batches import HostBatch
 from .layout import Layout
@@ -136,6 +136,15 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
 
             # A sampled fingerprint (a few MiB read), so a cache of another target is refused before this one loads.
             check_made_from(read_header(config.data.features), config.data.features, config.model.target)
+    if config.eval.eval_every:  # the in-training eval's prompts: a typo fails now, not once the target has loaded
+        from ..eval.benchmarks import load_benchmark
+
+        try:
+            found = load_benchmark(config.eval.eval_bench)
+        except UserError as error:
+            raise ConfigError(f"--eval-bench: {error}") from None
+        if not found:
+            raise ConfigError(f"--eval-bench {config.eval.eval_bench}: no prompts in it")
     if samples_given or config.data.features:
         return
     if not config.data.data:

@@ -395,6 +395,8 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
     toml.write_text("x = 1\n")
     half = tmp_path / "half.gguf"  # a download that never got its first bytes
     half.write_bytes(b"")
+    empty_bench = tmp_path / "bench.jsonl"
+    empty_bench.write_text("")
     out = tmp_path / "run"
     common = ["train", "--out", str(out), "--steps", "2", "--device", "cpu"]
     cases = {
@@ -430,6 +432,12 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
             ["regenerate", "--target", str(target), "--prompts", str(data), "--out", str(out / "rows.jsonl"),
              "--max-new-tokens", "400", "--max-prompt-tokens", "128"],
             "--max-prompt-tokens 128 + --max-new-tokens 400 exceed the target's 512-token context"),
+        "an in-training eval on a benchmark that is not there": (
+            [*common, "--target", str(target), "--data", str(data), "--eval-every", "1", "--eval-bench", "nosuch"],
+            "--eval-bench: unknown benchmark 'nosuch'"),
+        "an in-training eval on an empty prompts file": (
+            [*common, "--target", str(target), "--data", str(data), "--eval-every", "1", "--eval-bench", str(empty_bench)],
+            f"--eval-bench: {empty_bench}: no prompts"),
         "self-prompts longer than the context": (
             ["self-prompts", "--target", str(target), "--count", "2", "--out", str(out / "own.jsonl"),
              "--max-new-tokens", "600"], "--max-new-tokens 600 leaves no room for a prompt in the target's 512-token context"),
