@@ -178,6 +178,8 @@ def _free_gib(path: Path) -> tuple[Path, float]:
 
 
 def check_disk(out: str) -> list[Finding]:
+    from ..errors import UserError
+    from ..files import check_outside_inputs
     from ..target.gguf import default_cache_dir
 
     found = []
@@ -185,6 +187,12 @@ def check_disk(out: str) -> list[Finding]:
         if path.exists() and not path.is_dir():
             found.append(Finding("FAIL", name, f"{path} is a file, not a folder"))
             continue
+        if name == "disk: --out":
+            try:  # the rule the commands hold --out to (a path below a file, `-`): what they refuse, refused here
+                check_outside_inputs(out, "--out")
+            except UserError as error:
+                found.append(Finding("FAIL", name, str(error)))
+                continue
         existing, free = _free_gib(path)
         where = str(path) if existing == path.resolve() else f"{path} (not there yet; {existing})"
         ok = free >= MIN_FREE_GIB
@@ -200,18 +208,20 @@ def check_target(target: str) -> list[Finding]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..decode.static import cache_capacity
-    from ..target.model import Target, TargetSpec
+    from ..errors import UserError
+    from ..target.model import Target, TargetSpec, check_target_path
     from ..target.probe import float32_replica, static_unsupported
 
     path = Path(target)
     try:
+        check_target_path(path)  # what train, eval and the rest refuse before loading, refused here too
         if path.suffix == ".gguf" and path.is_file():
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        elif (path / "config.json").is_file():
-            config = AutoConfig.from_pretrained(str(path))
         else:
-            return [Finding("FAIL", "target", f"{target}: not a Hugging Face model folder (no config.json) and not a .gguf file")]
+            config = AutoConfig.from_pretrained(str(path))
         spec = TargetSpec.from_hf_config(config)
+    except UserError as error:
+        return [Finding("FAIL", "target", str(error))]
     except (OSError, ValueError, KeyError) as error:
         return [Finding("FAIL", "target", f"{target}: {str(error).splitlines()[0]}")]
     found = [Finding("ok", "target", f"{type(config).__name__}: {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "

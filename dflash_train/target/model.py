@@ -9,19 +9,22 @@ embedding and LM head; they are exposed here and never copied into a drafter che
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
+import pickle
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..config import UserError
-from ..errors import named_by_flag
+from ..errors import named_by_flag, os_error_reason
 from ..files import file_sha256
 
 # Model types whose decoder is `model.model.layers` of pre-norm blocks, which is what the DFlash
@@ -379,10 +382,19 @@ def _check_all_weights_loaded(loaded: Any, path: Path) -> nn.Module:
     missing from the files: transformers then initialises it at random and says so only in a
     log line. A frozen target with a random part (most often an LM head saved without
     `lm_head.weight` while `tie_word_embeddings` is false) would train a drafter against noise."""
-    if not (isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[1], dict) and "missing_keys" in loaded[1]):
+    if not (isinstance(loaded, tuple) and len(loaded) == 2 and isinstance(loaded[1], dict)
+            and {"missing_keys", "mismatched_keys"} <= set(loaded[1])):
         raise TargetError(f"{path}: this transformers does not report which weights it loaded "
                           "(from_pretrained(output_loading_info=True)); cannot tell whether the target is complete")
     model, info = loaded
+    mismatched = list(info["mismatched_keys"])
+    if mismatched:
+        # Loaded with ignore_mismatched_sizes so that this is named here, shapes and all, instead of
+        # a RuntimeError pointing at a report transformers logged above it.
+        shown = ", ".join(f"{name} (file {list(stored)}, config {list(wanted)})" for name, stored, wanted in mismatched[:3])
+        more = f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""
+        raise TargetError(f"{path}: weights whose shapes differ from what config.json describes: {shown}{more}; "
+                          "the config.json does not belong to these weights")
     missing = sorted(info["missing_keys"])
     if not missing:
         return model
@@ -458,19 +470,98 @@ def check_layer_ids_fit(layer_ids: list[int], target: str | Path) -> None:
 
 
 def check_target_path(path: str | Path, flag: str = "") -> None:
-    """A target path that can load: a .gguf file, or a folder with a config.json. Commands check
-    it before anything loads, naming their `flag`."""
+    """A target path that can load: a .gguf file whose header reads, or a folder whose config.json
+    is a JSON object naming a model_type this transformers knows, beside the weight files
+    `from_pretrained` looks for (every shard an index lists). Commands check it before anything
+    loads, naming their `flag`: what transformers would say only as a traceback, minutes in."""
     path = Path(path)
     where = named_by_flag(path, flag)
     if not path.exists():
         raise TargetError(f"{where}: no such file or folder")
     if path.suffix == ".gguf" and path.is_file():
         from .gguf import check_gguf_file
+        from .gguf_header import read_gguf_header
 
-        check_gguf_file(path, flag)  # 4 bytes: an unfinished copy is named now, not when it loads
+        check_gguf_file(path, flag)  # 4 bytes: not a GGUF file at all
+        try:  # its header, not its data: a copy cut short is named now, not by a struct.error mid-conversion
+            header = read_gguf_header(path)
+        except ValueError as error:  # transformers' reader refuses the same files (little-endian v2/v3 only)
+            raise TargetError(f"{where}: not a readable GGUF file ({path.stat().st_size} bytes): {error}; "
+                              "an unfinished copy or download?") from None
+        if "general.architecture" not in header.fields:
+            raise TargetError(f"{where}: its GGUF metadata names no general.architecture, so no model can be built from it")
         return
     if not (path / "config.json").is_file():
         raise TargetError(f"{where}: not a Hugging Face model folder (no config.json) and not a .gguf file")
+    _check_model_config(path / "config.json", where)
+    _check_weight_files(path, where)
+
+
+def _check_model_config(path: Path, where: str) -> None:
+    """config.json parses as a JSON object whose model_type transformers has a config class for
+    (the architecture rule itself, `TargetSpec.from_hf_config`, runs on that class once it loads)."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TargetError(f"{where}: {path.name} is not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise TargetError(f"{where}: {path.name} is not valid JSON ({error.msg} at line {error.lineno} "
+                          f"column {error.colno})") from None
+    if not isinstance(raw, dict):
+        raise TargetError(f"{where}: {path.name} is not a JSON object (it is a {type(raw).__name__})")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise TargetError(f"{where}: {path.name} names no model_type, so transformers cannot tell which "
+                          "architecture it is")
+    if model_type not in CONFIG_MAPPING:
+        raise TargetError(f"{where}: {path.name} has model_type {model_type!r}, which transformers {__version__} "
+                          f"does not know; dflash-train supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _check_weight_files(folder: Path, where: str) -> None:
+    """The weights `from_pretrained` reads are there: one of the files it looks for and, for a
+    sharded model, every shard its index lists (a download cut short often lacks some)."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    present = [name for name in names if (folder / name).is_file()]
+    if not present:
+        raise TargetError(f"{where}: no weights (none of {', '.join(names)}); an unfinished download or copy?")
+    if present[0] not in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        _check_safetensors_header(folder / present[0], where)  # transformers reads this file, whatever index lies beside it
+        return
+    index = folder / present[0]
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise TargetError(f"{where}: {index.name} is not a shard index (a JSON object with a weight_map of file names)")
+    missing = sorted({shard for shard in weight_map.values() if not (folder / shard).is_file()})
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise TargetError(f"{where}: {index.name} lists {len(missing)} weight file{'s' * (len(missing) > 1)} "
+                          f"the folder lacks: {shown}; an unfinished download or copy?")
+    for shard in sorted(set(weight_map.values())):
+        _check_safetensors_header(folder / shard, where)
+
+
+def _check_safetensors_header(path: Path, where: str) -> None:
+    """A .safetensors file's header reads (safetensors' own reader; the tensor data is not read):
+    a file cut short or not safetensors at all is named now, not as a deserializing error at load.
+    Other formats (pickled .bin) cannot be checked without unpickling them: left to the load."""
+    if path.suffix != ".safetensors":
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as error:
+        raise TargetError(f"{where}: {path.name} is not a readable safetensors file ({path.stat().st_size} bytes): "
+                          f"{_first_line(error)}; an unfinished download or copy?") from None
 
 
 def declared_context(path: str | Path) -> int | None:
@@ -503,17 +594,52 @@ def load_target(
     *,
     load_tokenizer: bool = True,
 ) -> Target:
-    """Load a target from a Hugging Face folder or a `.gguf` file (converted once, cached)."""
+    """Load a target from a Hugging Face folder or a `.gguf` file (converted once, cached). What
+    the files hold that transformers cannot load is a TargetError naming the path."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_target_path(path)
-    path = model_folder(path)
-    config = AutoConfig.from_pretrained(path)
-    TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device), output_loading_info=True)
-    model = _check_all_weights_loaded(loaded, path).to(device)
-    tokenizer = None
-    if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return Target(model, tokenizer, str(path))
+    with _load_errors_named(path):  # the path as given: a .gguf, not the folder it converts into
+        path = model_folder(path)
+        config = AutoConfig.from_pretrained(path)
+        TargetSpec.from_hf_config(config)  # refuse unknown architectures before loading weights
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(device), output_loading_info=True,
+                                                      ignore_mismatched_sizes=True)  # refused below, naming the shapes
+        model = _check_all_weights_loaded(loaded, path)
+        tokenizer = None
+        if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    # Outside: a device that fails (CUDA out of memory, a driver error) is not the files' fault.
+    return Target(model.to(device), tokenizer, str(path))
+
+
+@contextlib.contextmanager
+def _load_errors_named(path: str | Path) -> Iterator[None]:
+    """Turn what transformers, safetensors or the GGUF readers raise about a target's files (a
+    config value it rejects, a weights file that is no safetensors, a shard of the wrong shape)
+    into one TargetError naming `path` and the cause's first line. Left alone: our own errors
+    (already one line), OS errors the CLI names by path and errno, and running out of memory."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (UserError, torch.OutOfMemoryError):
+        raise
+    except OSError as error:
+        if os_error_reason(error) is not None:
+            raise
+        raise TargetError(f"target {path}: cannot be loaded: {_first_line(error)}") from error
+    except pickle.UnpicklingError as error:
+        # torch's own first line advises weights_only=False, i.e. running whatever code the file holds: not that.
+        raise TargetError(f"target {path}: cannot be loaded: a pickled weights file (.bin) does not load as plain "
+                          "tensors (damaged, or it holds more than tensors); use the model's safetensors files") from error
+    except (ValueError, KeyError, TypeError, RuntimeError, struct.error, SafetensorError) as error:
+        raise TargetError(f"target {path}: cannot be loaded: {_first_line(error)}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's message; a KeyError's (only the key) after its type."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return f"{type(error).__name__} {first}".strip() if isinstance(error, KeyError) or not first else first
 

@@ -86,6 +86,28 @@ def test_doctor_fails_when_out_is_a_file(tmp_path, cache_dir, capsys):
     (tmp_path / "run").write_text("a file where the run folder would go")
     assert main(["doctor", "--out", str(tmp_path / "run")]) == 1
     assert "is a file, not a folder" in _lines(capsys.readouterr().out)["disk: --out"]
+    # Below a file: train refuses it (files.check_outside_inputs), so the doctor does too.
+    assert main(["doctor", "--out", str(tmp_path / "run" / "x")]) == 1
+    assert _lines(capsys.readouterr().out)["disk: --out"] == f"FAIL --out {tmp_path / 'run' / 'x'}: {tmp_path / 'run'} is a file, not a folder"
+
+
+@pytest.mark.parametrize("broken", ["no weights", "gguf header"])
+def test_doctor_fails_on_a_target_the_commands_refuse(broken, target_dir, tmp_path, cache_dir, capsys):
+    """What train refuses before loading (target/model.py check_target_path), the doctor calls a
+    problem in the same words, never 'ready' and never a bare struct.error."""
+    if broken == "no weights":
+        target = tmp_path / "config-only"
+        target.mkdir()
+        (target / "config.json").write_bytes((target_dir / "config.json").read_bytes())
+        reason = f"{target}: no weights (none of model.safetensors"
+    else:
+        target = tmp_path / "fake.gguf"
+        target.write_bytes(b"GGUFxxxx")
+        reason = f"{target}: not a readable GGUF file (8 bytes): GGUF version"
+    assert main(["doctor", "--target", str(target)]) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["target"].startswith(f"FAIL {reason}"), out
+    assert f"not ready: 1 problem: target: {reason}" in out
 
 
 def test_doctor_help_imports_no_torch():

@@ -78,6 +78,24 @@ def test_not_a_model_folder(tmp_path):
         load_target(tmp_path)
 
 
+def test_what_only_the_load_finds_is_a_target_error_naming_the_path(tmp_path):
+    """The files pass the checks before loading (their headers read) but transformers refuses them:
+    one TargetError naming the path and the cause, never the raw KeyError or torch's advice to
+    unpickle with weights_only=False."""
+    tiny_hf_model("llama", layers=2).save_pretrained(tmp_path / "rope")
+    config = json.loads((tmp_path / "rope" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "nosuch", "rope_theta": 10000.0}
+    (tmp_path / "rope" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetError, match=f"^target {tmp_path / 'rope'}: cannot be loaded: KeyError 'nosuch'$"):
+        load_target(tmp_path / "rope")
+    (tmp_path / "pickle").mkdir()
+    (tmp_path / "pickle" / "config.json").write_text(json.dumps({**config, "rope_parameters": None}))
+    (tmp_path / "pickle" / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(TargetError, match=f"^target {tmp_path / 'pickle'}: cannot be loaded: a pickled weights file "
+                                          r"\(.bin\) does not load as plain tensors"):
+        load_target(tmp_path / "pickle")
+
+
 class _Tokenizer:
     """Just the attributes the mask rule reads, with a real-looking special-token table."""
 
