@@ -126,7 +126,7 @@ def test_a_home_path_after_a_comma_is_expanded_as_the_shell_expands_the_first(tm
     # comma come as typed, so each item's leading ~/ is expanded here; a ~ elsewhere is left alone.
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    _model_folders(tmp_path, t={}, d={"dflash_config": {}})
+    _model_folders(tmp_path, t={"model_type": "llama"}, d={"dflash_config": {}})
     args = build_parser("eval").parse_args(["eval", "--target", "t", "--drafter", "d",
                                             "--bench", f"{tmp_path}/a.jsonl,~/b.jsonl,humaneval,x~/c.jsonl,~"])
     bench = from_args(EvalConfig, args).prompts.bench
@@ -393,16 +393,19 @@ retries = 2
 
 
 def _model_folders(root: Path, **configs: dict) -> None:
-    """Folders named after the keys, each with that config.json: a target and a drafter are checked
-    before anything loads, so they must be there."""
+    """Folders named after the keys, each with that config.json and an empty weights file: a
+    target and a drafter are checked before anything loads, so they must be there."""
+    from safetensors.torch import save_file
+
     for name, config in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
+        save_file({}, str(root / name / "model.safetensors"))
 
 
 def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _model_folders(tmp_path, t={}, d={"dflash_config": {}})
+    _model_folders(tmp_path, t={"model_type": "llama"}, d={"dflash_config": {}})
     path = tmp_path / "eval.toml"
     path.write_text('target = "t"\n[models]\ndrafter = "d"\ndecoder = "hf"\n[prompts]\nbench = ["mtbench"]\n'
                     'offset = 2\n[decoding]\nstop_token_ids = [7]\nbaseline = false\n')
@@ -422,7 +425,7 @@ def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_sta
 
 def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _model_folders(tmp_path, t={})
+    _model_folders(tmp_path, t={"model_type": "llama"})
     for name in ("a.jsonl", "b.jsonl"):  # --data files are checked before anything loads: they must exist
         (tmp_path / name).write_text("")
     path = tmp_path / "cache.toml"
@@ -448,7 +451,7 @@ def test_a_cache_features_file_in_sections_is_read_and_a_key_in_the_wrong_sectio
 
 def test_a_self_prompts_file_in_sections_is_read_and_a_key_in_the_wrong_section_refused(tmp_path, capsys):
     target, out = tmp_path / "target", tmp_path / "asked.jsonl"
-    _model_folders(tmp_path, target={})  # checked before anything loads: it must be a model folder
+    _model_folders(tmp_path, target={"model_type": "llama"})  # checked before anything loads: it must be a model folder
     path = tmp_path / "requests.toml"
     path.write_text(f'[input]\ntarget = "{target}"\n[output]\ncount = 12\nout = "{out}"\nsplit = "dev"\n'
                     '[generation]\nseed = 3\ntop_p = 0.5\n[local]\nbatch_size = 4\n')
