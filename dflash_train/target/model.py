@@ -453,19 +453,9 @@ def model_folder(path: str | Path) -> Path:
 
 
 def check_layer_ids_fit(layer_ids: list[int], target: str | Path) -> None:
-    """Layer ids beyond a target folder's depth, refused from its config.json before any weight
-    loads (a .gguf target's depth is known once it is read: checked when it loads)."""
-    path = Path(target) / "config.json"
-    if not layer_ids or not path.is_file():
-        return
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # the loader names what is wrong with it
-    if not isinstance(config, dict):
-        return
-    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
-    if isinstance(layers, int) and layers > 0:
+    """Layer ids beyond a target's depth, refused from its declared config before any weight loads."""
+    layers = declared_size(target, "num_hidden_layers") if layer_ids else None
+    if layers:
         check_target_layer_ids(list(layer_ids), layers)
 
 
@@ -564,27 +554,44 @@ def _check_safetensors_header(path: Path, where: str) -> None:
                           f"{_first_line(error)}; an unfinished download or copy?") from None
 
 
-def declared_context(path: str | Path) -> int | None:
-    """The context length a target declares, read without loading it: config.json's
-    max_position_embeddings (or its text_config's), or a .gguf file's `ARCH.context_length` (what
-    its conversion makes max_position_embeddings). None where it declares none or cannot be read
-    here: the load that follows names that problem."""
+# What a .gguf file's header names each config value the checks before loading read.
+_GGUF_DECLARED = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                  "embedding_length": "hidden_size", "vocab_size": "vocab_size"}
+
+
+def declared_config(path: str | Path) -> dict[str, Any]:
+    """The language model's config values a target declares, read without loading it: its
+    config.json (a multimodal wrapper's text_config over the top level), or a .gguf header's
+    `ARCH.*` values by their config names (the vocabulary counted from its token list where no
+    vocab_size is given). Empty where it cannot be read: the load that follows names that."""
     path = Path(path)
     try:
         if path.suffix == ".gguf" and path.is_file():
             from .gguf_header import read_gguf_header
 
             fields = read_gguf_header(path).fields
-            architecture = fields.get("general.architecture")
-            length = fields.get(f"{architecture.value}.context_length") if architecture else None
-            value = length.value if length else None
-        else:
-            raw = json.loads((path / "config.json").read_text())
-            inner = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-            value = raw.get("max_position_embeddings") or inner.get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
+            architecture = fields["general.architecture"].value
+            declared = {name: fields[f"{architecture}.{key}"].value for key, name in _GGUF_DECLARED.items()
+                        if f"{architecture}.{key}" in fields}
+            if "vocab_size" not in declared and "tokenizer.ggml.tokens" in fields:
+                declared["vocab_size"] = len(fields["tokenizer.ggml.tokens"].value)
+            return declared
+        raw = json.loads((path / "config.json").read_text())
+        inner = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+        return {**raw, **inner}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return {}
+
+
+def declared_size(path: str | Path, name: str) -> int | None:
+    """One positive whole number of `declared_config` (None where it is not one)."""
+    value = declared_config(path).get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def declared_context(path: str | Path) -> int | None:
+    """The context length a target declares (max_position_embeddings), read without loading it."""
+    return declared_size(path, "max_position_embeddings")
 
 
 def load_target(

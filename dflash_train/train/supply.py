@@ -129,6 +129,7 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
             chosen = [config.model.target_layer_ids, *(v.target_layer_ids or [] for v in config.parallel.variants)]
             for layer_ids in chosen:
                 check_layer_ids_fit(layer_ids, config.model.target)
+            check_drafter_fits(config, config.model.target)
         elif not config.data.features:
             raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file), or --features CACHE")
         if config.model.target and config.data.features:
@@ -152,6 +153,26 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
     for path in config.data.data:
         check_readable(path, CONVERSATION_FORMATS, "--data")
     check_distinct_files(config.data.data, "--data")
+
+
+def check_drafter_fits(config: TrainConfig, target: str) -> None:
+    """Each drafter's mask token id and DFlash2 sizes against the vocabulary and hidden size the
+    target declares (config.json or the GGUF header), before it loads: the drafter's own checks
+    would find them only once it is built on the loaded target."""
+    from ..core.dflash2 import check_dflash2_dims
+    from ..target.model import declared_size
+
+    vocab, hidden = declared_size(target, "vocab_size"), declared_size(target, "hidden_size")
+    for name, drafter in config.variant_configs() or [("", config)]:
+        where, model = f"{name}: " if name else "", drafter.model
+        if vocab and model.mask_token_id is not None and model.mask_token_id >= vocab:
+            raise ConfigError(f"{where}--mask-token-id {model.mask_token_id} is outside the target's embedding table "
+                              f"(rows 0..{vocab - 1})")
+        if vocab and hidden and model.arch == "dflash2":
+            problem = check_dflash2_dims(hidden, vocab, model.conv_kernel_size, model.conv_group_size,
+                                         model.selector_rank, model.selector_top_k)
+            if problem:
+                raise ConfigError(f"{where}--arch dflash2: {problem}")
 
 
 def check_distinct_files(paths: Sequence[str], flag: str) -> None:

@@ -397,6 +397,8 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
     half.write_bytes(b"")
     empty_bench = tmp_path / "bench.jsonl"
     empty_bench.write_text("")
+    declared = json.loads((target / "config.json").read_text())
+    vocab, hidden = declared["vocab_size"], declared["hidden_size"]
     out = tmp_path / "run"
     common = ["train", "--out", str(out), "--steps", "2", "--device", "cpu"]
     cases = {
@@ -432,6 +434,15 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
             ["regenerate", "--target", str(target), "--prompts", str(data), "--out", str(out / "rows.jsonl"),
              "--max-new-tokens", "400", "--max-prompt-tokens", "128"],
             "--max-prompt-tokens 128 + --max-new-tokens 400 exceed the target's 512-token context"),
+        # Against the target's declared sizes (before: each found once the target had loaded).
+        "a mask token past the vocabulary": ([*common, "--target", str(target), "--data", str(data), "--mask-token-id", "999999"],
+                                             f"--mask-token-id 999999 is outside the target's embedding table (rows 0..{vocab - 1})"),
+        "a DFlash2 selector wider than the vocabulary": (
+            [*common, "--target", str(target), "--data", str(data), "--arch", "dflash2", "--selector-top-k", "100000"],
+            f"--arch dflash2: selector_top_k 100000: must be in 1..{vocab}"),
+        "DFlash2 convolution groups that do not divide the hidden size": (
+            [*common, "--target", str(target), "--data", str(data), "--arch", "dflash2", "--conv-group-size", "7"],
+            f"--arch dflash2: conv_group_size 7: must divide the hidden size {hidden}"),
         "an in-training eval on a benchmark that is not there": (
             [*common, "--target", str(target), "--data", str(data), "--eval-every", "1", "--eval-bench", "nosuch"],
             "--eval-bench: unknown benchmark 'nosuch'"),
