@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from ..config import ConfigError, TrainConfig
+from ..config import TrainConfig
 from ..core.attention import FLEX_BACKENDS
 from ..core.drafter import DrafterConfig
 from ..core.objective import ObjectiveConfig
@@ -43,7 +43,8 @@ from .layout import DrafterPlan, Layout, layer_union, step_share
 from .precision import attention_backends, check_fp8_support, compiles_drafter, compiles_target, uses_fused_head
 from .rank_zero import Checkpointer, EvaluationSchedule, LoggedSteps, RankZeroWork
 from .replicas import FrozenPartsByDevice, build_replicas
-from .resume import ResumePoint, StepRange
+# RUN_FILES, RUN_FOLDER_FILES: what a run writes (resume.py reads a run folder by them), named here too.
+from .resume import RUN_FILES, RUN_FOLDER_FILES, ResumePoint, StepRange, check_run_folder, resume_history  # noqa: F401
 from .routing import BatchRouter, FeatureSource
 from .startup import GraphChoice, Warmup, attach_step, feature_dtype, graphed_sources
 from .supply import FeatureSupply, evaluation_thinking
@@ -51,37 +52,29 @@ from .target_worker import TargetSetup, TargetWorker
 
 # --- run folder --------------------------------------------------------------------------------
 
-# Everything a run writes at the top of its folder (and in each variant's folder).
-RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "export")
-RUN_FOLDER_FILES = ("pipeline.jsonl", "summary.json")
-
-
 def prepare_run_folder(config: TrainConfig, plans: list[DrafterPlan]) -> Path:
     """The run folder, created if new; call it holding the folder's lock (`files.hold_output`),
-    so that no live process writes there meanwhile. It is never inside one of the run's inputs.
-    Without --resume it must hold nothing a run writes (a second run would mix its metrics and
-    checkpoints with the first's); with it, what an interrupted checkpoint write left behind is
-    cleaned up."""
+    so that no live process writes there meanwhile. It is never inside one of the run's inputs,
+    and holds nothing but the run --resume continues (`resume.check_run_folder`); what an
+    interrupted checkpoint write left behind is cleaned up."""
     out = Path(config.checkpoint.out)
     check_outside_inputs(out, "--out", [config.model.target, config.data.features, *config.data.data,
                                         *([config.eval.eval_bench] if Path(config.eval.eval_bench).is_file() else [])])
-    if not config.checkpoint.resume:
-        held = [out / name for name in RUN_FOLDER_FILES if (out / name).exists()]
-        held += [plan.run_dir / name for plan in plans for name in RUN_FILES if (plan.run_dir / name).exists()]
-        if held:
-            raise ConfigError(f"--out {out} already holds a training run ({', '.join(str(p) for p in held[:3])}); "
-                              "pass --resume to continue it, or choose a new --out")
+    check_run_folder(config)
     out.mkdir(parents=True, exist_ok=True)
     for plan in plans:
         remove_leftover_staging(plan.run_dir / "checkpoints")
     return out
 
 
-def write_run_record(plan: DrafterPlan, config: TrainConfig) -> None:
-    """run.json: the settings this drafter trains with and its drafter config."""
-    write_json_atomic(plan.run_dir / "run.json", {
+def write_run_record(plan: DrafterPlan, config: TrainConfig, resume: ResumePoint) -> None:
+    """run.json: the settings this drafter trains with, its drafter config, and each resume's
+    step and changed settings (`resume.resume_history`: what trained the steps before)."""
+    path = plan.run_dir / "run.json"
+    write_json_atomic(path, {
         "train_config": plan.config.flat_values(), "drafter_config": plan.drafter_config.to_dict(),
         "target": str(config.model.target), "mode": config.parallel.mode, "name": plan.name,
+        "resumes": resume_history(path, plan.name, resume),
     }, indent=2)
 
 
@@ -258,7 +251,7 @@ def build_drafter_workers(
     of its gradients (several replicas or nodes), its vote (nodes) and one drafter thread per replica."""
     config, nodes, steps = run.config, run.nodes, run.steps
     if nodes.writes:
-        write_run_record(plan, config)
+        write_run_record(plan, config, run.resume)
     backends = attention_backends(config, run.layout)
     replicas = build_replicas(plan, config, run.resume, frozen, backends, nodes)
     for replica in replicas:  # its step: graphed, or eager with its compiles before step 1

@@ -1,10 +1,13 @@
-"""Where a run starts and ends: the resume point (the newest checkpoint every drafter has, checked
-against the run's drafter, optimizer settings, data stream and target), the set-aside of
-checkpoints past it, and the steps the run trains (`StepRange`)."""
+"""Where a run starts and ends: what `--out` already holds (`check_run_folder`: nothing, the run
+being resumed, or a refusal), the resume point (the newest checkpoint every drafter has, checked
+against the run's drafter, optimizer settings, data stream and target), the settings a resume
+changes (said, and kept in run.json's `resumes`), the set-aside of checkpoints past it, and the
+steps the run trains (`StepRange`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -17,6 +20,94 @@ from .checkpoint import read_state, resumable_checkpoint, set_aside_after, verif
 from .layout import DrafterPlan
 from .supply import FeatureSupply
 
+
+# --- what --out holds ----------------------------------------------------------------------------
+
+# Everything a run writes in a drafter's folder (--out itself, or OUT/<name> for each variant);
+# the first three mark a folder as a drafter's (an `export` folder alone is not a run).
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "export")
+DRAFTER_MARKS = RUN_FILES[:3]
+# What a run of either mode writes at the top of --out.
+RUN_FOLDER_FILES = ("pipeline.jsonl", "summary.json")
+
+
+@dataclass(frozen=True)
+class HeldRun:
+    """The training run a folder holds, read from what runs write: a one-drafter (replicas) run
+    keeps its drafter's files at the top, a variants run one folder per variant."""
+
+    folder: Path
+    top: list[Path]  # a drafter's files at the top of the folder: a replicas run
+    variants: dict[str, list[Path]]  # variant name -> its drafter's files in OUT/<name>
+    shared: list[Path]  # pipeline.jsonl, summary.json
+
+    @property
+    def evidence(self) -> list[Path]:
+        return [*self.shared, *self.top, *(path for paths in self.variants.values() for path in paths)]
+
+    def describe(self) -> str:
+        parts = (["one drafter (--mode replicas)"] if self.top else []) + (
+            [f"variants {', '.join(sorted(self.variants))} (--mode variants)"] if self.variants else [])
+        return " and ".join(parts) or "a run that wrote no drafter's files yet"
+
+
+def held_run(folder: Path) -> HeldRun | None:
+    """The run `folder` holds, None when it holds none (missing, empty, or only others' files)."""
+    if not folder.is_dir():
+        return None
+    top = [folder / name for name in DRAFTER_MARKS if (folder / name).exists()]
+    variants = {}
+    for sub in sorted(folder.iterdir()):
+        marks = [sub / name for name in DRAFTER_MARKS if (sub / name).exists()] if sub.is_dir() else []
+        if sub.name.startswith(".") or not marks:  # hidden: a writer's staging, never a variant
+            continue
+        # A one-drafter run trained into a sub-folder is that run's, not a variant of this one.
+        if _recorded_mode(sub / "run.json") != "replicas":
+            variants[sub.name] = marks
+    shared = [folder / name for name in RUN_FOLDER_FILES if (folder / name).exists()]
+    return HeldRun(folder, top, variants, shared) if top or variants or shared else None
+
+
+def _recorded_mode(run_json: Path) -> str | None:
+    try:
+        record = json.loads(run_json.read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("mode") if isinstance(record, dict) else None
+
+
+def asked_run(config: TrainConfig) -> str:
+    """The run `config` trains, in `HeldRun.describe`'s words."""
+    if config.parallel.mode == "variants":
+        return f"variants {', '.join(sorted(name for name, _ in config.variant_configs()))} (--mode variants)"
+    return "one drafter (--mode replicas)"
+
+
+def check_run_folder(config: TrainConfig) -> HeldRun | None:
+    """What --out may hold before a run writes there, checked before anything loads: nothing (a
+    new or empty folder); with --resume, the run it continues, of the same mode and variants;
+    never a folder of the user's files (the run would write beside them, and replace any of
+    them that has the name of a file it writes, e.g. rows.cache), nor, without --resume, a run
+    (two runs' metrics and checkpoints would mix). The held run, if any."""
+    out = Path(config.checkpoint.out)
+    if not out.is_dir() or not (entries := sorted(entry.name for entry in out.iterdir())):
+        return None
+    held = held_run(out)
+    if held is None:
+        shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+        raise ConfigError(f"--out {out} is a folder that holds no training run ({shown}); train into a new or "
+                          "empty folder (a run never writes among files it did not create)")
+    if not config.checkpoint.resume:
+        raise ConfigError(f"--out {out} already holds a training run ({', '.join(str(p) for p in held.evidence[:3])}); "
+                          "pass --resume to continue it, or choose a new --out")
+    asked = asked_run(config)
+    if (held.top or held.variants) and held.describe() != asked:
+        raise ConfigError(f"cannot resume {out}: it holds {held.describe()}, and this command trains {asked}; resume "
+                          "with the run's own --mode / --config variants, or train into a new --out")
+    return held
+
+
+# --- where the run starts ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class StepRange:
@@ -37,6 +128,7 @@ class ResumePoint:
     start_step: int = 0
     checkpoints: dict[str, Path] = field(default_factory=dict)  # per plan name
     behind_newest: bool = False  # some drafter has checkpoints past start_step (see set_aside_later_checkpoints)
+    changed: dict[str, dict[str, dict]] = field(default_factory=dict)  # per plan name: `changed_settings`
 
 
 def run_target_identity(config: TrainConfig, supply: FeatureSupply | None = None) -> dict[str, str] | None:
@@ -82,7 +174,50 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
                               f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
     start = next(iter(steps.values()))
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
-    return ResumePoint(start, found, behind_newest=unequal)
+    changed = {plan.name: changed_settings(states[plan.name].get("train_config", {}), plan.config.flat_values())
+               for plan in plans}
+    for plan in plans:
+        who = f"{plan.name}: " if config.parallel.mode == "variants" else ""
+        for key, change in changed[plan.name].items():
+            print(f"--resume: {who}--{key.replace('_', '-')} {_shown(change['from'])} -> {_shown(change['to'])} "
+                  f"(from step {start + 1})", file=log)
+    return ResumePoint(start, found, behind_newest=unequal, changed=changed)
+
+
+# --resume itself: on at every resume, off in the checkpoint of the run's first start.
+NOT_A_CHANGE = ("resume",)
+
+
+def changed_settings(saved: dict, settings: dict) -> dict[str, dict]:
+    """The settings (by flat name) a resume changes from those its checkpoint was trained with,
+    each {"from": before, "to": now}: applied from the next step on, so said and recorded
+    (`resume_history`), never silent. A setting the checkpoint predates is not compared."""
+    now = json.loads(json.dumps(settings))  # as the checkpoint holds them: tuples as lists
+    return {key: {"from": saved[key], "to": value} for key, value in now.items()
+            if key in saved and key not in NOT_A_CHANGE and saved[key] != value}
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, list):
+        return ",".join(map(_shown, value)) if value else "[]"
+    return "''" if value == "" else "unset" if value is None else str(value)
+
+
+def resume_history(run_json: Path, name: str, resume: ResumePoint) -> list[dict]:
+    """run.json's `resumes`: one entry per start from a checkpoint (its step and the settings it
+    changed), so that run.json, rewritten with each start's settings, still says what trained the
+    earlier steps. The entries of the run.json already there are kept up to this resume's step
+    (later ones were of steps trained again from here); a run started from step 0 has none."""
+    if name not in resume.checkpoints:
+        return []
+    try:
+        earlier = json.loads(run_json.read_text()).get("resumes", [])
+    except (OSError, ValueError, AttributeError):
+        earlier = []
+    kept = [entry for entry in earlier if isinstance(entry, dict) and isinstance(entry.get("step"), int)
+            and entry["step"] < resume.start_step] if isinstance(earlier, list) else []
+    return [*kept, {"step": resume.start_step, "checkpoint": Path(resume.checkpoints[name]).name,
+                    "changed": resume.changed.get(name, {})}]
 
 
 def set_aside_later_checkpoints(plans: list[DrafterPlan], resume: ResumePoint, log: TextIO) -> None:
