@@ -106,7 +106,7 @@ def test_checkpoints_are_pruned_to_keep(tmp_path, target):
 @pytest.mark.parametrize(
     "overrides,error,match",
     [
-        (dict(block_size=1), ConfigError, "at least 2"),
+        (dict(block_size=1), ConfigError, r"--block-size must be in \[2, 1024\]"),
         (dict(target_layer_ids=[1, 9]), TargetError, "out of range"),
         (dict(mask_token_id=96), TargetError, "outside the target's embedding table"),
         (dict(mode="ensemble"), ConfigError, "replicas or variants"),
