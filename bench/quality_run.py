@@ -66,7 +66,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from dflash_train.target.gguf import check_gguf_file  # noqa: E402
 
-from dflash_train.commands._stages import DATA_STAGES  # noqa: E402
+from dflash_train.commands._stages import DATA_STAGES, Work  # noqa: E402
 from dflash_train.commands._stages import STAGES as PIPELINE_STAGES
 from dflash_train.config import (  # noqa: E402
     DECODERS,
@@ -451,6 +451,15 @@ def echo_progress(log_path: Path, shown: int) -> int:
 def pipeline_book(config: QualityRunConfig) -> dict[str, Any]:
     path = config.pipeline_dir / "stages.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pipeline_has(config: QualityRunConfig, stage: str) -> bool:
+    """Whether the pipeline this call runs has `stage` (`pipeline --stages` refuses one it lacks):
+    features only where the recipe caches them, export-gguf only for a .gguf target, no stage
+    that makes answers where they are imported."""
+    recipe = recipe_from_dict(bench_recipe(config), str(config.recipe_file))
+    answers = str(config.answers.resolve()) if config.answers_from else ""
+    return Work(recipe, str(Path(config.target).resolve()), config.pipeline_dir, answers=answers).applies(stage)
 
 
 def stage_pipeline(call: Call, stages: list[str]) -> tuple[bool, str]:
@@ -1026,7 +1035,7 @@ def run(config: QualityRunConfig) -> int:
     say(f"work {config.work_dir}; stages {', '.join(config.stages)}; deadline {config.deadline_seconds:.0f}s")
     status = 0
     try:
-        pipeline = [s for s in config.stages if s in PIPELINE_STAGES]
+        pipeline = [s for s in config.stages if s in PIPELINE_STAGES and pipeline_has(config, s)]
         if pipeline:
             try:
                 done, outcome = stage_pipeline(call, pipeline)

@@ -48,14 +48,8 @@ from dflash_train.target.model import resolve_device  # noqa: E402
 from dflash_train.cli import main as cli_main  # noqa: E402
 from dflash_train.config import DECODERS, FP8_CHOICES, TrainConfig  # noqa: E402
 from dflash_train.eval.benchmarks import bench_label, load_benchmark  # noqa: E402
-from dflash_train.eval.stats import (  # noqa: E402
-    MergeError,
-    PromptResult,
-    format_benchmark,
-    format_summary,
-    merge_eval_results,
-    summarize,
-)
+from dflash_train.eval.merge import MergeError, merge_eval_results  # noqa: E402
+from dflash_train.eval.stats import PromptResult, format_benchmark, format_summary, summarize  # noqa: E402
 from dflash_train.train.checkpoint import STATE_FILE, read_state  # noqa: E402
 from dflash_train.train.trainer import train  # noqa: E402
 

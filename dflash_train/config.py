@@ -218,10 +218,11 @@ _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integer
 
 
 ARCHS = ("dflash", "dflash2")  # the drafter architectures `--arch` names
-# The folders a variants run keeps at the top of --out beside its variants' folders (its files have
-# a '.' in their names, which a variant's name may not): a variant of one of these names would
-# write into them. tests/unit/test_config.py checks this against what the trainer writes.
-RUN_FOLDER_ENTRIES = ("tensorboard", "checkpoints", "export")
+# What a variants run writes at the top of --out beside its variants' folders: a variant of one of
+# these names would write into them or fail on them. tests/integration/test_files_outputs.py checks
+# this against what the trainer writes.
+RUN_FOLDER_ENTRIES = ("pipeline.jsonl", "summary.json", "rows.cache", "compile_cache.bin", "tensorboard",
+                      "run.json", "metrics.jsonl", "checkpoints", "export")
 ATTENTION_BACKENDS = ("flex", "flash", "sdpa")  # what `--attention` names, besides auto
 
 

@@ -144,12 +144,12 @@ def check_outside_inputs(path: str | Path, flag: str, inputs: Iterable[str | Pat
 def check_folder_name(name: str, where: str, taken: Iterable[str] = ()) -> str:
     """`name` as the key two folder names are the same under (Unicode-normalised, case-folded for
     case-insensitive disks); refuses a name that is not a plain folder name (letters, digits, '-',
-    '_': no separator, no dot, so never `..`, a hidden staging name or a file's name like
-    `summary.json`), and one of `taken` (what its parent holds besides)."""
+    '_', '.', not first: no separator, never `..` or a hidden staging name), and one of `taken`
+    (what its parent holds besides)."""
     key = unicodedata.normalize("NFC", name).casefold()
-    if not name or not all(c.isalnum() or c in "-_" for c in name):
-        raise ConfigError(f"{where} {name!r}: use a plain folder name (letters, digits, '-', '_'): it names a "
-                          "folder inside --out")
+    if not name or name.startswith(".") or not all(c.isalnum() or c in "-_." for c in name):
+        raise ConfigError(f"{where} {name!r}: use a plain folder name (letters, digits, '-', '_', '.' but not first): "
+                          "it names a folder inside --out")
     if key in {t.casefold() for t in taken}:
         raise ConfigError(f"{where} {name!r}: the run writes its own {name} there; choose another name")
     return key

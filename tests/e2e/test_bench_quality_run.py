@@ -40,7 +40,7 @@ def quality_run(*args: str) -> subprocess.CompletedProcess:
 def base_args(files, work, *extra):
     return ["run", "--target", str(files["target"]), "--prompts", str(files["prompts"]), "--dev-prompts",
             str(files["dev"]), "--work", str(work), "--device", "cpu", "--min-stage-seconds", "0", "--self-prompts", "0",
-            *extra]
+            "--max-prompt-tokens", "256", *extra]  # prompt + answer within the tiny target's 512-token context
 
 
 def rows(path: Path) -> list[dict]:
@@ -95,7 +95,7 @@ def test_a_box_stops_the_pipeline_and_the_next_call_resumes_without_losing_or_re
     # before the first row: then the next call gets a longer deadline, until one stops regenerate
     # mid-run with rows written.
     args = base_args(files, tmp_path / "work", "--samples", "40", "--stages", "prompts,regenerate",
-                     "--max-new-tokens", "400", "--regen-batch-size", "1")
+                     "--max-new-tokens", "400", "--max-prompt-tokens", "64", "--regen-batch-size", "1")
     answers = tmp_path / "work" / "pipeline" / "data.jsonl"
     partial: list[dict] = []
     for deadline in (12, 18, 24, 36, 48):
