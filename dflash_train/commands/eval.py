@@ -80,10 +80,14 @@ class EvalConfig(SectionedConfig):
         if self.prompts.thinking not in THINKING:
             raise ConfigError(f"thinking {self.prompts.thinking!r}: use {', '.join(THINKING)}")
         from ..export.hf import read_export_config
-        from ..target.model import check_target_path
+        from ..target.model import check_target_path, declared_size
 
         check_target_path(self.models.target, "--target")
         read_export_config(Path(self.models.drafter), "--drafter")
+        vocab = declared_size(self.models.target, "vocab_size")
+        beyond = [t for t in self.decoding.stop_token_ids if vocab and t >= vocab]
+        if beyond:  # a token no model can emit: it would never stop anything
+            raise ConfigError(f"--stop-token-ids {beyond[0]}: past the target's vocabulary (ids 0..{vocab - 1})")
         if self.output.json:
             inputs = [self.models.target, self.models.drafter, *(b for b in self.prompts.bench if Path(b).exists())]
             check_new_output(self.output.json, "--json", inputs)

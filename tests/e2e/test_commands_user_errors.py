@@ -422,6 +422,9 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
                                                       f"--drafter {tmp_path}: no config.json; expected an exported DFlash drafter"),
         "eval with a target's folder as the drafter": (["eval", "--target", str(target), "--drafter", str(target)],
                                                        f"--drafter {target}: not a DFlash drafter"),
+        "eval stopping on a token past the vocabulary": (
+            ["eval", "--target", str(target), "--drafter", str(_exported_drafter(tmp_path / "drafter")),
+             "--stop-token-ids", "2,999999"], f"--stop-token-ids 999999: past the target's vocabulary (ids 0..{vocab - 1})"),
         "train on an unfinished .gguf": ([*common, "--target", str(half), "--data", str(data)],
                                          f"--target {half}: not a GGUF file (0 bytes"),
         "train on layers the target does not have": ([*common, "--target", str(target), "--data", str(data),
