@@ -10,13 +10,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Sequence, TextIO
 
 from ..config import FIXED_BY_CHECKPOINT, ConfigError, TrainConfig
 from ..core.drafter import DrafterConfig
 from ..target.model import target_identity
 from .batches import stream_differences
-from .checkpoint import read_state, resumable_checkpoint, set_aside_after, verified_checkpoints
+from .checkpoint import CheckpointError, latest_checkpoint, read_state, resumable_checkpoint, set_aside_after, verified_checkpoints
 from .layout import DrafterPlan
 from .supply import FeatureSupply
 
@@ -169,9 +169,8 @@ def find_resume_point(config: TrainConfig, plans: list[DrafterPlan], log: TextIO
         if state.get("stream") is None:
             print(f"--resume: {found[name]} records no data stream (an older checkpoint): seed, batch and data "
                   "are not checked", file=log)
-        elif differences := stream_differences(state["stream"], stream):
-            raise ConfigError(f"cannot resume {found[name]}: this run would train other batches at each step "
-                              f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
+        else:
+            refuse_other_stream(found[name], state["stream"], stream)
     start = next(iter(steps.values()))
     print(f"resuming from step {start} ({', '.join(str(p) for p in found.values())})", file=log)
     changed = {plan.name: changed_settings(states[plan.name].get("train_config", {}), plan.config.flat_values())
@@ -259,13 +258,56 @@ def check_resumable(plan: DrafterPlan, checkpoint: Path, state: dict) -> None:
     if changed:
         raise ConfigError(f"cannot resume {plan.run_dir}: its checkpoint {checkpoint.name} holds a different drafter "
                           f"({'; '.join(changed)}); resume with the run's settings, or start a new run in another --out")
-    saved_settings, settings = state.get("train_config", {}), plan.config.flat_values()
-    for key in FIXED_BY_CHECKPOINT:
-        if key in saved_settings and saved_settings[key] != settings[key]:
+    refuse_changed(plan, checkpoint, state, FIXED_BY_CHECKPOINT)
+
+
+def refuse_other_stream(checkpoint: Path, saved: dict, stream: dict) -> None:
+    """ConfigError where this run would train other batches at a step than the checkpoint's did."""
+    if differences := stream_differences(saved, stream):
+        raise ConfigError(f"cannot resume {checkpoint}: this run would train other batches at each step "
+                          f"({'; '.join(differences)}); keep them as they were, or train into a new --out")
+
+
+# What a checkpoint fixes that its record of the flat settings shows: the optimizer's settings and
+# the drafter's shape. Compared, with the stream's settings, from the newest checkpoint's record
+# before anything loads (`check_recorded_settings`); the full checks (`check_resumable`, the
+# stream's identity, the target's) run once the target and rows are there.
+RECORDED_AND_FIXED = {**dict.fromkeys(FIXED_BY_CHECKPOINT, "its optimizer state fixes it"),
+                      **dict.fromkeys(("block_size", "num_layers", "arch"), "its drafter has that shape")}
+# The stream's settings known before the rows are read (`stream_identity`'s, by its keys).
+STREAM_SETTINGS = {"seed": ("optimizer", "seed"), "batch_size": ("optimizer", "batch_size"),
+                   "max_seq_len": ("data", "max_seq_len")}
+
+
+def refuse_changed(plan: DrafterPlan, checkpoint: Path, state: dict, keys: Sequence[str]) -> None:
+    """ConfigError naming the first of `keys` this run sets otherwise than the checkpoint's record."""
+    saved, settings = state.get("train_config", {}), plan.config.flat_values()
+    for key in keys:
+        if key in saved and saved[key] != settings[key]:
             raise ConfigError(
                 f"cannot resume {plan.run_dir}: --{key.replace('_', '-')} {settings[key]} differs from "
-                f"{saved_settings[key]} in its checkpoint {checkpoint.name}, whose optimizer state fixes it; resume "
-                f"without changing it, or start a new run in another --out")
+                f"{saved[key]} in its checkpoint {checkpoint.name}, and {RECORDED_AND_FIXED.get(key, 'it fixes it')}; "
+                "resume without changing it, or start a new run in another --out")
+
+
+def check_recorded_settings(config: TrainConfig, plans: list[DrafterPlan]) -> None:
+    """A --resume that changes a setting the newest checkpoint fixes, refused from its record
+    before the target loads and the rows render (minutes, for a big target)."""
+    if not config.checkpoint.resume:
+        return
+    for plan in plans:
+        checkpoint = latest_checkpoint(plan.run_dir)
+        try:
+            state = read_state(checkpoint) if checkpoint else None
+        except CheckpointError:
+            continue  # a damaged newest one: the resume skips it, saying so, and checks the one it takes
+        if state is None:
+            continue
+        refuse_changed(plan, checkpoint, state, list(RECORDED_AND_FIXED))
+        if isinstance(state.get("stream"), dict):
+            known = {key: state["stream"].get(key) for key in STREAM_SETTINGS}
+            refuse_other_stream(checkpoint, known, {key: getattr(getattr(plan.config, section), name)
+                                                    for key, (section, name) in STREAM_SETTINGS.items()})
 
 
 def check_same_target(plan: DrafterPlan, checkpoint: Path, state: dict, target: dict[str, str] | None,

@@ -38,7 +38,8 @@ from .drafter_worker import StepHook
 from .layout import DrafterPlan, Layout, layer_union, plan_drafters, resolve_layout, step_share
 from .precision import attention_backends, uncompiled_target_note
 from .reporting import Sink, open_sinks
-from .resume import ResumePoint, find_resume_point, run_target_identity, set_aside_later_checkpoints, step_range
+from .resume import (ResumePoint, check_recorded_settings, find_resume_point, run_target_identity,
+                     set_aside_later_checkpoints, step_range)
 from .startup import choose_cuda_graphs
 from .supply import check_batch_size, check_inputs, load_feature_supply, load_samples
 from .tensorboard import tensorboard_enabled
@@ -80,6 +81,7 @@ def train(
             print(f"nodes: {nodes.describe()}", file=log)
             nodes.agree(settings_every_node_shares(config), "the settings")  # before anything loads or is written
         plans = plan_drafters(config, layout)
+        check_recorded_settings(config, plans)  # a resume that changes what its checkpoint fixes: before the target loads
         if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
             owned.enter_context(hold_output(out, "--out"))
             if not out.exists():  # a run that fails before writing anything leaves no empty folder behind

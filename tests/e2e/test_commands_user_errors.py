@@ -463,6 +463,23 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
         assert "loading target" not in captured.out and not out.exists(), case
 
 
+def test_a_resume_that_changes_what_its_checkpoint_fixes_is_refused_before_the_target_loads(tiny, tmp_path, capsys):
+    """--lr, --block-size, --seed, --batch-size, --max-seq-len: read from the newest checkpoint's
+    record (before: refused only once the target had loaded and the rows had rendered)."""
+    target, data = tiny
+    out = tmp_path / "run"
+    common = ["train", "--target", str(target), "--data", str(data), "--out", str(out), "--device", "cpu",
+              "--batch-size", "2", "--max-seq-len", "128", "--num-layers", "1", "--num-anchors", "8", "--block-size", "4"]
+    assert main([*common, "--steps", "2", "--save-every", "1"]) == 0
+    capsys.readouterr()
+    for flag, value in (("--lr", "1"), ("--block-size", "8"), ("--seed", "3"), ("--batch-size", "4"), ("--max-seq-len", "96")):
+        assert main([*common, "--steps", "4", "--resume", flag, value]) == 2, flag
+        captured = capsys.readouterr()
+        line = _last_line(captured.err)
+        assert f"{flag} {value}" in line and "differs from" in line or f"{flag}: " in line and f"{value} now" in line, line
+        assert "loading target" not in captured.out, flag
+
+
 def test_a_train_run_that_fails_before_writing_leaves_no_empty_run_folder(tiny, tmp_path, capsys):
     """A failure found once the data is read (here: fewer rows than one batch) ends the run before
     it writes anything: the run folder it made is gone again, and a folder that was there stays."""

@@ -168,9 +168,11 @@ def test_resume_refuses_a_setting_its_checkpoint_fixes(tmp_path, target):
     run = (tmp_path / "run.json").read_text()
     with pytest.raises(ConfigError, match=r"--lr 5.0 differs from 0.005 in its checkpoint step-00000004"):
         train(_config(tmp_path, steps=8, lr=5.0, resume=True), samples=pattern_samples(16), target=target, log=_quiet())
-    with pytest.raises(ConfigError, match=r"holds a different drafter \(block_size 4 -> 6"):
-        train(_config(tmp_path, steps=8, block_size=6, resume=True), samples=pattern_samples(16), target=target,
-              log=_quiet())
+    for changed, message in ((dict(block_size=6), r"--block-size 6 differs from 4 .*, and its drafter has that shape"),
+                             (dict(seed=7), r"would train other batches at each step \(--seed: 0 in the checkpoint, 7 now\)")):
+        with pytest.raises(ConfigError, match=message):
+            train(_config(tmp_path, steps=8, resume=True, **changed), samples=pattern_samples(16), target=target,
+                  log=_quiet())
     assert (tmp_path / "run.json").read_text() == run  # refused before anything was rewritten
     # a setting the checkpoint does not fix is applied: the run goes on to the new end
     summary = train(_config(tmp_path, steps=10, resume=True), samples=pattern_samples(16), target=target, log=_quiet())
