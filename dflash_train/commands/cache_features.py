@@ -67,7 +67,7 @@ class CacheFeaturesConfig(SectionedConfig):
 
     def validate(self) -> None:
         from ..data.readers import CONVERSATION_FORMATS, check_readable
-        from ..target.model import check_layer_ids_fit, check_target_path
+        from ..target.model import check_layer_ids_fit, check_target_path, check_tokenizer_beside
         from ..train.supply import check_distinct_files
 
         check_target_flags(self.input.target, self.output.out, self.input.thinking, self.output.dtype)
@@ -80,6 +80,7 @@ class CacheFeaturesConfig(SectionedConfig):
             raise ConfigError(f"--out {self.output.out} is a file; the cache is a folder (new, empty, or an "
                               "interrupted cache to resume)")
         check_target_path(self.input.target, "--target")
+        check_tokenizer_beside(self.input.target, "--target", "render --data")
         check_layer_ids_fit(list(self.layers.target_layer_ids), self.input.target)  # a folder's depth, from config.json
         check_outside_inputs(self.output.out, "--out", [self.input.target, *self.input.data])
         if self.input.token_ids not in TOKEN_IDS:

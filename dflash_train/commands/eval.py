@@ -80,9 +80,10 @@ class EvalConfig(SectionedConfig):
         if self.prompts.thinking not in THINKING:
             raise ConfigError(f"thinking {self.prompts.thinking!r}: use {', '.join(THINKING)}")
         from ..export.hf import read_export_config
-        from ..target.model import check_target_path, declared_size
+        from ..target.model import check_target_path, check_tokenizer_beside, declared_size
 
         check_target_path(self.models.target, "--target")
+        check_tokenizer_beside(self.models.target, "--target", "render the prompts")
         read_export_config(Path(self.models.drafter), "--drafter")
         vocab = declared_size(self.models.target, "vocab_size")
         beyond = [t for t in self.decoding.stop_token_ids if vocab and t >= vocab]

@@ -122,9 +122,10 @@ class RegenerateConfig(SectionedConfig):
             raise ConfigError(f"--split {self.input.split!r}: use {', '.join(SPLIT_CHOICES)}")
         if not self.server.endpoint:  # with --endpoint, --target may be a folder holding only the tokenizer
             from ..generate.regenerate import prompt_token_limit
-            from ..target.model import check_target_path, declared_context
+            from ..target.model import check_target_path, check_tokenizer_beside, declared_context
 
             check_target_path(self.input.target, "--target")
+            check_tokenizer_beside(self.input.target, "--target", "render the prompts")
             prompt_token_limit(declared_context(self.input.target), self.generation.max_new_tokens,
                                self.input.max_prompt_tokens)  # before the target loads
         inputs = [self.input.target, *([self.input.prompts] if self.input.prompts != "default" else [])]

@@ -80,9 +80,10 @@ class SelfPromptsConfig(SectionedConfig):
         if not self.output.out.endswith(".jsonl"):
             raise ConfigError(f"--out {self.output.out}: use a .jsonl file")
         from ..generate.regenerate import prompt_token_limit
-        from ..target.model import check_target_path, declared_context
+        from ..target.model import check_target_path, check_tokenizer_beside, declared_context
 
         check_target_path(self.input.target, "--target")
+        check_tokenizer_beside(self.input.target, "--target", "open a user turn with its chat template")
         prompt_token_limit(declared_context(self.input.target), self.generation.max_new_tokens)  # before the target loads
         check_new_output(self.output.out, "--out", [self.input.target])
         if self.output.split not in SPLITS:

@@ -452,6 +452,19 @@ def model_folder(path: str | Path) -> Path:
     return path
 
 
+# Either file lets `load_target` load a folder's tokenizer (a .gguf file carries its own).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_tokenizer_beside(path: str | Path, flag: str, needed_for: str) -> None:
+    """A folder target's tokenizer is there, checked before it loads: a command that renders
+    text with it would otherwise load the model only to stop."""
+    path = Path(path)
+    if path.is_dir() and not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise TargetError(f"{named_by_flag(path, flag)}: no tokenizer next to the model ({' or '.join(TOKENIZER_FILES)}); "
+                          f"it is needed to {needed_for}")
+
+
 def check_layer_ids_fit(layer_ids: list[int], target: str | Path) -> None:
     """Layer ids beyond a target's depth, refused from its declared config before any weight loads."""
     layers = declared_size(target, "num_hidden_layers") if layer_ids else None
@@ -614,7 +627,7 @@ def load_target(
                                                       ignore_mismatched_sizes=True)  # refused below, naming the shapes
         model = _check_all_weights_loaded(loaded, path)
         tokenizer = None
-        if load_tokenizer and any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        if load_tokenizer and any((path / name).exists() for name in TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(path)
     # Outside: a device that fails (CUDA out of memory, a driver error) is not the files' fault.
     return Target(model.to(device), tokenizer, str(path))

@@ -153,6 +153,10 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
     for path in config.data.data:
         check_readable(path, CONVERSATION_FORMATS, "--data")
     check_distinct_files(config.data.data, "--data")
+    if config.model.target and not target_given:
+        from ..target.model import check_tokenizer_beside
+
+        check_tokenizer_beside(config.model.target, "--target", "render --data")
 
 
 def check_drafter_fits(config: TrainConfig, target: str) -> None:

@@ -397,6 +397,10 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
     half.write_bytes(b"")
     empty_bench = tmp_path / "bench.jsonl"
     empty_bench.write_text("")
+    untokenized = tmp_path / "untokenized"  # the model's files without its tokenizer (before: found after loading)
+    untokenized.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(target / name, untokenized / name)
     declared = json.loads((target / "config.json").read_text())
     vocab, hidden = declared["vocab_size"], declared["hidden_size"]
     out = tmp_path / "run"
@@ -446,6 +450,11 @@ def test_inputs_are_refused_naming_the_flag_before_any_model_loads(tiny, tmp_pat
         "DFlash2 convolution groups that do not divide the hidden size": (
             [*common, "--target", str(target), "--data", str(data), "--arch", "dflash2", "--conv-group-size", "7"],
             f"--arch dflash2: conv_group_size 7: must divide the hidden size {hidden}"),
+        "a target folder without its tokenizer": ([*common, "--target", str(untokenized), "--data", str(data)],
+                                                  f"--target {untokenized}: no tokenizer next to the model"),
+        "regenerate with a target folder without its tokenizer": (
+            ["regenerate", "--target", str(untokenized), "--prompts", str(data), "--out", str(out / "rows.jsonl"),
+             "--max-new-tokens", "8"], f"--target {untokenized}: no tokenizer next to the model"),
         "an in-training eval on a benchmark that is not there": (
             [*common, "--target", str(target), "--data", str(data), "--eval-every", "1", "--eval-bench", "nosuch"],
             "--eval-bench: unknown benchmark 'nosuch'"),

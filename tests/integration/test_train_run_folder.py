@@ -79,17 +79,20 @@ def test_an_empty_folder_is_a_new_run_with_or_without_resume(tmp_path, target):
 
 
 def test_the_command_refuses_a_folder_of_the_users_files_in_one_line_before_the_target_loads(tmp_path, capsys):
-    """Exit 2, one line, nothing written, and before the target loads: its folder has no
-    tokenizer, which loading it would stop at."""
+    """Exit 2, one line, nothing written, and before the target loads: its tokenizer is a stub,
+    which loading it would stop at."""
     mine = tmp_path / "u3"
     mine.mkdir()
     (mine / "rows.cache").write_text("mine\n")
-    no_tokenizer = tmp_path / "tiny"
-    tiny_hf_model("llama", layers=1).save_pretrained(no_tokenizer)
+    stub = tmp_path / "tiny"
+    tiny_hf_model("llama", layers=1).save_pretrained(stub)
+    (stub / "tokenizer_config.json").write_text("{}")
     capsys.readouterr()
-    code = main(["train", "--target", str(no_tokenizer), "--data", str(REGENERATED_64), "--out", str(mine),
+    code = main(["train", "--target", str(stub), "--data", str(REGENERATED_64), "--out", str(mine),
                  "--device", "cpu", "--steps", "4"])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "loading target" not in captured.out
     assert code == 2
     assert err.strip().count("\n") == 0 and "holds no training run (rows.cache)" in err, err
     assert _contents(mine) == {"rows.cache": b"mine\n"}

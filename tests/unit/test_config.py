@@ -393,14 +393,15 @@ retries = 2
 
 
 def _model_folders(root: Path, **configs: dict) -> None:
-    """Folders named after the keys, each with that config.json and an empty weights file: a
-    target and a drafter are checked before anything loads, so they must be there."""
+    """Folders named after the keys, each with that config.json, an empty weights file and a stub
+    tokenizer: a target and a drafter are checked before anything loads, so they must be there."""
     from safetensors.torch import save_file
 
     for name, config in configs.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
         save_file({}, str(root / name / "model.safetensors"))
+        (root / name / "tokenizer_config.json").write_text("{}")
 
 
 def test_an_eval_file_in_sections_is_read_flat_keys_still_are_and_the_record_stays_flat(tmp_path, monkeypatch):
