@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RunFailed
 from .launch import Launch
 
 HEARTBEAT_SECONDS = 1.0  # how often each rank bumps its heartbeat counter in the store
@@ -29,8 +29,9 @@ NAMING_SECONDS = 3.0  # after a failed collective: how long a silent heartbeat t
 JOIN_SECONDS = 600.0  # how long a rank waits for the rendezvous store to accept it
 
 
-class NodeLost(RuntimeError):
-    """Another node stopped answering: its process died, or its machine became unreachable."""
+class NodeLost(RunFailed):
+    """Another node stopped answering: its process died, or its machine became unreachable. A
+    run failure the message explains (one line and exit 1 at the command line), not a bug."""
 
     def __init__(self, message: str, ranks: Sequence[int] = ()):
         super().__init__(message)
@@ -275,8 +276,9 @@ class NodeGroup:
                 if lost:
                     return lost
                 time.sleep(HEARTBEAT_SECONDS / 4)
-        except Exception:  # noqa: BLE001 - the store is gone too: nothing to name from
-            pass
+        except Exception:  # noqa: BLE001 - the store is gone too: only its host can be named
+            if self.distributed and not self.launch.agent_store and not self.hosts_store:
+                return {0: "the rendezvous store it hosts stopped answering: its process died or its node is unreachable"}
         return {}
 
     def set_note(self, key: str, text: str) -> None:

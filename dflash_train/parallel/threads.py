@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
+from ..errors import RunFailed, UserError
 from .streams import WorkerStream
 from .utilisation import WorkerMeter
 
@@ -78,12 +78,13 @@ class StopSignal:
         return self._event.wait(seconds)
 
     def error(self) -> BaseException | None:
-        """What stopped the pipeline: the first worker's own error where it is bad input found
-        mid-run (a damaged feature shard: one line and exit 2 at the command line, as if found
-        at start), else a PipelineError carrying every failed worker's traceback."""
+        """What stopped the pipeline: the first worker's own error where its message explains it
+        (bad input found mid-run, e.g. a damaged feature shard: one line and exit 2 at the
+        command line; a run failure, e.g. a lost node: one line and exit 1), else a
+        PipelineError carrying every failed worker's traceback (a bug: its traceback is wanted)."""
         if not self.failures:
             return None
-        if isinstance(self.failures[0].error, UserError):
+        if isinstance(self.failures[0].error, (UserError, RunFailed)):
             return self.failures[0].error
         parts = [f"worker {f.worker} failed:\n{f.traceback}" for f in self.failures]
         return PipelineError("\n".join(parts))

@@ -274,9 +274,6 @@ def refuse_other_stream(checkpoint: Path, saved: dict, stream: dict) -> None:
 # stream's identity, the target's) run once the target and rows are there.
 RECORDED_AND_FIXED = {**dict.fromkeys(FIXED_BY_CHECKPOINT, "its optimizer state fixes it"),
                       **dict.fromkeys(("block_size", "num_layers", "arch"), "its drafter has that shape")}
-# The stream's settings known before the rows are read (`stream_identity`'s, by its keys).
-STREAM_SETTINGS = {"seed": ("optimizer", "seed"), "batch_size": ("optimizer", "batch_size"),
-                   "max_seq_len": ("data", "max_seq_len")}
 
 
 def refuse_changed(plan: DrafterPlan, checkpoint: Path, state: dict, keys: Sequence[str]) -> None:
@@ -290,9 +287,10 @@ def refuse_changed(plan: DrafterPlan, checkpoint: Path, state: dict, keys: Seque
                 "resume without changing it, or start a new run in another --out")
 
 
-def check_recorded_settings(config: TrainConfig, plans: list[DrafterPlan]) -> None:
+def check_recorded_settings(config: TrainConfig, plans: list[DrafterPlan], batches_per_step: int) -> None:
     """A --resume that changes a setting the newest checkpoint fixes, refused from its record
-    before the target loads and the rows render (minutes, for a big target)."""
+    before the target loads and the rows render (minutes, for a big target): the stream's
+    settings known before the rows are read are compared by `stream_identity`'s keys."""
     if not config.checkpoint.resume:
         return
     for plan in plans:
@@ -305,9 +303,9 @@ def check_recorded_settings(config: TrainConfig, plans: list[DrafterPlan]) -> No
             continue
         refuse_changed(plan, checkpoint, state, list(RECORDED_AND_FIXED))
         if isinstance(state.get("stream"), dict):
-            known = {key: state["stream"].get(key) for key in STREAM_SETTINGS}
-            refuse_other_stream(checkpoint, known, {key: getattr(getattr(plan.config, section), name)
-                                                    for key, (section, name) in STREAM_SETTINGS.items()})
+            now = {"seed": config.optimizer.seed, "batch_size": config.optimizer.batch_size,  # as `stream_identity` has them
+                   "micro_batches_per_step": batches_per_step, "max_seq_len": config.data.max_seq_len}
+            refuse_other_stream(checkpoint, {key: state["stream"].get(key) for key in now}, now)
 
 
 def check_same_target(plan: DrafterPlan, checkpoint: Path, state: dict, target: dict[str, str] | None,

@@ -81,7 +81,8 @@ def train(
             print(f"nodes: {nodes.describe()}", file=log)
             nodes.agree(settings_every_node_shares(config), "the settings")  # before anything loads or is written
         plans = plan_drafters(config, layout)
-        check_recorded_settings(config, plans)  # a resume that changes what its checkpoint fixes: before the target loads
+        # A resume that changes what its checkpoint fixes: refused before the target loads.
+        check_recorded_settings(config, plans, step_share(config, plans, nodes)[0])
         if nodes.writes:  # rank 0 owns the run folder (the others write nothing), one live process at a time
             owned.enter_context(hold_output(out, "--out"))
             if not out.exists():  # a run that fails before writing anything leaves no empty folder behind

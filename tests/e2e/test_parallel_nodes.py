@@ -490,6 +490,20 @@ def test_a_finished_run_launched_by_environment_variables_exits_0_on_every_rank(
     assert (out / "export" / "model.safetensors").is_file()
 
 
+def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
+    """WORLD_SIZE=2 and only rank 0 started: exit 1 with one line naming rank 1 (before: a bare
+    traceback ending in NodeLost, and the same for a peer lost mid-run)."""
+    target, data = _cli_target_and_data(tmp_path)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, "-m", "dflash_train.cli", *_train_args(target, data, tmp_path / "run"),
+                           "--dist-timeout", "3"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 1: never joined within 3 s" in lines[0], done.stderr
+
+
 def test_ranks_with_other_settings_or_another_target_stop_at_start(tmp_path):
     """A setting typed differently on one node (--lr, --block-size, --steps) or another model
     behind --target: every rank stops before anything loads or is written, with one line naming
