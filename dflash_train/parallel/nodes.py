@@ -154,8 +154,14 @@ class NodeGroup:
         import torch.distributed as dist
 
         launch = self.launch
-        return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=is_host,
-                             timeout=timedelta(seconds=max(JOIN_SECONDS, self.timeout)), wait_for_workers=False)
+        try:
+            return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=is_host,
+                                 timeout=timedelta(seconds=max(JOIN_SECONDS, self.timeout)), wait_for_workers=False)
+        except RuntimeError as error:  # torch's DistNetworkError: the port another process holds is bad input
+            if is_host and ("EADDRINUSE" in str(error) or "address already in use" in str(error).lower()):
+                raise ConfigError(f"MASTER_PORT {launch.master_port}: another process already listens on it at "
+                                  f"{launch.master_addr}; choose a free port") from None
+            raise
 
     def _start_heartbeat(self, store: Any) -> None:
         key = f"alive/{self.rank}"

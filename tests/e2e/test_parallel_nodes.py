@@ -504,6 +504,24 @@ def test_a_rank_whose_peer_never_joins_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and "rank 1: never joined within 3 s" in lines[0], done.stderr
 
 
+def test_a_master_port_in_use_is_one_line(tmp_path):
+    """Rank 0 hosts the store on MASTER_PORT: a port another process listens on was a traceback
+    ending in DistNetworkError (EADDRINUSE)."""
+    target, data = _cli_target_and_data(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")},
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+        done = subprocess.run([sys.executable, "-m", "dflash_train.cli", *_train_args(target, data, tmp_path / "run")],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"dflash-train train: MASTER_PORT {port}: another process already listens on it at 127.0.0.1; choose a free port"]
+
+
 def test_ranks_with_other_settings_or_another_target_stop_at_start(tmp_path):
     """A setting typed differently on one node (--lr, --block-size, --steps) or another model
     behind --target: every rank stops before anything loads or is written, with one line naming
