@@ -280,7 +280,8 @@ def stage_prompts(work: Work) -> tuple[int, str]:
         taken = source_prompts(work, "train", wanted) if wanted or not prompts.count else []
         _prompt_file(work.train_prompts, taken, lambda p: p.source)
     rows = count_rows(work.train_prompts)
-    return rows, f"{rows} prompts of {prompts.source} in {work.train_prompts}"
+    short = f" (all it has: {wanted} were asked for)" if wanted and rows < wanted else ""
+    return rows, f"{rows} prompts of {prompts.source}{short} in {work.train_prompts}"
 
 
 def stage_self_prompts(work: Work) -> tuple[int, str]:

@@ -210,6 +210,10 @@ def test_a_started_stage_refuses_other_settings_naming_the_setting(files, tmp_pa
 
 def test_stages_runs_only_the_stages_named(files, tmp_path, capsys):
     work = tmp_path / "work"
+    more = tmp_path / "more.toml"  # more prompts than the source has: taken, and said (before: silently)
+    more.write_text(files["recipe"].read_text().replace("count = 10", "count = 40"))
+    assert main(args(files, tmp_path / "more", "--stages", "prompts", recipe=more)) == 0
+    assert "16 prompts of " in (said := capsys.readouterr().out) and "(all it has: 40 were asked for)" in said
     assert main(args(files, work, "--stages", "prompts")) == 0
     assert list(book(work)) == ["prompts"]
     prompts = (work / "prompts" / "train.jsonl").read_text().splitlines()
