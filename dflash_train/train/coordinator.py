@@ -215,6 +215,7 @@ class Coordinator:
                 report = self.pipeline.reports.get(timeout=0.2) if alive else self.pipeline.reports.get_nowait()
             except queue.Empty:
                 if not alive:
+                    self._report_steps_without_totals()
                     return
                 report = None
             self.queue_depth_sum += self.pipeline.router.mean_depth()
@@ -225,12 +226,22 @@ class Coordinator:
             if complete is not None:
                 self.report_step(complete)
 
+    def _report_steps_without_totals(self) -> None:
+        """A node lost before the vote that sums a step over the nodes: the step's line is still
+        written, with this node's sums (`this_node_only`), since its checkpoint may be the one a
+        resume continues from, and the resumed log would otherwise lack that step for good."""
+        if self.nodes.distributed:
+            for reports in self.assembler.awaiting_totals():
+                self.report_step(reports, this_node_only=True)
+
     # --- report ----------------------------------------------------------------------------------
 
-    def report_step(self, reports) -> None:
+    def report_step(self, reports, this_node_only: bool = False) -> None:
         name = reports[0].drafter
         many = len(self.plans) > 1
         record = step_record(reports, time.monotonic() - self.started)
+        if this_node_only:
+            record["this_node_only"] = True
         self.stats[name].add(record)
         if not self.nodes.writes:
             return

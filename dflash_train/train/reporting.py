@@ -114,6 +114,13 @@ class StepAssembler:
             return None
         return self._pending.pop(key)
 
+    def awaiting_totals(self) -> list[list[StepReport]]:
+        """The steps every replica here finished whose NodeTotals never came (a node was lost
+        before the vote that carries them), in order: handed over as they are."""
+        waiting = [key for key, reports in self._pending.items()
+                   if len(reports) == self.expected[key[0]] - 1 and not any(isinstance(r, NodeTotals) for r in reports)]
+        return [self._pending.pop(key) for key in sorted(waiting, key=lambda key: key[1])]
+
 
 def step_record(reports: list, elapsed: float) -> dict:
     """One completed step of one drafter, summed over its replicas (over every node's, when the

@@ -216,6 +216,11 @@ def test_a_node_that_dies_is_named_and_the_others_exit(tmp_path):
     assert "rank 1: no heartbeat" in zero["error"]
     # its last complete step is saved: every replica had reduced it with rank 1 before it died
     assert latest_checkpoint(tmp_path / "out").name == "step-00000004"
+    # ... and logged, with this node's sums: the vote that adds the nodes' never came (before: no
+    # line, and a resume from that checkpoint left the step out of the log for good)
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1].get("this_node_only") is True, records
+    assert not any(r.get("this_node_only") for r in records[:-1])
 
 
 def test_nodes_with_other_data_refuse_to_start(tmp_path):
