@@ -61,7 +61,7 @@ from ..config import DTYPE_NAMES, ConfigError
 from ..files import fsync_dir as _fsync_dir
 from ..files import write_json_atomic as _write_json
 from ..progress import Progress, format_seconds
-from ..target.model import check_target_layer_ids, default_dtype, target_identity
+from ..target.model import check_target_layer_ids, default_dtype, identity_differences, target_identity
 from .readers import RowStats
 from .samples import TrainingSample, has_valid_anchor
 
@@ -76,9 +76,6 @@ _SETTINGS = ("target", "target_identity", "layer_ids", "dtype", "width", "max_se
 # What a cache written before a setting was recorded had, in effect. A setting absent from an
 # older header and not listed here (target_identity) is unknown, so not compared.
 _UNRECORDED = {"token_ids": "auto", "answers": {}}
-# The fields of a target identity that tell two targets apart (the path is not one: the same
-# model may be mounted elsewhere).
-_IDENTITY_FIELDS = ("config_sha256", "weights_fingerprint")
 # Sorting samples by length inside windows of this many batches keeps padding low.
 _WINDOW_BATCHES = 16
 _MiB = 1 << 20
@@ -125,9 +122,8 @@ def recorded_target_identity(path: str | Path | None) -> dict[str, str] | None:
 
 def _identity_differences(before: dict[str, Any] | None, now: dict[str, Any] | None) -> str:
     """Which parts of two target identities differ, in words ("" when they are one target)."""
-    before, now = before or {}, now or {}
-    differs = [name for name in _IDENTITY_FIELDS if before.get(name) != now.get(name)]
-    return " and ".join("config.json" if name == "config_sha256" else "sampled weights" for name in differs)
+    return " and ".join("config.json" if name == "config_sha256" else "sampled weights"
+                        for name in identity_differences(before, now))
 
 
 def check_made_from(header: dict[str, Any], directory: str | Path, target: str | Path, flag: str = "--target") -> None:
@@ -138,9 +134,8 @@ def check_made_from(header: dict[str, Any], directory: str | Path, target: str |
     recorded = header.get("target_identity")
     if not isinstance(recorded, dict):
         return
-    mine = target_identity(target)
-    if _identity_differences(recorded, mine):
-        what = _identity_differences(recorded, mine)
+    what = _identity_differences(recorded, target_identity(target))
+    if what:
         made_from = recorded.get("path") or header.get("target")
         raise FeatureCacheError(f"{flag} {target} is not the target the feature cache {directory} was made from "
                                 f"({made_from}): their {what} differ; train with --target {made_from}, or make a cache "
@@ -360,16 +355,19 @@ def write_feature_cache(
     if dtype not in DTYPES.values():
         raise FeatureCacheError(f"dtype {dtype}: use one of {', '.join(DTYPES)}")
     width = len(layer_ids) * spec.hidden_size
+    settings = dict(settings or {})
+    if "target_identity" not in settings:
+        # What `train --features --target` compares its target with. cache-features passes the
+        # identity of the --target the user named (a .gguf, where target.path is its converted
+        # folder), taken before the target loaded: not fingerprinted twice.
+        settings["target_identity"] = recorded_target_identity(target.path)
     header = {
         "format": FORMAT, "version": VERSION, "target": str(target.path),
         "target_spec": {"model_type": spec.model_type, "hidden_size": spec.hidden_size,
                         "num_hidden_layers": spec.num_hidden_layers, "vocab_size": spec.vocab_size},
-        # What `train --features --target` compares its target with (settings may give the --target
-        # path the user named, e.g. a .gguf, where target.path is its converted folder).
-        "target_identity": recorded_target_identity(target.path),
         "layer_ids": list(layer_ids), "dtype": _dtype_name(dtype), "width": width,
         "max_seq_len": None, "min_supervised_tokens": None, "enable_thinking": None, "data": [],
-        "token_ids": "auto", **(settings or {}),
+        "token_ids": "auto", **settings,
         # How many answers were rendered from their generated token ids (and why others from text):
         # part of the key, since the same files render other tokens with the ids than without.
         "answers": dict(sorted(stats.answers.items())) if stats.answers_note() else {},

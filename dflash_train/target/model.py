@@ -441,6 +441,13 @@ def target_identity(path: str | Path) -> dict[str, str]:
     }
 
 
+def identity_differences(before: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
+    """The fields of two `target_identity` records that differ (none: one target; a record's path,
+    where it keeps one, is not compared: the same model may be mounted elsewhere)."""
+    before, now = before or {}, now or {}
+    return [name for name in ("config_sha256", "weights_fingerprint") if before.get(name) != now.get(name)]
+
+
 def model_folder(path: str | Path) -> Path:
     """The Hugging Face folder of a target: `path` itself, or a `.gguf` file's converted folder
     (converted once, cached)."""
@@ -596,10 +603,15 @@ def declared_config(path: str | Path) -> dict[str, Any]:
         return {}
 
 
-def declared_size(path: str | Path, name: str) -> int | None:
-    """One positive whole number of `declared_config` (None where it is not one)."""
-    value = declared_config(path).get(name)
+def positive_size(declared: dict[str, Any], name: str) -> int | None:
+    """One positive whole number of a `declared_config` (None where it is not one)."""
+    value = declared.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def declared_size(path: str | Path, name: str) -> int | None:
+    """One positive whole number the target at `path` declares (`declared_config`)."""
+    return positive_size(declared_config(path), name)
 
 
 def declared_context(path: str | Path) -> int | None:

@@ -14,7 +14,7 @@ from typing import Sequence, TextIO
 
 from ..config import FIXED_BY_CHECKPOINT, ConfigError, TrainConfig
 from ..core.drafter import DrafterConfig
-from ..target.model import target_identity
+from ..target.model import identity_differences, target_identity
 from .batches import stream_differences
 from .checkpoint import CheckpointError, latest_checkpoint, read_state, resumable_checkpoint, set_aside_after, verified_checkpoints
 from .layout import DrafterPlan
@@ -318,7 +318,7 @@ def check_same_target(plan: DrafterPlan, checkpoint: Path, state: dict, target: 
     if saved is None:
         print(f"--resume: {checkpoint} records no target (an older checkpoint): the target is not checked", file=log)
         return
-    differs = [name for name in ("config_sha256", "weights_fingerprint") if saved.get(name) != target.get(name)]
+    differs = identity_differences(saved, target)
     if differs:
         what = " and ".join("its config.json" if name == "config_sha256" else "its sampled weights" for name in differs)
         raise ConfigError(f"cannot resume {plan.run_dir}: --target {plan.config.model.target or 'the feature cache target'} is not "

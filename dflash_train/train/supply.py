@@ -164,9 +164,10 @@ def check_drafter_fits(config: TrainConfig, target: str) -> None:
     target declares (config.json or the GGUF header), before it loads: the drafter's own checks
     would find them only once it is built on the loaded target."""
     from ..core.dflash2 import check_dflash2_dims
-    from ..target.model import declared_size
+    from ..target.model import declared_config, positive_size
 
-    vocab, hidden = declared_size(target, "vocab_size"), declared_size(target, "hidden_size")
+    declared = declared_config(target)  # read once: a .gguf's header is parsed whole
+    vocab, hidden = positive_size(declared, "vocab_size"), positive_size(declared, "hidden_size")
     for name, drafter in config.variant_configs() or [("", config)]:
         where, model = f"{name}: " if name else "", drafter.model
         if vocab and model.mask_token_id is not None and model.mask_token_id >= vocab:
