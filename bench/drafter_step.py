@@ -94,12 +94,14 @@ def comma_choices(parser: argparse.ArgumentParser, flag: str, value: str, choice
 
 
 def flash_mark(result: dict) -> str:
-    """What a summary line adds for a row on FlashAttention-4's kernels (nothing for train's default)."""
-    return ", --attention flash" if result["attention"] == "flash" else ""
+    """What a summary line adds for a row on FlashAttention-4's kernels or with master weights
+    (nothing for train's defaults)."""
+    return ((", --attention flash" if result["attention"] == "flash" else "")
+            + (", --master-weights on" if result.get("master_weights") == "on" else ""))
 
 
 def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash", gradients="handed-over",
-               attention="auto"):
+               attention="auto", master_weights="off"):
     config = drafter_config(dims, args.block_size, arch)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
@@ -116,12 +118,13 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     if refused:
         raise SystemExit(f"--head fused: {refused}")
     objective.fp8_head = fp8 != "off"
-    optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95))
+    optimizer = make_optimizer(drafter, 6e-4, 0.0, (0.9, 0.95), master_weights=master_weights == "on",
+                               compiled=args.compile == "on")
     if graphs == "on" and not optimizer.defaults.get("fused"):  # the CPU smoke test: the static step needs fused
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     scheduler = warmup_cosine(optimizer, 10_000, 0.0, 0.0)
     backend = resolve_backend(attention, device)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
+    autocast = torch.bfloat16 if device.type == "cuda" or master_weights == "on" else None  # bf16 weights need it
     flops = step_flops(config, shape["batch"], shape["seq"], anchor_valid, batch.anchors.cpu())
 
     def timed_parts():
@@ -209,6 +212,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         "dims": args.dims, "host_count": args.host_count, "attention": backend, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
         "cuda_graphs": graphs, "gradients": gradients if graphs == "off" else "buffers", "pipelined_ms": round(pipelined_ms, 2),
         "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
+        "master_weights": master_weights,
     }
     if name in SPECFORGE and dims is QWEN3_8B and arch == "dflash":
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
@@ -262,6 +266,9 @@ def main() -> int:
     parser.add_argument("--attention", default="auto",
                         help="comma-separated train --attention backends: auto (flex on CUDA, sdpa on CPU), flex, "
                              "flash (FlashAttention-4's kernels), sdpa")
+    parser.add_argument("--master-weights", default="off",
+                        help="comma-separated train --master-weights: off (float32 parameters), on (bf16 parameters, "
+                             "float32 master weights in one compiled update)")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -282,6 +289,7 @@ def main() -> int:
     modes = comma_choices(parser, "--fp8", args.fp8, FP8_CHOICES)
     graph_modes = comma_choices(parser, "--cuda-graphs", args.cuda_graphs, ("on", "off"))
     gradient_modes = comma_choices(parser, "--gradients", args.gradients, ("handed-over", "buffers"))
+    master_modes = comma_choices(parser, "--master-weights", args.master_weights, ("off", "on"))
     results = []
     for name in args.configs.split(","):
         if name not in SPECFORGE and name not in RECIPE_SHAPES:
@@ -291,28 +299,30 @@ def main() -> int:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         for arch in archs:
             for mode in modes:
-                runs = [(a, g, m) for a in attentions for g in graph_modes for m in gradient_modes]
-                for attention, graphs, gradients in runs:
+                runs = [(a, g, m, w) for a in attentions for g in graph_modes for m in gradient_modes for w in master_modes]
+                for attention, graphs, gradients, master in runs:
                     if graphs == "on" and gradients != gradient_modes[0]:
                         continue  # graphs always hold buffers: one run
                     try:
-                        result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients, attention)
+                        result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients, attention,
+                                            master)
                     except Exception as error:  # noqa: BLE001 - report and go on with the next config
                         result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs, "gradients": gradients,
-                                  "attention": attention, "error": f"{type(error).__name__}: {error}"}
+                                  "attention": attention, "master_weights": master,
+                                  "error": f"{type(error).__name__}: {error}"}
                     results.append(result)
                     print(json.dumps(result), flush=True)
                     gc.collect()  # the drafter and its optimizer sit in reference cycles: else the next
                     if device.type == "cuda":  # config's peak memory counts them
                         torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'attn':>6}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'attn':>6}{'mw':>4}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
           f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}"
-                  f" error: {r['error']}")
+                  f"{r['master_weights']:>4} error: {r['error']}")
             continue
-        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}"
+        print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}{r['master_weights']:>4}"
               f"{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
               f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
@@ -330,9 +340,10 @@ def main() -> int:
             graphs = ", graphed" if r["cuda_graphs"] == "on" else ""
             print(f"drafter-step {r['config']} {r['arch']} ({args.dims}{mode}{graphs}{flash_mark(r)}): {r['ms_per_step']:.1f} ms, "
                   f"{r['pipelined_ms']:.1f} ms back to back, {r['samples_per_s']:.1f} samples/s")
-    by_key = {(r["config"], r["arch"], r["fp8"], r["attention"], r["cuda_graphs"]): r for r in results if "error" not in r}
-    for (config_name, arch, fp8_mode, attention, graphs), r in by_key.items():
-        eager = by_key.get((config_name, arch, fp8_mode, attention, "off"))
+    by_key = {(r["config"], r["arch"], r["fp8"], r["attention"], r["master_weights"], r["cuda_graphs"]): r
+              for r in results if "error" not in r}
+    for (config_name, arch, fp8_mode, attention, master, graphs), r in by_key.items():
+        eager = by_key.get((config_name, arch, fp8_mode, attention, master, "off"))
         named = config_name + ("" if arch == "dflash" else f" {arch}")
         if graphs == "on" and eager is not None:
             print(f"graphed drafter-step {named} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}{flash_mark(r)}): "

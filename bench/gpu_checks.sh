@@ -72,6 +72,12 @@ for name in "${stages[@]}"; do
             stage quality-fp8-$second ${QUALITY_LIMIT:-570} python3 "${QUALITY_ARGS[@]}" &
             wait ;;
         # bf16 parameters with float32 master weights: the update against today's casts and fused AdamW (8B-shaped drafter).
+        # train --master-weights on: its GPU test (graphed and eager, two replicas), then the 8B-shaped step with and
+        # without it at STEP_CONFIGS (default A,D), STEP_GRAPHS (default off), one process.
+        master-weights-tests) stage master-weights-tests ${TESTS_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/gpu/test_train_step_graphs_gpu.py -k master_weights ;;
+        step-master) stage step-master ${STEP_LIMIT:-330} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} --head fused \
+            --master-weights off,on --cuda-graphs ${STEP_GRAPHS:-off} --json "$OUT/step_master.json" ;;
         master-weights) stage master-weights ${MASTER_LIMIT:-150} python3 bench/master_weights.py --dims 8b --json "$OUT/master_weights.json" ;;
         step-eager-head) stage step-eager-head 120 python3 bench/drafter_step.py --configs A --head eager --json "$OUT/step_eager_head.json" ;;
         # Greedy identity of speculative vs target-only decoding per dtype (needs GGUF=path of the SmolLM2 GGUF).
@@ -222,11 +228,12 @@ for name in "${stages[@]}"; do
             --cuda-graphs on,off --gradients handed-over,buffers --json "$OUT/step_gradients.json" ;;
         # flex attention on FlashAttention-4's kernels against Triton's at FLEX_CONFIG (A; S with FLEX_DIMS=smollm2),
         # then the drafter step on each, one process: STEP_CONFIGS (default A,D) at STEP_DIMS (default 8b), STEP_GRAPHS
-        # (off; on,off: both).
+        # (off; on,off: both), STEP_FP8 (off; all, or off,all: both).
         flash) install_flash_attention && stage flash ${FLEX_LIMIT:-240} python3 bench/flex_tuning.py --config ${FLEX_CONFIG:-A} \
             --dims ${FLEX_DIMS:-8b} --only default,flash --json "$OUT/flash.json" ;;
         step-flash) install_flash_attention && stage step-flash ${STEP_LIMIT:-300} python3 bench/drafter_step.py --configs ${STEP_CONFIGS:-A,D} \
-            --dims ${STEP_DIMS:-8b} --head fused --attention flex,flash --cuda-graphs ${STEP_GRAPHS:-off} --json "$OUT/step_flash.json" ;;
+            --dims ${STEP_DIMS:-8b} --head fused --attention flex,flash --cuda-graphs ${STEP_GRAPHS:-off} --fp8 ${STEP_FP8:-off} \
+            --json "$OUT/step_flash${STEP_FP8:+_fp8-$STEP_FP8}.json" ;;
         step-eager) stage step-eager 240 python3 bench/drafter_step.py --configs A --compile off --json "$OUT/step_eager.json" ;;
         *) echo "unknown stage $name" ;;
     esac

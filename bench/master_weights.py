@@ -1,14 +1,14 @@
-"""What bf16 parameters with float32 master weights would save per step (issue #40), measured
-before the product gets them: the parameter update of a drafter timed two ways on the same
-parameters and gradients.
+"""What bf16 parameters with float32 master weights save per step (issue #40): the parameter
+update of a drafter timed two ways on the same parameters and gradients.
 
   today   what `train` runs under bf16 autocast: the bf16 weight gradients cast to float32 (the
           casts autograd adds, one kernel a weight), the global norm, torch's fused AdamW over the
           float32 parameters (clip and skip inside it: core/step.fused_clip_and_step), and the
           next forward's casts of every weight to bf16 (autocast's, once a step).
-  master  bf16 parameters: the global norm of the bf16 gradients, then one compiled update that
-          reads each bf16 gradient with its float32 master weight and moments and writes the
-          master, the moments and the bf16 weight (clip and skip inside it too).
+  master  `train --master-weights on` (core/master_weights.py): bf16 parameters, the global norm
+          of the bf16 gradients, then one compiled update that reads each bf16 gradient with its
+          float32 master weight and moments and writes the master, the moments and the bf16
+          weight (clip and skip inside it too).
 
 Both run the same clipped AdamW; after the timed steps the master weights are compared with
 today's float32 parameters (they differ by rounding only: the largest difference is printed
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.drafter_step import QWEN3_8B, SMALL, SMOLLM2  # noqa: E402
 from bench.profiling import mean_ms  # noqa: E402
 from dflash_train.core.drafter import DFlashDrafter  # noqa: E402
+from dflash_train.core.master_weights import MasterWeightAdamW, updated_tensors  # noqa: E402
 from dflash_train.core.step import fused_clip_and_step  # noqa: E402
 from dflash_train.train.synthetic import TINY, drafter_config  # noqa: E402
 
@@ -53,48 +54,18 @@ def drafter_parameters(dims: dict, device: torch.device) -> list[torch.Tensor]:
     return params
 
 
-class MasterAdamW:
-    """AdamW over float32 master weights of bf16 parameters, clipped by the global norm and skipped
-    when it is not finite, with no host sync: the update `train` would run with master weights."""
-
-    def __init__(self, params: list[torch.Tensor], compiled: bool):
-        self.params = [p.detach().to(torch.bfloat16) for p in params]
-        self.masters = [p.detach().clone() for p in params]
-        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
-        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
-        device = params[0].device
-        self.step_count = torch.zeros((), device=device)
-        self.lr = torch.tensor(LR, device=device)
-        self.update = torch.compile(update_all, fullgraph=True, dynamic=False) if compiled else update_all
-
-    def step(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        skip = (~torch.isfinite(norm)).float()
-        scale = torch.clamp((norm + 1e-6) / CLIP, min=1.0)
-        self.update(self.params, self.masters, grads, self.exp_avgs, self.exp_avg_sqs, self.step_count, self.lr,
-                    scale, skip)
-        return norm
+def master_optimizer(params: list[torch.Tensor], compiled: bool) -> MasterWeightAdamW:
+    """train's master-weight AdamW (core/master_weights.py) over bf16 copies of `params`."""
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+    return MasterWeightAdamW(bf16, [p.detach().clone() for p in params], lr=LR, betas=BETAS,
+                             weight_decay=WEIGHT_DECAY, eps=EPS, compiled=compiled)
 
 
-def update_all(params, masters, grads, exp_avgs, exp_avg_sqs, step_count, lr, scale, skip) -> None:
-    """One AdamW step (torch's formula: decoupled decay, bias-corrected moments) on every master
-    weight, its bf16 copy written back; nothing changes where `skip` is 1."""
-    beta1, beta2 = BETAS
-    keep = 1.0 - skip
-    step_count.add_(keep)
-    step = torch.clamp(step_count, min=1.0)
-    bias1 = 1.0 - torch.pow(beta1, step)
-    bias2_root = torch.sqrt(1.0 - torch.pow(beta2, step))
-    for param, master, grad, exp_avg, exp_avg_sq in zip(params, masters, grads, exp_avgs, exp_avg_sqs):
-        g = torch.nan_to_num(grad.float() / scale) * keep  # a skipped step reads no non-finite value
-        new_avg = exp_avg * (beta1 + (1 - beta1) * skip) + (1 - beta1) * g
-        new_sq = exp_avg_sq * (beta2 + (1 - beta2) * skip) + (1 - beta2) * g * g
-        denom = torch.sqrt(new_sq) / bias2_root + EPS
-        new_master = master * (1.0 - lr * WEIGHT_DECAY * keep) - keep * lr / bias1 * new_avg / denom
-        exp_avg.copy_(new_avg)
-        exp_avg_sq.copy_(new_sq)
-        master.copy_(new_master)
-        param.copy_(new_master)
+def master_step(optimizer: MasterWeightAdamW, grads: list[torch.Tensor]) -> None:
+    """The master-weight update from the same bf16 gradients, clipped and skipped inside it."""
+    for param, grad in zip(optimizer.params, grads):
+        param.grad = grad
+    fused_clip_and_step(optimizer, grads, CLIP)
 
 
 def today_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> list:
@@ -126,22 +97,23 @@ def main() -> int:
     count = sum(p.numel() for p in params)
     generator = torch.Generator(device).manual_seed(1)
     grads = [(torch.randn(p.shape, device=device, generator=generator) * 1e-3).to(torch.bfloat16) for p in params]
-    master = MasterAdamW(params, compiled=args.compile == "on")
+    master = master_optimizer(params, compiled=args.compile == "on")
     optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)  # train's, on CUDA
     steps = args.warmup + args.iters
     today_ms = mean_ms(lambda: today_step(params, optimizer, grads), device, args.warmup, args.iters)
-    master_ms = mean_ms(lambda: master.step(grads), device, args.warmup, args.iters)
+    master_ms = mean_ms(lambda: master_step(master, grads), device, args.warmup, args.iters)
 
     # A step whose gradient is not finite changes nothing in either.
-    before = [t.clone() for t in (*master.masters, *params)]
+    masters = list(updated_tensors(master))
+    before = [t.clone() for t in (*masters, *master.params, *params)]
     grads[0][0].fill_(float("inf"))
     today_step(params, optimizer, grads)
-    master.step(grads)
-    skipped = all(torch.equal(t, b) for t, b in zip((*master.masters, *params), before))
+    master_step(master, grads)
+    skipped = all(torch.equal(t, b) for t, b in zip((*masters, *master.params, *params), before))
 
     # Both took `steps` identical steps: their weights differ by rounding only.
-    moved = max(float((m - m0).abs().max()) for m, m0 in zip(master.masters, drafter_parameters(dims, device)))
-    difference = max(float((m - p.detach()).abs().max()) for m, p in zip(master.masters, params))
+    moved = max(float((m - m0).abs().max()) for m, m0 in zip(masters, drafter_parameters(dims, device)))
+    difference = max(float((m - p.detach()).abs().max()) for m, p in zip(masters, params))
     result = {"dims": dims_name, "device": str(device), "parameters": count, "steps": steps, "compile": args.compile,
               "today_ms": today_ms, "master_ms": master_ms, "saved_ms": today_ms - master_ms,
               "largest_update": moved, "largest_difference": difference, "non_finite_step_skipped": skipped}

@@ -45,6 +45,7 @@ from .attention import make_mask
 from .dflash2 import CandidateSelector
 from .drafter import DFlashDrafter, embed_block_tokens, unwrap_drafter
 from .fp8 import Fp8Weight
+from .master_weights import MasterWeightAdamW
 from .objective import (
     HeadCandidates,
     ObjectiveConfig,
@@ -288,7 +289,8 @@ def fused_clip_and_step(
         for group, lr in zip(groups, lrs):
             group["lr"] = lr
             group["capturable"] = group.get("capturable", False) or capturing  # the optimizer refuses capture otherwise
-    norm = torch.nn.utils.get_total_norm(grads)
+    # In float32 whatever the gradients' dtype: bf16 gradients (master weights) would round the clip.
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
     found_inf = (~torch.isfinite(norm)).float()
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip_grad, min=1.0)
     optimizer.found_inf = found_inf if skip is None else torch.maximum(found_inf, skip)
@@ -345,7 +347,9 @@ class Step:
         self.attention_backend, self.clip_grad, self.autocast_dtype = attention_backend, clip_grad, autocast_dtype
         self.fused = bool(optimizer.defaults.get("fused"))  # else the update checks finiteness on the host
         self.lr_from_tensors = False  # the update reads its lr from `lrs` (captured updates; needs fused AdamW)
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        # The drafter's own parameters (their gradients), not the optimizer's tensors: with master
+        # weights those are float32 masters of these bf16 parameters.
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.gradient_buffers = True  # False: hand_over_gradients
         self.fill_missing_gradients()  # the persistent buffers, made once
@@ -438,6 +442,16 @@ class Step:
         self.outputs.copy_(torch.cat([self.loss_sum.view(1), norm.float().view(1), skipped.view(1), *metrics]))
         self.reset_sums()
 
+    @torch.no_grad()
+    def skip_update(self) -> None:
+        """`apply_update` with the skip forced: the optimizer's state exists and its update has
+        compiled (master weights), and no weight, moment or step count changed."""
+        self.force_skip.fill_(1.0)
+        try:
+            self.apply_update()
+        finally:
+            self.force_skip.zero_()
+
     def result(self, lr: float) -> StepResult:
         """The last update's numbers, read now (the host waits for the device)."""
         return StepResult.parse(self.outputs.cpu(), lr, self.drafter.config.block_size)
@@ -479,7 +493,12 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_rat
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, betas: tuple[float, float]):
+def make_optimizer(drafter: DFlashDrafter, lr: float, weight_decay: float, betas: tuple[float, float], *,
+                   master_weights: bool = False, compiled: bool = True) -> torch.optim.Optimizer:
+    """AdamW over the drafter's parameters; with `master_weights` the parameters become bf16 and
+    the optimizer keeps their float32 masters (core/master_weights.py; its update `compiled`)."""
+    if master_weights:
+        return MasterWeightAdamW.taking_over(drafter, compiled=compiled, lr=lr, weight_decay=weight_decay, betas=betas)
     # Fused AdamW where the device supports it: one kernel per step instead of one per tensor.
     fused = next(drafter.parameters()).device.type == "cuda"
     return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)

@@ -23,16 +23,23 @@ from .streams import mark, wait_for
 from .threads import StopBarrier, StopSignal
 
 
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of `dtype` are summed in: float32 for 16-bit ones (bf16 parameters with
+    master weights), whose sum over replicas would otherwise round at every addition."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 class FlatGradients:
-    """A replica's gradients in persistent flat buffers, one per dtype: filled from the
-    parameters' .grad after the backward, copied back after the reduction; no allocation per step."""
+    """A replica's gradients in persistent flat buffers, one per dtype they are summed in
+    (`reduction_dtype`): filled from the parameters' .grad after the backward, copied back after
+    the reduction; no allocation per step."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]):
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in params:
             by_dtype.setdefault(param.dtype, []).append(param)
         self.groups = [
-            (group, torch.empty(sum(p.numel() for p in group), dtype=dtype, device=group[0].device))
+            (group, torch.empty(sum(p.numel() for p in group), dtype=reduction_dtype(dtype), device=group[0].device))
             for dtype, group in by_dtype.items()
         ]
 
@@ -44,7 +51,10 @@ class FlatGradients:
     def load(self) -> None:
         for params, buffer in self.groups:
             grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-            torch.cat(grads, out=buffer)
+            if buffer.dtype == params[0].dtype:
+                torch.cat(grads, out=buffer)
+            else:  # widened on the way in
+                torch._foreach_copy_(list(buffer.split([g.numel() for g in grads])), grads)
 
     @torch.no_grad()
     def store(self) -> None:
@@ -52,13 +62,9 @@ class FlatGradients:
             views = [v.view_as(p) for p, v in zip(params, buffer.split([p.numel() for p in params]))]
             for param, view in zip(params, views):
                 if param.grad is None:
-                    param.grad = view.clone()
-            grads = [p.grad for p in params]
-            if hasattr(torch, "_foreach_copy_"):  # one kernel launch per dtype and device, not one per tensor
-                torch._foreach_copy_(grads, views)
-            else:
-                for grad, view in zip(grads, views):
-                    grad.copy_(view)
+                    param.grad = view.to(param.dtype, copy=True)
+            # One kernel launch per dtype and device, not one per tensor; narrowed back where widened.
+            torch._foreach_copy_([p.grad for p in params], views)
 
 
 class ReduceTimer:

@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 from ..core.drafter import DFlashDrafter, DrafterConfig
+from ..core.master_weights import trained_weights
 from ..errors import UserError
 from ..files import remove_leftover_staging, write_dir_atomically, write_text_atomic
 
@@ -139,7 +140,7 @@ def checkpoint_snapshot(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer
                         scheduler: Any | None) -> CheckpointSnapshot:
     """The drafter's weights and the trainer's state as they are now, in host memory."""
     return CheckpointSnapshot(
-        weights={k: v.contiguous() for k, v in _to_host(drafter.state_dict()).items()},
+        weights={k: v.contiguous() for k, v in _to_host(trained_weights(drafter, optimizer)).items()},
         trainer_state=_to_host({"optimizer": optimizer.state_dict() if optimizer is not None else None,
                                 "scheduler": scheduler.state_dict() if scheduler is not None else None}),
         drafter_config=drafter.config.to_dict(),

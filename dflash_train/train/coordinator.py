@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from ..core.drafter import DrafterConfig
+from ..core.master_weights import trained_weights
 from ..errors import RunFailed
-from ..export.hf import export_model
+from ..export.hf import export_drafter
 from ..files import write_json_atomic
 from ..parallel.threads import POLL_SECONDS, StopSignal, Worker
 from ..parallel.vote import interrupt_target
@@ -333,12 +335,13 @@ class Coordinator:
                                      "tau_pooled": measured[-1]["tau_real_pooled"]}
             finished = error is None and self.failure is None and rank0.completed_step >= self.config.optimizer.steps
             if finished and self.config.checkpoint.export_dtype and self.nodes.writes:
-                bad = non_finite_parameters(rank0.replica.drafter)
+                weights = trained_weights(rank0.replica.drafter, rank0.replica.optimizer)
+                bad = [name for name, tensor in weights.items() if not bool(torch.isfinite(tensor).all())]
                 if bad:
                     self._watch_health(f"{plan.name}: weights are not finite after step {rank0.completed_step} "
                                        f"({', '.join(bad[:3])}): not exported")
                 else:
-                    entry["export"] = str(self.export(plan, rank0.replica.drafter))
+                    entry["export"] = str(self.export(plan, rank0.replica.drafter.config, weights))
             summary["drafters"][plan.name] = entry
         if self.failure is not None:
             summary["stop_reason"] = f"failed: {self.failure}"
@@ -363,13 +366,10 @@ class Coordinator:
         return {"nodes": self.nodes.world_size, "rank": self.nodes.rank, "cross_node_all_reduce_s": round(seconds, 3),
                 "cross_node_all_reduce_ms_per_step": round(1000 * seconds / count, 3) if count else None}
 
-    def export(self, plan: DrafterPlan, drafter: torch.nn.Module) -> Path:
-        return export_model(drafter, plan.run_dir / "export", dtype=dtype_from_name(self.config.checkpoint.export_dtype, "cpu"),
-                            run_dir=plan.run_dir, force=True, log=self.log)  # OUT/export belongs to the run
-
-
-def non_finite_parameters(model: torch.nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    def export(self, plan: DrafterPlan, drafter_config: DrafterConfig, weights: dict[str, torch.Tensor]) -> Path:
+        return export_drafter(drafter_config, weights, plan.run_dir / "export",
+                              dtype=dtype_from_name(self.config.checkpoint.export_dtype, "cpu"),
+                              run_dir=plan.run_dir, force=True, log=self.log)  # OUT/export belongs to the run
 
 
 def wait_for_workers(workers: list[Worker], stop: StopSignal, timeout: float) -> list[str]:

@@ -132,7 +132,9 @@ def build_replicas(
         if plan.config.parallel.fp8 == "all":
             use_fp8_linears(model)
         optimizer = make_optimizer(model, plan.config.optimizer.lr, plan.config.optimizer.weight_decay,
-                                   (plan.config.optimizer.adam_beta1, plan.config.optimizer.adam_beta2))
+                                   (plan.config.optimizer.adam_beta1, plan.config.optimizer.adam_beta2),
+                                   master_weights=plan.config.parallel.master_weights == "on",
+                                   compiled=compiles_drafter(config, device))
         scheduler = warmup_cosine(optimizer, config.optimizer.steps, plan.config.optimizer.warmup_ratio, plan.config.optimizer.min_lr_ratio)
         if checkpoint is not None:
             restore_trainer(checkpoint, optimizer, scheduler)

@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import Captured, GraphPool, ReplayCheck, checked_capture, error_summary
+from ..core.master_weights import updated_tensors
 from ..core.objective import ObjectiveConfig, block_labels, draw_anchors, head_chunk_rows
 from ..core.step import (
     DrafterBatch,
@@ -283,7 +284,7 @@ class GraphedStep:
         self.stream, self.pool = torch.cuda.Stream(self.device), GraphPool()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            self._skipping_update()  # the optimizer's state exists before anything is captured
+            self.step.skip_update()  # the optimizer's state exists (and its update compiled) before any capture
             for length in sorted(self.inputs):
                 self._prepare_length(length, say)
             self._prepare_update()
@@ -301,13 +302,6 @@ class GraphedStep:
             return checked_capture(fn, self.device, self.stream, check, self.pool)
         finally:
             self.capture_s += time.perf_counter() - started
-
-    def _skipping_update(self) -> None:
-        self.step.force_skip.fill_(1.0)
-        try:
-            self.step.apply_update()
-        finally:
-            self.step.force_skip.zero_()
 
     def _prepare_length(self, length: int, say: Say) -> None:
         step, inputs, rows = self.step, self.inputs[length], self.shapes.rows[length]
@@ -356,14 +350,15 @@ class GraphedStep:
 
     def _prepare_update(self) -> None:
         step = self.step
-        self._skipping_update()  # warm-up on this stream
+        step.skip_update()  # warm-up on this stream
+        written = [*step.params, *updated_tensors(step.optimizer)]
 
         def skips(graph: Any, _: Any) -> str | None:
             with torch.no_grad():
-                before = torch.stack(torch._foreach_norm(step.params))
+                before = torch.stack(torch._foreach_norm(written))
                 step.force_skip.fill_(1.0)
                 graph.replay()
-                if not torch.equal(torch.stack(torch._foreach_norm(step.params)), before):
+                if not torch.equal(torch.stack(torch._foreach_norm(written)), before):
                     return "a replayed skipped update moved the weights"
             return None
 
@@ -476,4 +471,5 @@ def warm_compile(step: Step, shapes: StepShapes, say: Say) -> str:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         say(f"length {length}: compiled in {time.perf_counter() - bucket_started:.1f}s")
+    step.skip_update()  # the optimizer's state, and a compiled update's compile (master weights), before step 1
     return f"eager step, {len(shapes.inputs)} length bucket(s) compiled in {time.perf_counter() - started:.1f}s"

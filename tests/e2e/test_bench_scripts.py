@@ -215,6 +215,19 @@ def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
     assert re.search(r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers ", stdout, re.M), stdout
 
 
+def test_drafter_step_times_master_weights_beside_float32_parameters(tmp_path):
+    """bench/drafter_step.py --master-weights off,on at the tiny config A: a row each, both clipped on
+    a real gradient norm, the master-weight run's parameters bf16 (its loss close to the other's
+    after the same two steps), and its summary line says so."""
+    out = tmp_path / "step.json"
+    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--master-weights", "off,on",
+                      "--compile", "off", "--warmup", "1", "--steps", "2", "--json", str(out)))
+    results = json.loads(out.read_text())["results"]
+    assert [r["master_weights"] for r in results] == ["off", "on"], results
+    assert all(r["last_grad_norm"] > 0 for r in results), results
+    assert re.search(r"^A +dflash +off +off +handed- +sdpa +on ", stdout, re.M), stdout
+    assert bench("drafter_step.py", "--device", "cpu", "--tiny", "--master-weights", "maybe").returncode == 2
+
 
 def test_drafter_step_runs_the_attention_train_runs_and_refuses_flash_without_its_package(tmp_path):
     """bench/drafter_step.py --attention: a row per backend, each recorded as the step ran it (auto =

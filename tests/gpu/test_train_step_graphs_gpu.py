@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from dflash_train.target.model import Target
+from safetensors.torch import load_file
 from threads import run_in_threads
 from tiny import pattern_samples, tiny_hf_model, tiny_train_config
 
@@ -21,6 +22,7 @@ from dflash_train.core.step import DrafterBatch, FrozenTargetParts, Step, warmup
 from dflash_train.parallel.gradients import GradientReducer
 from dflash_train.parallel.threads import StopSignal
 from dflash_train.train.batches import BatchPlanner
+from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.feature_graphs import GraphedFeatures
 from dflash_train.train.replicas import init_drafter
 from dflash_train.train.step_graphs import GraphedStep, step_shapes
@@ -503,3 +505,45 @@ def test_a_compiled_feature_forward_that_replays_differently_is_captured_plain()
     host = BatchPlanner(pattern_samples(16), batch_size=4, batches_per_step=1, buckets=BUCKETS, seed=1,
                         objectives={"d": _objective()}).step_batches(0)[0]
     assert _relative(features.features(host), target.features(host.input_ids.to(DEVICE), LAYERS)) <= 1e-5
+
+
+def test_train_with_master_weights_captures_its_graphs_and_follows_float32_parameters(tmp_path):
+    """`--master-weights on` on the GPU, two replicas on one device: the compiled master update
+    compiles in the warm-up (nothing after it: --fail-on-recompile) and is captured with the rest;
+    the replicas' bf16 weights stay identical step by step (gradients summed in float32); the
+    graphed and the eager run's losses follow the float32-parameter run's within the spread the
+    graphed test allows; the checkpoint holds float32 masters."""
+    fingerprints: dict[int, dict[int, torch.Tensor]] = {}
+    lock = threading.Lock()
+
+    def record(worker, step):
+        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()]).cpu()
+        with lock:
+            fingerprints.setdefault(step, {})[worker.replica.rank] = flat
+
+    target = _target(torch.bfloat16)
+    samples = pattern_samples(64, min_len=30, max_len=250)
+    losses = {}
+    for name, values in {"graphed": dict(master_weights="on", cuda_graphs="on"),
+                         "eager": dict(master_weights="on", cuda_graphs="off"),
+                         "float32": dict(master_weights="off", cuda_graphs="on")}.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = train(_pipeline_config(tmp_path / name, drafter_devices=["cuda:0", "cuda:0"],
+                                             fail_on_recompile=values["master_weights"] == "on", **values),
+                            samples=samples, target=target, log=open(os.devnull, "w"),
+                            step_hook=record if name == "graphed" else None)
+        assert not [str(w.message) for w in caught if "CUDA graphs" in str(w.message)], name
+        if name == "graphed":
+            notes = summary["startup"]["warmup_notes"]
+            assert all("graphs captured" in notes[d] and "eager" not in notes[d] for d in ("drafter-0", "drafter-1")), notes
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in metrics]
+    assert all(flat.dtype == torch.bfloat16 for by_rank in fingerprints.values() for flat in by_rank.values())
+    for step, by_rank in fingerprints.items():
+        assert torch.equal(by_rank[0], by_rank[1]), step
+    assert len(losses["graphed"]) == len(losses["eager"]) == len(losses["float32"]) == 24
+    for name in ("graphed", "eager"):
+        assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(losses[name], losses["float32"])), (name, losses)
+    weights = load_file(str(latest_checkpoint(tmp_path / "graphed") / "drafter.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.float32}

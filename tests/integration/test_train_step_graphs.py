@@ -540,7 +540,7 @@ def _warm_up_on_cpu(graphed, monkeypatch, capture):
 
     monkeypatch.setattr(graph_capture, "capture", capture)
     graphed.stream = _Stream()
-    graphed._skipping_update()
+    graphed.step.skip_update()
     for length in sorted(graphed.inputs):
         graphed._prepare_length(length, lambda line: None)
     graphed._prepare_update()
