@@ -153,16 +153,21 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Convert a raw value (a string from the command line, or a parsed file value) to the
-    field's type. Strings convert to numbers and lists; a bool never passes for a number
-    (TOML `steps = true` is an error, not one step)."""
+def _convert(value: Any, tp: Any, key: str, *, from_file: bool = False) -> Any:
+    """Convert a raw value (a string from the command line, or, with `from_file`, a parsed
+    TOML/JSON value) to the field's type. A flag's string converts to numbers, booleans and
+    lists; a file's value must already be of the field's type (`cache = "yes"` is an error,
+    not true: a file can say `true`, so a string there is a mistake, not a spelling), except
+    that an optional field's "none" or "" is its empty value (TOML has no null). A bool never
+    passes for a number (TOML `steps = true` is an error, not one step)."""
     base, optional = _unwrap_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None
         raise ConfigError(f"{key}: a value is required")
     origin = typing.get_origin(base)
+    if from_file and not _is_file_value_of(base, value):
+        raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(base)}{_file_type_hint(base, value)}")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -192,12 +197,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 for item in value:
                     if not isinstance(item, (dict, item_tp)):
                         raise ConfigError(f"{key}: cannot read {item!r} as a table")
+                if from_file:  # converted here, where the file is known, so each table keeps the file's rule
+                    return [item_tp.from_table(item, f"{key}[{i}]", from_file=True) for i, item in enumerate(value)]
                 return list(value)
             if isinstance(value, str):
                 value = [_expand_home(v.strip()) for v in value.split(",") if v.strip()]
             if not isinstance(value, (list, tuple)):
                 raise ValueError(value)
-            return [_convert(v, item_tp, key) for v in value]
+            return [_convert(v, item_tp, key, from_file=from_file) for v in value]
         if origin is dict or base is dict:
             if isinstance(value, str):
                 value = json.loads(value)
@@ -211,6 +218,31 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     except (TypeError, ValueError, json.JSONDecodeError):
         raise ConfigError(f"{key}: cannot read {value!r} as {_type_name(base)}") from None
     return value
+
+
+def _is_file_value_of(base: Any, value: Any) -> bool:
+    """Whether a TOML/JSON value has the field's type (an integral float passes for an integer
+    here and is checked as one by `_convert`; an int passes for a float)."""
+    origin = typing.get_origin(base) or base
+    if base is bool:
+        return isinstance(value, bool)
+    if base in (int, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _file_type_hint(base: Any, value: Any) -> str:
+    if typing.get_origin(base) in (list, tuple):
+        return " (a file writes a list in brackets: [a, b])"
+    if isinstance(value, str):
+        return " (a file's value keeps its type: write it without quotes)"
+    return ""
 
 
 _TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
@@ -272,7 +304,8 @@ def sections_of(cls: type) -> dict[str, tuple[str, ...]]:
 
 
 def convert_values(cls: type, raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """Typed field values from a mapping with the flags' names (`-` or `_`), flat or grouped in
+    """Typed field values from a config file's mapping (TOML or JSON: each value must already be
+    of its field's type, see `_convert`) with the flags' names (`-` or `_`), flat or grouped in
     the config's sections; unknown keys, keys in the wrong section and keys given twice are errors."""
     types_by_name = {name: tp for name, (_, tp, _) in leaf_fields(cls).items()}
     sections = sections_of(cls)
@@ -300,7 +333,8 @@ def convert_values(cls: type, raw: dict[str, Any], where: str) -> dict[str, Any]
         if name in flat:
             raise ConfigError(f"{where}: {key} is set twice ({flat[name][1]} and {key})")
         flat[name] = (value, key)
-    return {name: _convert(value, types_by_name[name], f"{where}: {label}") for name, (value, label) in flat.items()}
+    return {name: _convert(value, types_by_name[name], f"{where}: {label}", from_file=True)
+            for name, (value, label) in flat.items()}
 
 
 def from_dict(cls: type[C], raw: dict[str, Any], where: str = "config") -> C:
@@ -533,9 +567,10 @@ class DrafterSpec:
     fp8: str | None = None
 
     @classmethod
-    def from_table(cls, table: Any, where: str) -> DrafterSpec:
+    def from_table(cls, table: Any, where: str, *, from_file: bool = False) -> DrafterSpec:
         """A variant's table (`{name = 'b8', block_size = 8}`), each value converted to its
-        field's type like a flag; an unknown key names the closest one a variant may set."""
+        field's type like a flag's, or, `from_file`, by a file's rule (`_convert`); an unknown key
+        names the closest one a variant may set."""
         if isinstance(table, cls):
             return table
         if not isinstance(table, dict):
@@ -547,7 +582,8 @@ class DrafterSpec:
             name = key.replace("-", "_")
             if name not in allowed:
                 raise unknown_key_error(key, allowed, where)
-            values[name] = str(value or "") if name == "name" else _convert(value, leaf_types[name], f"{where}: {key}")
+            values[name] = _convert(value or "", str, f"{where}: {key}", from_file=from_file) if name == "name" \
+                else _convert(value, leaf_types[name], f"{where}: {key}", from_file=from_file)
         return cls(**values)
 
     @classmethod

@@ -23,7 +23,7 @@ MIN_TORCH = (2, 11)
 MIN_TRANSFORMERS = (5, 0)
 MIN_PYTHON = (3, 10)
 MIN_FREE_GIB = 1.0  # less than this under the cache or --out is a failure: checkpoints and caches need room
-PROBE_TOKENS = 2048  # the static decoder's cache size for the probe (prompt + new tokens of a typical eval)
+PROBE_TOKENS = 2048  # prompt + new tokens of a typical eval: the length the static decoder's probe is judged at
 
 
 @dataclasses.dataclass
@@ -204,21 +204,15 @@ def check_disk(out: str) -> list[Finding]:
 def check_target(target: str) -> list[Finding]:
     """The target's config (architecture, dims) and the static decoder's probe, which judges the
     model class and config on its own 2-layer random replica: no weights are loaded."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..decode.static import cache_capacity
+    from ..config import ModelSettings
+    from ..decode.loop import static_refusal_of_config
     from ..errors import UserError
-    from ..target.model import Target, TargetSpec, check_target_path
-    from ..target.probe import float32_replica, static_unsupported
+    from ..target.model import TargetSpec, check_target_path, target_config
 
     path = Path(target)
     try:
         check_target_path(path)  # what train, eval and the rest refuse before loading, refused here too
-        if path.suffix == ".gguf" and path.is_file():
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            config = AutoConfig.from_pretrained(str(path))
+        config = target_config(path)
         spec = TargetSpec.from_hf_config(config)
     except UserError as error:
         return [Finding("FAIL", "target", str(error))]
@@ -226,11 +220,8 @@ def check_target(target: str) -> list[Finding]:
         return [Finding("FAIL", "target", f"{target}: {str(error).splitlines()[0]}")]
     found = [Finding("ok", "target", f"{type(config).__name__}: {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
                      f"vocab {spec.vocab_size}")]
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # class and config only, no memory
-    # The probe judges the class and config on a replica of its own, on the CPU (target/probe.py).
-    replica = Target(float32_replica(skeleton, torch.device("cpu")))
-    refusal = static_unsupported(replica, cache_capacity(PROBE_TOKENS))
+    # Blocks of train's default size: the drafter a typical eval decodes with.
+    refusal = static_refusal_of_config(config, PROBE_TOKENS, ModelSettings.block_size)
     found.append(Finding("ok" if refusal is None else "info", "static decoder",
                          "passes its probe (eval --decoder auto uses it)" if refusal is None
                          else f"refused: {refusal}; eval falls back to Hugging Face decoding"))

@@ -105,8 +105,9 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
     import torch
 
     from ..data.render import render_prompt, stop_token_ids
-    from ..decode.loop import describe_decoder, generate, make_decoder
+    from ..decode.loop import check_static_before_loading, describe_decoder, generate, make_decoder
     from ..eval.run import load_pair, pair_identity, run_benchmark
+    from ..export.hf import read_drafter_config
     from ..eval.merge import prompt_list_record
     from ..eval.stats import format_benchmark, format_summary, summarize
     from ..target.model import dtype_from_name, resolve_device
@@ -124,6 +125,10 @@ def _run_eval(config: EvalConfig, output: NewFileOutput | None) -> int:
         prompt_lists[bench_label(name)] = prompt_list_record(prompts)
     if not any(benches.values()):
         raise UserError(f"no prompts left after --offset {config.prompts.offset} in {', '.join(config.prompts.bench)}")
+    if config.models.decoder == "static":
+        # A prompt is at least one token: the shortest length this run decodes.
+        block_size = read_drafter_config(config.models.drafter, "--drafter").block_size
+        check_static_before_loading(config.models.target, 1 + config.decoding.max_new_tokens, block_size)
     target, drafter = load_pair(config.models.target, config.models.drafter, device, dtype)
     # What was loaded, for eval-merge to compare shards (hashing the drafter costs a read of it).
     pair = pair_identity(config.models.target, config.models.drafter) if output is not None else None

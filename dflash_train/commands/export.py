@@ -64,16 +64,26 @@ def run_export(config: ExportConfig) -> int:
         return run_check(config.check, config.target)
     from ..files import hold_output
 
-    run = _run_around(config.out)
     # Inside a training run, the export is written only while no live `train` holds that run: its
     # own end would replace the folder without a word.
-    with hold_output(run, "--out") if run else contextlib.nullcontext():
+    with contextlib.ExitStack() as held:
+        for run in _runs_around(config.out):
+            held.enter_context(hold_output(run, "--out"))
         return _export_gguf(config) if config.format == "gguf" else _export_folder(config)
 
 
-def _run_around(out: str) -> Path | None:
-    """The training run folder (one with checkpoints/) that `out` lies in, if any."""
-    return next((folder for folder in Path(out).resolve().parents if (folder / "checkpoints").is_dir()), None)
+def _runs_around(out: str) -> list[Path]:
+    """The folders a live `train` writing where `out` lies would hold: the drafter's folder (one
+    with checkpoints/) and, where it is a variant's folder OUT/<name> as `train` reads a run
+    folder (`held_run`), the variants run OUT, whose --out the trainer holds. Both: a drafter's
+    folder that records no mode (no run.json) may be either."""
+    from ..train.resume import held_run
+
+    drafter = next((folder for folder in Path(out).resolve().parents if (folder / "checkpoints").is_dir()), None)
+    if drafter is None:
+        return []
+    above = held_run(drafter.parent)
+    return [drafter, drafter.parent] if above is not None and drafter.name in above.variants else [drafter]
 
 
 def _export_folder(config: ExportConfig) -> int:

@@ -10,8 +10,8 @@ from collections import Counter
 
 from ..target.model import Target, family_kind, has_recurrent_layers, text_config
 from ..target.probe import feature_forward_unsupported, static_unsupported
+from ..target.static_cache import cache_capacity
 from .hf import rollback_unsupported
-from .static import cache_capacity
 
 
 def describe_target(target: Target, tokens: int) -> str:

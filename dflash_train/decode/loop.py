@@ -31,16 +31,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from ..config import DECODERS, ConfigError, UserError
 from ..core.drafter import DFlashDrafter, unwrap_drafter
-from ..target.model import Target
-from ..target.probe import static_unsupported
+from ..target.model import Target, target_config
+from ..target.probe import float32_replica, static_unsupported
 from .hf import HFDecoder, rollback_note
-from .static import StaticDecoder, cache_capacity, static_state
+from .static import StaticDecoder, static_capacity, static_state
 
 
 @dataclass
@@ -146,8 +147,33 @@ def static_refusal(target: Target, drafter: DFlashDrafter | None, capacity: int)
 
 
 def _static_capacity(drafter: DFlashDrafter | None, tokens: int) -> int:
-    """Cache positions for `tokens` (prompt + new): a verify block may reach B − 1 past the end."""
-    return cache_capacity(tokens + (drafter.config.block_size if drafter is not None else 1))
+    return static_capacity(tokens, drafter.config.block_size if drafter is not None else 1)
+
+
+def static_refusal_of_config(config: Any, tokens: int, block_size: int) -> str | None:
+    """Why the static decoder cannot run a target of this Hugging Face `config` on `tokens`
+    (prompt + new) in blocks of `block_size`, or None when it can, judged on a random replica of
+    its class and config: no weights load, so `doctor` can say it and `eval --decoder static` can
+    refuse before any model loads, in the words the decoder itself would use."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # class and config only, no memory
+    replica = Target(float32_replica(skeleton, torch.device("cpu")))
+    return static_unsupported(replica, static_capacity(tokens, block_size))
+
+
+def check_static_before_loading(target_path: str | Path, tokens: int, block_size: int) -> None:
+    """`--decoder static` refused before any model loads where the target's class and config
+    refuse it at `tokens` (a run's shortest length: a refusal there holds at every longer one).
+    A sliding window only the longest prompt overruns is refused by `make_decoder`, in the same words."""
+    refusal = static_refusal_of_config(target_config(target_path), tokens, block_size)
+    if refusal is not None:
+        raise _static_refused(refusal)
+
+
+def _static_refused(refusal: str) -> UserError:
+    return UserError(f"the static decoder cannot run this target/drafter: {refusal}; use --decoder hf")
 
 
 def make_decoder(
@@ -167,7 +193,7 @@ def make_decoder(
         if refusal is None:
             return StaticDecoder(static_state(target, drafter, capacity, compile_draft), drafter.config.block_size if drafter else 1)
         if choice == "static":
-            raise UserError(f"the static decoder cannot run this target/drafter: {refusal}; use --decoder hf")
+            raise _static_refused(refusal)
     return HFDecoder(target, drafter)
 
 
@@ -178,6 +204,8 @@ def describe_decoder(target: Target, drafter: DFlashDrafter | None, max_length: 
         return f"decoder: hf (Hugging Face, eager; asked for){rollback_note(target, drafter)}"
     capacity = _static_capacity(drafter, max_length)
     refusal = static_refusal(target, drafter, capacity)
+    if refusal is not None and choice == "static":  # asked for: refused, never described as hf
+        raise _static_refused(refusal)
     if refusal is not None:
         return f"decoder: hf (Hugging Face, eager), the static one cannot: {refusal}{rollback_note(target, drafter)}"
     graphs = "CUDA graphs" if target.device.type == "cuda" else "no CUDA graphs on CPU"

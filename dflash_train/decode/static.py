@@ -61,15 +61,17 @@ from torch import nn
 from ..capture import CapturedStep, GraphPool
 from ..core.drafter import DFlashDrafter, embed_block_tokens
 from ..target.model import Target
-from ..target.static_cache import StaticTarget, attention_bias, grouped_attention
+from ..target.static_cache import StaticTarget, attention_bias, cache_capacity, grouped_attention
 
 _COMPILE_LOCK = threading.Lock()  # compiles of drafters' block forwards, one at a time in the process
-CAPACITY_STEP = 512  # caches are sized in multiples of this, so most prompts share captured graphs
 PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: a few prefill shapes, each captured once
 
 
-def cache_capacity(tokens: int) -> int:
-    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+def static_capacity(tokens: int, block_size: int) -> int:
+    """The static decoder's cache positions for `tokens` (prompt + new tokens) decoded in blocks
+    of `block_size` (1: target-only): a verify block may reach B - 1 past the end. The one
+    computation of the size `eval` decodes with and `doctor` judges the target at."""
+    return cache_capacity(tokens + block_size)
 
 
 def prefill_width(tokens: int, capacity: int) -> int:

@@ -216,18 +216,25 @@ def read_export_config(folder: Path, flag: str = "") -> dict[str, Any]:
     return raw
 
 
+def read_drafter_config(folder: str | Path, flag: str = "") -> DrafterConfig:
+    """The DrafterConfig of an exported HF folder, read without its weights; ExportError naming
+    the file for a config a drafter cannot be made from."""
+    folder = Path(folder)
+    raw = read_export_config(folder, flag)
+    try:
+        return _drafter_config_from_hf(raw)
+    except KeyError as error:
+        raise ExportError(f"{folder / 'config.json'}: no {error.args[0]!r}, which a DFlash drafter config needs") from None
+    except (TypeError, ValueError) as error:
+        raise ExportError(f"{folder / 'config.json'}: {error}") from None
+
+
 def load_exported_drafter(folder: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
     """Read back an exported HF folder (ours, or any DFlash drafter with the same layout)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    raw = read_export_config(folder)
-    try:
-        config = _drafter_config_from_hf(raw)
-    except KeyError as error:
-        raise ExportError(f"{folder / 'config.json'}: no {error.args[0]!r}, which a DFlash drafter config needs") from None
-    except (TypeError, ValueError) as error:
-        raise ExportError(f"{folder / 'config.json'}: {error}") from None
+    config = read_drafter_config(folder)
     drafter = DFlashDrafter(config)
     weights = {}
     for path in sorted(folder.glob("*.safetensors")):

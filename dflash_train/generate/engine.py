@@ -59,10 +59,9 @@ from ..capture import CapturedStep, GraphPool
 from ..data.render import decode_text, stop_token_ids
 from ..decode.recurrent import select_rows
 from ..decode.sampling import choose_tokens
-from ..decode.static import CAPACITY_STEP, cache_capacity
 from ..target.model import Target, cache_argument
 from ..target.probe import static_unsupported
-from ..target.static_cache import ATTENTION, StaticTarget
+from ..target.static_cache import ATTENTION, CAPACITY_STEP, StaticTarget, cache_capacity
 from .regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 
 ATTENTION_STEP = 256  # attention spans (one captured step each) are multiples of this many positions

@@ -448,6 +448,18 @@ def identity_differences(before: dict[str, Any] | None, now: dict[str, Any] | No
     return [name for name in ("config_sha256", "weights_fingerprint") if before.get(name) != now.get(name)]
 
 
+def target_config(path: str | Path) -> Any:
+    """A target's Hugging Face config, read without its weights (a .gguf from its header, not
+    converted); what its files hold that transformers cannot read is a TargetError naming it."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    with _load_errors_named(path):
+        if path.suffix == ".gguf" and path.is_file():
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoConfig.from_pretrained(str(path))
+
+
 def model_folder(path: str | Path) -> Path:
     """The Hugging Face folder of a target: `path` itself, or a `.gguf` file's converted folder
     (converted once, cached)."""

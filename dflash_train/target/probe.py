@@ -41,7 +41,7 @@ from .linear_attention import (
     linear_layer_unsupported,
 )
 from .model import Target, hidden_state_index
-from .static_cache import StaticTarget
+from .static_cache import StaticTarget, cache_capacity
 from .walk import FeatureForward, rotary_sections
 
 Verdict = TypeVar("Verdict")
@@ -116,6 +116,11 @@ def static_unsupported(target: Target, capacity: int) -> str | None:
     """Why `StaticTarget` cannot decode `target` with a cache of `capacity` positions, or None
     when it can."""
     window = sliding_window(target.model.config)
+    smallest = cache_capacity(1)
+    if window is not None and window < smallest:
+        # No length fits: said against the smallest cache, so every command (doctor at its
+        # typical length, eval at its prompts') names the same size.
+        return f"its {window}-token sliding window is shorter than the smallest static cache ({smallest} positions)"
     if window is not None and capacity > window:
         return f"its {window}-token sliding window is shorter than the {capacity}-position cache"
     return _VERDICTS(target).static

@@ -24,6 +24,13 @@ from .linear_attention import LinearStates, attention_layers, linear_attention_m
 from .model import Target, apply_rope
 from .walk import LayerWalk
 
+CAPACITY_STEP = 512  # caches are sized in multiples of this, so most prompts share captured graphs
+
+
+def cache_capacity(tokens: int) -> int:
+    """The positions of a static cache holding `tokens`: the next multiple of CAPACITY_STEP."""
+    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+
 
 def attention_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask of `grouped_attention` from `visible` [b, q or 1, keys] (True = seen):

@@ -247,6 +247,8 @@ def test_the_exports_and_eval_each_need_only_training_and_read_none_of_each_othe
     (("[eval]\n", "[eval]\nlimits = 3\n"), "[eval]: unknown key 'limits'; did you mean 'limit'?"),
     (("[prompts]\n", "[prompt]\nx = 1\n[prompts]\n"), "unknown key 'prompt'; did you mean 'prompts'?"),
     (("steps = 4", "steps = 'four'"), "[train]: steps: cannot read 'four' as an integer"),
+    (("steps = 4", "steps = '4'"), "[train]: steps: cannot read '4' as an integer"),  # a file's value keeps its type
+    (("[train]\n", "[features]\ncache = 'yes'\n[train]\n"), "[features]: cache: cannot read 'yes' as true or false"),
     (("steps = 4", "steps = 4\nout = 'elsewhere'"), "[train] out: set by the pipeline itself"),
     (("num_anchors = 8", "num_anchors = 8\nlr = -1.0"), "[train] --lr must be > 0"),
     (("max_new_tokens = 12", "max_new_tokens = 0"), "[regenerate] max_new_tokens must be at least 1"),

@@ -108,3 +108,28 @@ def test_an_export_into_a_run_that_a_live_train_holds_is_refused(run_dir, tmp_pa
     assert not out.exists()
     if form == "hf":  # with no live train on it, the run takes its export
         assert main(["export", str(run_dir), "--out", str(out)]) == 0 and (out / "model.safetensors").is_file()
+
+
+def test_an_export_into_a_variant_of_a_run_that_a_live_train_holds_is_refused(tmp_path, capsys):
+    """A variants `train` holds its --out (OUT), not each variant's folder OUT/<name>: an export into
+    OUT/a/export looked for the run by its checkpoints/, found OUT/a, took OUT/a's lock (free) and
+    was written, to be replaced by the trainer's own export of `a` at its end. Held here as a live
+    variants train holds it."""
+    from tiny import pattern_samples, tiny_train_config
+
+    from dflash_train.files import hold_output
+    from dflash_train.train.trainer import train
+
+    out = tmp_path / "variants"
+    config = tiny_train_config(out, steps=2, num_anchors=8, save_every=2, export_dtype="", tensorboard="off",
+                               mode="variants", drafter_devices=["cpu", "cpu"],
+                               variants=[{"name": "a", "block_size": 4}, {"name": "b", "block_size": 6}])
+    train(config, samples=pattern_samples(16), target=tiny_target("llama", layers=4), log=open(os.devnull, "w"))
+    export = out / "a" / "export"
+    with hold_output(out, "--out"):
+        assert main(["export", str(out / "a"), "--out", str(export)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out.resolve()} is in use by another live process (pid {os.getpid()}" in err, err
+    assert len(err.strip().splitlines()) == 1 and not export.exists()
+    # With no live train on it, the variant takes its export.
+    assert main(["export", str(out / "a"), "--out", str(export)]) == 0 and (export / "model.safetensors").is_file()

@@ -893,6 +893,38 @@ def test_eval_command_end_to_end(chat_pair, tmp_path, capsys):
     assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
 
 
+def test_eval_decoder_static_on_gpt_oss_is_refused_before_any_model_loads_in_the_doctors_words(tmp_path, capsys):
+    """gpt-oss's 16-token sliding window is shorter than any static cache. Before, `eval --decoder
+    static` printed `decoder: hf`, loaded both models and then refused, naming a 512-position cache
+    where `doctor` named a 2048-position one (two computations of the size)."""
+    from tiny import tiny_hf_model
+
+    from dflash_train import cli
+    from dflash_train.target.model import Target
+
+    tokenizer = char_tokenizer()
+    model = tiny_hf_model("gpt_oss", vocab=104, hidden=64, layers=4)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter = random_drafter(Target(model), layer_ids=(0, 2), mask_token_id=tokenizer.mask_token_id)
+    export_model(drafter, tmp_path / "drafter", dtype=torch.float32)
+    prompts = REPO / "tests" / "data" / "eval_prompts.jsonl"
+
+    cli.main(["doctor", "--target", str(tmp_path / "target")])
+    doctor = next(line for line in capsys.readouterr().out.splitlines() if "static decoder" in line)
+    reason = doctor.split("refused: ", 1)[1].split("; eval falls back", 1)[0]
+    assert "sliding window is shorter than" in reason
+    for max_new_tokens in ("4", "1000"):  # caches of 512 and 1,024 positions: one reason for both
+        code = cli.main(["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                         "--bench", str(prompts), "--limit", "1", "--max-new-tokens", max_new_tokens, "--device", "cpu",
+                         "--decoder", "static"])
+        captured = capsys.readouterr()
+        assert code == 2 and captured.err.strip().splitlines() == [
+            f"dflash-train eval: the static decoder cannot run this target/drafter: {reason}; use --decoder hf"]
+        assert "decoder:" not in captured.out and "(gpt_oss" not in captured.out  # no header: nothing loaded
+
+
 # Fields that depend on the clock, not on the tokens: shards and the single run differ there.
 TIMING_FIELDS = {"seconds", "decode_seconds", "baseline_seconds", "baseline_decode_seconds"}
 TAU_FIELDS = ("prompts", "errors", "tau_mean", "tau_median", "tau_pooled", "steps", "histogram", "new_tokens",

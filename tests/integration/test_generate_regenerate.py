@@ -182,7 +182,7 @@ def test_targets_the_static_generator_cannot_run_are_answered_by_hugging_face_ea
     engine = local_engine(target, settings, batch_size=2, max_prompt_tokens=100, log=_quiet())
     assert isinstance(engine, EagerBatchEngine)
     assert engine.description == ("engine: Hugging Face eager batches of 2 (the static generator cannot run this target: "
-                                  "its 16-token sliding window is shorter than the 512-position cache)")
+                                  "its 16-token sliding window is shorter than the smallest static cache (512 positions))")
     prompts = _prompts(TEXTS[:3])
     log = io.StringIO()
     report = run(target, prompts, tmp_path / "out.jsonl", settings=settings, engine=engine, log=log)

@@ -1,5 +1,5 @@
 """`train`'s typed config: files (flat or in sections), flag precedence, unknown keys with
-suggestions, list and bool parsing, variants converted like flags, and every field checked
+suggestions, list and bool parsing (a flag's string converts, a file's value keeps its type), and every field checked
 before anything loads (these tests run the real CLI parser and no model)."""
 
 import argparse
@@ -94,6 +94,49 @@ def test_file_errors_name_the_file_and_key(tmp_path, text, match):
     assert "run.toml" in str(error.value)
 
 
+@pytest.mark.parametrize("suffix, text, key, expected", [
+    (".toml", '[checkpoint]\nresume = "yes"\n', "[checkpoint] resume", "true or false"),
+    (".toml", 'fail_on_recompile = "false"\n', "fail_on_recompile", "true or false"),
+    (".toml", '[optimizer]\nsteps = "3"\n', "[optimizer] steps", "an integer"),
+    (".toml", 'lr = "1e-3"\n', "lr", "a number"),
+    (".toml", "eval_bench = 3\n", "eval_bench", "a string"),
+    (".toml", 'data = "a.jsonl"\n', "data", "a list of strings"),
+    (".toml", 'seq_buckets = [256, "512"]\n', "seq_buckets", "an integer"),
+    (".json", '{"checkpoint": {"resume": "true"}}', "[checkpoint] resume", "true or false"),
+    (".json", '{"steps": "3"}', "steps", "an integer"),
+])
+def test_a_file_value_of_the_wrong_type_is_refused_where_a_flag_converts(tmp_path, capsys, suffix, text, key, expected):
+    """Every flag arrives as a string, so `--steps 3` converts; a TOML or JSON file has booleans,
+    numbers and lists of its own, so a string there is a mistake: `resume = "yes"` read as true,
+    and `"false"` as false only by luck of spelling."""
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{path}: {key}: cannot read " in err and f"as {expected}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+    assert _config(tmp_path, ["--steps", "3", "--lr", "1e-3", "--seq-buckets", "256,512"]).optimizer.steps == 3
+
+
+@pytest.mark.parametrize("old, new, where, expected", [
+    ("cache = true", 'cache = "yes"', "[features]: cache", "true or false"),
+    ("count = 160", 'count = "160"', "[prompts]: count", "an integer"),
+    ('bench = ["mtbench", "humaneval"]', 'bench = "humaneval"', "[eval]: bench", "a list of strings"),
+    ("steps = 160", 'steps = "160"', "[train]: steps", "an integer"),
+])
+def test_a_recipe_value_of_the_wrong_type_is_refused(tmp_path, old, new, where, expected):
+    """A recipe is read by the config files' rule: before, `[features] cache = "yes"` cached."""
+    from dflash_train.recipe import load_recipe, recipe_path
+
+    source = recipe_path("quickstart").read_text()
+    assert old in source
+    recipe = tmp_path / "own.toml"
+    recipe.write_text(source.replace(old, new, 1))
+    with pytest.raises(ConfigError) as error:
+        load_recipe(str(recipe))
+    assert f"recipe {recipe}: {where}: cannot read " in str(error.value) and f"as {expected}" in str(error.value)
+
+
 def test_an_unknown_key_without_a_close_match_lists_each_valid_key_once(tmp_path):
     """`data` is both a setting and the section holding it: listed once."""
     with pytest.raises(ConfigError, match="unknown key 'zzz'; valid keys: ") as error:
@@ -134,13 +177,13 @@ def test_a_home_path_after_a_comma_is_expanded_as_the_shell_expands_the_first(tm
     assert _config(tmp_path, ["--data", "~/one.jsonl,~/two.jsonl"]).data.data == [f"{tmp_path}/one.jsonl", f"{tmp_path}/two.jsonl"]
 
 
-def test_variants_from_toml_are_converted_and_checked_like_flags(tmp_path):
+def test_variants_from_toml_are_typed_and_checked_like_flags(tmp_path):
     text = """
 mode = "variants"
 [[variants]]
 name = "fast"
-lr = "1e-3"
-block_size = "8"
+lr = 1e-3
+block_size = 8
 [[variants]]
 name = "slow"
 gamma = 4
@@ -152,6 +195,7 @@ gamma = 4
     assert (slow_name, slow.optimizer.lr, slow.model.block_size) == ("slow", 6e-4, 16)
     for bad, match in [
         ('lr = "quick"', r"variants\[0\]: lr: cannot read 'quick' as a number"),
+        ('lr = "1e-3"', r"run.toml: variants\[0\]: lr: cannot read '1e-3' as a number"),  # a file's value keeps its type
         ("lr = -1e-3", r"variants\[0\] \(v\): --lr must be > 0"),
         ("block_sise = 8", r"variants\[0\]: unknown key 'block_sise'; did you mean 'block_size'"),
         ("steps = 5", r"variants\[0\]: unknown key 'steps'"),  # shared by construction
