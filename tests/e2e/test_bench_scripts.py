@@ -202,31 +202,24 @@ def test_drafter_step_times_the_recipe_step_of_both_drafters_and_profiles_it(tmp
     assert "drafter-step S dflash2 (8b): " not in stdout and re.search(r"drafter-step S dflash2 \(tiny\): [0-9.]+ ms", stdout)
 
 
-def test_drafter_step_times_handed_over_gradients_and_buffers(tmp_path):
-    """bench/drafter_step.py --gradients both ways at the tiny Qwen3-8B-shaped config A: a row each,
-    each step clipped on a real gradient norm (a zero norm is an update that saw no gradients),
-    and the table names each run's gradients."""
+@pytest.mark.parametrize("flag,values,rows", [
+    ("--gradients", ["handed-over", "buffers"], r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers "),
+    ("--master-weights", ["off", "on"], r"^A +dflash +off +off +handed- +sdpa +off .*\n^A +dflash +off +off +handed- +sdpa +on "),
+])
+def test_drafter_step_times_each_way_of_a_step_option_in_its_own_row(tmp_path, flag, values, rows):
+    """bench/drafter_step.py with both values of --gradients (the backward's own gradient tensors
+    or persistent buffers) or of --master-weights (float32 parameters, or bf16 ones with float32
+    masters) at the tiny Qwen3-8B-shaped config A: a row each, recorded under its value, each
+    step clipped on a real gradient norm (a zero norm is an update that saw no gradients), the
+    table naming each run's value; a value the flag does not know stops it."""
     out = tmp_path / "step.json"
-    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--gradients", "handed-over,buffers",
+    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", flag, ",".join(values),
                       "--compile", "off", "--warmup", "1", "--steps", "2", "--json", str(out)))
     results = json.loads(out.read_text())["results"]
-    assert [r["gradients"] for r in results] == ["handed-over", "buffers"], results
+    assert [r[flag[2:].replace("-", "_")] for r in results] == values, results
     assert all(r["last_grad_norm"] > 0 for r in results), results
-    assert re.search(r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers ", stdout, re.M), stdout
-
-
-def test_drafter_step_times_master_weights_beside_float32_parameters(tmp_path):
-    """bench/drafter_step.py --master-weights off,on at the tiny config A: a row each, both clipped on
-    a real gradient norm, the master-weight run's parameters bf16 (its loss close to the other's
-    after the same two steps), and its summary line says so."""
-    out = tmp_path / "step.json"
-    stdout = ok(bench("drafter_step.py", "--device", "cpu", "--tiny", "--configs", "A", "--master-weights", "off,on",
-                      "--compile", "off", "--warmup", "1", "--steps", "2", "--json", str(out)))
-    results = json.loads(out.read_text())["results"]
-    assert [r["master_weights"] for r in results] == ["off", "on"], results
-    assert all(r["last_grad_norm"] > 0 for r in results), results
-    assert re.search(r"^A +dflash +off +off +handed- +sdpa +on ", stdout, re.M), stdout
-    assert bench("drafter_step.py", "--device", "cpu", "--tiny", "--master-weights", "maybe").returncode == 2
+    assert re.search(rows, stdout, re.M), stdout
+    assert bench("drafter_step.py", "--device", "cpu", "--tiny", flag, "maybe").returncode == 2
 
 
 def test_drafter_step_runs_the_attention_train_runs_and_refuses_flash_without_its_package(tmp_path):

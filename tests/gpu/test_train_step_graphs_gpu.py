@@ -317,6 +317,27 @@ def test_a_target_thread_and_two_drafter_threads_warm_up_in_turn():
             assert g.run(micro).loss == pytest.approx(expected.loss, rel=1e-6)
 
 
+class ReplicaWeights:
+    """A `train` step hook: each replica's flat weights after each step, to compare replicas."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[int, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, worker, step) -> None:
+        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()]).cpu()
+        with self.lock:
+            self.by_step.setdefault(step, {})[worker.replica.rank] = flat
+
+    def dtypes(self) -> set:
+        return {flat.dtype for by_rank in self.by_step.values() for flat in by_rank.values()}
+
+    def assert_identical(self) -> None:
+        assert self.by_step
+        for step, by_rank in self.by_step.items():
+            assert torch.equal(by_rank[0], by_rank[1]), step
+
+
 def _pipeline_config(out, **values):
     defaults = dict(device="cuda", steps=24, num_anchors=32, max_seq_len=256, log_every=4, save_every=24, export_dtype="",
                     seq_buckets=[128, 256])
@@ -328,28 +349,20 @@ def test_the_pipeline_trains_with_graphs_and_reports_gpu_busy(tmp_path):
     every worker's warm-up captured all its graphs (no fallback warning), the replicas stay
     identical, the loss follows the eager run's (bf16), and pipeline.jsonl / summary.json carry
     GPU busy fractions and the start-up times."""
-    fingerprints: dict[int, dict[int, torch.Tensor]] = {}
-    lock = threading.Lock()
-
-    def record(worker, step):
-        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()]).cpu()
-        with lock:
-            fingerprints.setdefault(step, {})[worker.replica.rank] = flat
-
+    fingerprints = ReplicaWeights()
     target = _target(torch.bfloat16)
     samples = pattern_samples(64, min_len=30, max_len=250)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = train(_pipeline_config(tmp_path / "on", cuda_graphs="on", drafter_devices=["cuda:0", "cuda:0"]),
-                        samples=samples, target=target, log=open(os.devnull, "w"), step_hook=record)
+                        samples=samples, target=target, log=open(os.devnull, "w"), step_hook=fingerprints)
     fallbacks = [str(w.message) for w in caught if "CUDA graphs" in str(w.message)]
     assert not fallbacks, fallbacks
     notes = graphed["startup"]["warmup_notes"]
     assert "2/2 feature graphs" in notes["target-0"], notes
     assert all("graphs captured" in notes[name] and "eager" not in notes[name] for name in ("drafter-0", "drafter-1")), notes
     assert graphed["startup"]["warmup_s"] > 0 and graphed["startup"]["time_to_full_speed_s"] is not None
-    for step, by_rank in fingerprints.items():
-        assert torch.equal(by_rank[0], by_rank[1]), step
+    fingerprints.assert_identical()
     eager = train(_pipeline_config(tmp_path / "off", cuda_graphs="off", drafter_devices=["cuda:0", "cuda:0"]),
                   samples=samples, target=target, log=open(os.devnull, "w"))
     on = [json.loads(line)["loss"] for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
@@ -513,14 +526,7 @@ def test_train_with_master_weights_captures_its_graphs_and_follows_float32_param
     the replicas' bf16 weights stay identical step by step (gradients summed in float32); the
     graphed and the eager run's losses follow the float32-parameter run's within the spread the
     graphed test allows; the checkpoint holds float32 masters."""
-    fingerprints: dict[int, dict[int, torch.Tensor]] = {}
-    lock = threading.Lock()
-
-    def record(worker, step):
-        flat = torch.cat([p.detach().flatten() for p in worker.replica.drafter.parameters()]).cpu()
-        with lock:
-            fingerprints.setdefault(step, {})[worker.replica.rank] = flat
-
+    fingerprints = ReplicaWeights()
     target = _target(torch.bfloat16)
     samples = pattern_samples(64, min_len=30, max_len=250)
     losses = {}
@@ -532,16 +538,15 @@ def test_train_with_master_weights_captures_its_graphs_and_follows_float32_param
             summary = train(_pipeline_config(tmp_path / name, drafter_devices=["cuda:0", "cuda:0"],
                                              fail_on_recompile=values["master_weights"] == "on", **values),
                             samples=samples, target=target, log=open(os.devnull, "w"),
-                            step_hook=record if name == "graphed" else None)
+                            step_hook=fingerprints if name == "graphed" else None)
         assert not [str(w.message) for w in caught if "CUDA graphs" in str(w.message)], name
         if name == "graphed":
             notes = summary["startup"]["warmup_notes"]
             assert all("graphs captured" in notes[d] and "eager" not in notes[d] for d in ("drafter-0", "drafter-1")), notes
         metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         losses[name] = [json.loads(line)["loss"] for line in metrics]
-    assert all(flat.dtype == torch.bfloat16 for by_rank in fingerprints.values() for flat in by_rank.values())
-    for step, by_rank in fingerprints.items():
-        assert torch.equal(by_rank[0], by_rank[1]), step
+    assert fingerprints.dtypes() == {torch.bfloat16}
+    fingerprints.assert_identical()
     assert len(losses["graphed"]) == len(losses["eager"]) == len(losses["float32"]) == 24
     for name in ("graphed", "eager"):
         assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(losses[name], losses["float32"])), (name, losses)
