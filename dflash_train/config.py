@@ -565,6 +565,7 @@ class DrafterSpec:
     clip_grad: float | None = None
     seed: int | None = None
     fp8: str | None = None
+    master_weights: str | None = None
 
     @classmethod
     def from_table(cls, table: Any, where: str, *, from_file: bool = False) -> DrafterSpec:
@@ -745,11 +746,13 @@ class TrainConfig(SectionedConfig):
                               "no block fits in a row")
         if self.parallel.master_weights == "on":
             if self.parallel.precision == "fp32":
-                raise ConfigError("--master-weights on keeps bf16 parameters: it needs --precision bf16 or auto, not fp32")
+                raise ConfigError("--master-weights on keeps bf16 parameters: it needs bf16, --precision bf16 (or auto "
+                                  "on CUDA), not fp32")
             if self.optimizer.grad_accum > 1:
                 raise ConfigError(f"--master-weights on: --grad-accum {self.optimizer.grad_accum} would add the "
-                                  "micro-batches' gradients in bf16; use --grad-accum 1 (a larger --batch-size) or "
-                                  "--master-weights off")
+                                  "micro-batches' gradients in bf16; use --grad-accum 1 with a larger --batch-size or "
+                                  "more --drafter-devices (replicas sum in float32; a resume keeps the micro-batches "
+                                  "per step that way), or --master-weights off")
         object.__setattr__(self, "_drafters", self._make_drafters())
 
     def flat_values(self) -> dict[str, Any]:

@@ -407,10 +407,19 @@ def load_drafter(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
     return drafter.to(device)
 
 
+# How an optimizer runs, not what it learned: a loaded state dict must not change them (torch's
+# loading takes every group key from the file, so a checkpoint of a fused CUDA AdamW, or of
+# master weights, would make a CPU AdamW fused).
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def restore_trainer(checkpoint: str | Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
     checkpoint = Path(checkpoint)
     state = _read_trainer_state(checkpoint, read_state(checkpoint))
     if state["optimizer"] is not None:
+        own = [{key: group.get(key) for key in IMPLEMENTATION_KEYS} for group in optimizer.param_groups]
         optimizer.load_state_dict(state["optimizer"])
+        for group, keys in zip(optimizer.param_groups, own):
+            group.update(keys)
     if state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

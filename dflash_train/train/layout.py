@@ -47,7 +47,8 @@ def resolve_layout(config: TrainConfig, launch: Launch | None = None) -> Layout:
                                                    if torch.cuda.get_device_capability(d)[0] < 9]):
         raise ConfigError(f"--attention flash: FlashAttention-4 trains on Hopper or newer GPUs, not "
                           f"{', '.join(before_hopper)}; use --attention flex or auto")
-    if config.parallel.master_weights == "on" and config.parallel.precision == "auto" and on_cpu:
+    master = [config.parallel.master_weights, *(v.master_weights for v in config.parallel.variants)]
+    if "on" in master and config.parallel.precision == "auto" and on_cpu:
         raise ConfigError(f"--master-weights on keeps bf16 parameters, and --precision auto trains in float32 on "
                           f"{', '.join(on_cpu)}; use --precision bf16 or --master-weights off")
     return layout

@@ -180,7 +180,7 @@ def test_training_with_master_weights_checkpoints_the_masters_and_resumes_exactl
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(precision="fp32"), "needs --precision bf16 or auto"),
+    (dict(precision="fp32"), r"needs bf16, --precision bf16 \(or auto on CUDA\), not fp32"),
     (dict(grad_accum=2), "--grad-accum 2 would add"),
     (dict(precision="auto"), "--precision auto trains in float32 on cpu"),
 ])
@@ -198,3 +198,42 @@ def test_the_compiled_master_update_compiles_in_the_warm_up_and_never_after(tmp_
                     samples=pattern_samples(24), target=target, log=log)
     assert re.search(r"drafter-0 .* compiles [1-9][0-9]* \(after warm-up 0\)", log.getvalue()), log.getvalue()[-2000:]
     assert summary["drafters"]["drafter"]["export"]
+
+
+def test_a_resume_switches_master_weights_either_way_and_keeps_its_own_optimizer_kind(tmp_path, target):
+    """A master-weight checkpoint resumes with master weights off and the other way round; the
+    resumed optimizer runs as its own kind would (torch's loading took every group key from the
+    file, so a CPU AdamW resumed from master weights had become a fused one)."""
+    samples = pattern_samples(24)
+    seen = {}
+
+    def optimizer_kind(worker, step):
+        seen[step] = (type(worker.replica.optimizer).__name__, worker.replica.optimizer.param_groups[0].get("fused"))
+
+    for first, then in (("on", "off"), ("off", "on")):
+        out = tmp_path / f"{first}-{then}"
+        train(_config(out, master_weights=first), samples=samples, target=target, log=io.StringIO(), stop_at=10)
+        log = io.StringIO()
+        train(_config(out, master_weights=then, resume=True), samples=samples, target=target, log=log,
+              step_hook=optimizer_kind)
+        assert f"--master-weights {first} -> {then}" in log.getvalue()
+        assert seen[29] == (("AdamW", False) if then == "off" else ("MasterWeightAdamW", True)), seen  # 0-based
+        weights = load_file(str(latest_checkpoint(out) / "drafter.safetensors"))
+        assert {t.dtype for t in weights.values()} == {torch.float32}
+        history = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert len(history) == 30 and history[-1] < history[0] / 1.8, history
+
+
+def test_a_variant_may_train_with_master_weights_beside_one_without(tmp_path, target):
+    """`master_weights` is a variant's own setting: one variant with it, one without, one target
+    stream; each trains, and the master-weight variant's checkpoint holds float32 masters."""
+    variants = [{"name": "masters", "master_weights": "on"}, {"name": "plain"}]
+    train(_config(tmp_path, master_weights="off", mode="variants", variants=variants), samples=pattern_samples(24),
+          target=target, log=io.StringIO())
+    for name in ("masters", "plain"):
+        weights = load_file(str(latest_checkpoint(tmp_path / name) / "drafter.safetensors"))
+        assert {t.dtype for t in weights.values()} == {torch.float32}, name
+        history = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert history[-1] < history[0] / 1.8, (name, history)
+    with pytest.raises(ConfigError, match=r"variants\[0\] \(masters\): --master-weights on: --grad-accum 2"):
+        _config(tmp_path / "refused", master_weights="off", mode="variants", variants=variants, grad_accum=2)
