@@ -197,6 +197,7 @@ def test_the_compiled_master_update_compiles_in_the_warm_up_and_never_after(tmp_
     summary = train(_config(tmp_path, steps=4, save_every=4, compile="on", fail_on_recompile=True),
                     samples=pattern_samples(24), target=target, log=log)
     assert re.search(r"drafter-0 .* compiles [1-9][0-9]* \(after warm-up 0\)", log.getvalue()), log.getvalue()[-2000:]
+    assert "on cpu, attention sdpa, master weights\n" in log.getvalue()  # the start line says it
     assert summary["drafters"]["drafter"]["export"]
 
 
