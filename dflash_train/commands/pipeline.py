@@ -109,7 +109,10 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     train_config = work.train_config()
     check_layer_ids_fit(train_config.model.target_layer_ids, work.target)  # not after minutes of regenerating
     if "train" in stages:
-        resolve_layout(train_config)  # its devices and attention backend (e.g. flash's package), the same way
+        try:  # its devices and attention backend (e.g. flash's package), the same way
+            resolve_layout(train_config)
+        except ConfigError as error:
+            raise ConfigError(f"recipe {recipe.name}: [train] {error}") from None
     if "eval" in stages:
         check_benchmarks(recipe)
     check_decontamination(work, stages)

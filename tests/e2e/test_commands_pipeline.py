@@ -338,16 +338,19 @@ def test_a_done_stage_whose_output_is_gone_runs_again(files, tmp_path, capsys, o
     assert (work / "drafter" / "model.safetensors").read_bytes() == (tmp_path / "moved" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("attention, message", [
-    ("flex", "--attention flex: flex attention has no backward pass on cpu"),
-    pytest.param("flash", "--attention flash: the flash-attn-4 package is not installed",
+@pytest.mark.parametrize("setting, message", [
+    ("attention = 'flex'", "[train] --attention flex: flex attention has no backward pass on cpu"),
+    pytest.param("attention = 'flash'", "[train] --attention flash: the flash-attn-4 package is not installed",
                  marks=pytest.mark.skipif(flash_kernels_missing() is None, reason="flash-attn-4 is installed here")),
+    ("master_weights = 'on'", "[train] --master-weights on keeps bf16 parameters, and --precision auto trains in "
+                              "float32 on cpu"),
 ])
-def test_a_train_stage_that_cannot_run_here_stops_the_pipeline_at_its_start(files, tmp_path, capsys, attention, message):
-    """A recipe's attention backend the train stage could not run (flex on the CPU, flash without
-    its package) is refused before the prompts stage, not after minutes of regenerating."""
+def test_a_train_stage_that_cannot_run_here_stops_the_pipeline_at_its_start(files, tmp_path, capsys, setting, message):
+    """A recipe's train setting the train stage could not run here (flex on the CPU, flash without
+    its package, master weights where the drafter trains in float32) is refused before the prompts
+    stage, not after minutes of regenerating, naming the recipe's section."""
     recipe = tmp_path / "own.toml"
-    recipe.write_text(files["recipe"].read_text().replace("[train]\n", f"[train]\nattention = '{attention}'\n"))
+    recipe.write_text(files["recipe"].read_text().replace("[train]\n", f"[train]\n{setting}\n"))
     work = tmp_path / "work"
     assert main(args(files, work, recipe=recipe)) == 2
     err = capsys.readouterr().err
