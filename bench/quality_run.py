@@ -765,7 +765,7 @@ def stage_curve(call: Call) -> str:
 
 def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
     """`train` variants: the recipe unchanged ("base"), then one per KEY=VALUE, named KEY-VALUE."""
-    from dflash_train.config import DrafterSpec, convert_values
+    from dflash_train.config import DrafterSpec
 
     allowed = DrafterSpec.settings()
     variants: list[dict[str, Any]] = [{"name": "base"}]
@@ -776,7 +776,8 @@ def recipe_variants(items: list[str]) -> list[dict[str, Any]]:
             raise ConfigError(f"--recipe-variants {item!r}: write KEY=VALUE, e.g. loss=dpace")
         if key not in allowed:
             raise ConfigError(f"--recipe-variants {item!r}: {key!r} is not a variant key; use one of {', '.join(allowed)}")
-        value = convert_values(TrainConfig, {key: text.strip()}, f"--recipe-variants {item!r}")[key]  # the field's type
+        # Converted as a flag's string is (a file's value must already have the field's type).
+        value = DrafterSpec.from_table({key: text.strip()}, f"--recipe-variants {item!r}").overrides()[key]
         name = f"{key}-{text.strip()}"
         if any(v["name"] == name for v in variants):
             raise ConfigError(f"--recipe-variants {item!r}: named twice")
