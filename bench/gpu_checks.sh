@@ -176,6 +176,9 @@ for name in "${stages[@]}"; do
             # [self_prompts] counts (give such a run its own WORK). STAGES= runs only those stages (`pipeline
             # --stages`), so a call can end at a stage's end and the next start the next.
             EDITS=(-e "s|^source = \"default\".*|source = \"$PROMPTS\"|")
+            # MASTER=on trains with --master-weights on (its acceptance cost: compare tau with a run without it);
+            # before ARCH's edit, which changes the [train] line this one finds.
+            [ -n "${MASTER:-}" ] && EDITS+=(-e "/^\[train\]\$/a master_weights = \"$MASTER\"")
             [ -n "${ARCH:-}" ] && EDITS+=(-e "/^arch = /d" -e "s|^\[train\]\$|[train]\narch = \"$ARCH\"|")
             [ -n "${BUCKETS:-}" ] && EDITS+=(-e "s|^seq_buckets = .*|seq_buckets = [$BUCKETS]|")
             [ -n "${STEPS:-}" ] && EDITS+=(-e "s|^steps = .*|steps = $STEPS|")
