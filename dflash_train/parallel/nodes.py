@@ -26,6 +26,7 @@ from .launch import Launch
 HEARTBEAT_SECONDS = 1.0  # how often each rank bumps its heartbeat counter in the store
 POLL_SECONDS = 0.05  # store polling while waiting for a rank (only on slow paths)
 NAMING_SECONDS = 3.0  # after a failed collective: how long a silent heartbeat takes to name its rank
+LINGER_SECONDS = 3 * HEARTBEAT_SECONDS  # after an error, how long the store's host waits for the others to read why
 JOIN_SECONDS = 600.0  # how long a rank waits for the rendezvous store to accept it
 
 
@@ -192,6 +193,8 @@ class NodeGroup:
             self._wait_for_release()
         if dist.is_initialized():
             self._destroy_groups(clean=error is None and not self.broken)
+        if error is not None and self.hosts_store:
+            self._linger_for_readers()
         if released and not self.hosts_store:
             with contextlib.suppress(Exception):  # its last use of the store (heartbeat still ticking): the host may leave
                 self.store.set(f"released/{self.rank}", "1")
@@ -213,6 +216,18 @@ class NodeGroup:
             dist.destroy_process_group()
         elif self.control is not None:
             dist.destroy_process_group(self.control)
+
+    def _linger_for_readers(self) -> None:
+        """After an error, the store's host stays until every other rank has left too (each writes
+        why), at most LINGER_SECONDS: a rank waiting on it then reads the reason it wrote, where
+        the store gone with it would only say that its node is down."""
+        deadline = time.monotonic() + LINGER_SECONDS
+        waiting = set(range(self.world_size)) - {self.rank}
+        with contextlib.suppress(Exception):
+            while waiting and time.monotonic() < deadline:
+                waiting = {r for r in waiting if not self.store.check([f"gone/{r}"])}
+                if waiting:
+                    time.sleep(POLL_SECONDS)
 
     def _wait_for_release(self) -> None:
         """The store's host leaves last: a finished rank may still be reading the store (its own

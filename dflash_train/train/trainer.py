@@ -88,6 +88,9 @@ def train(
             if not out.exists():  # a run that fails before writing anything leaves no empty folder behind
                 owned.callback(remove_if_empty, out)
             prepare_run_folder(config, plans)
+        # The others load nothing until rank 0 has checked the run folder: a refusal there (another
+        # run's folder, your files) reaches every node at once, not after minutes of loading.
+        nodes.wait_for("the run folder", [0], "waiting for rank 0 to check the run folder")
         supply = load_feature_supply(config, layout, target, log)
         rendering = None
         if samples is None:

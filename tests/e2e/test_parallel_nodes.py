@@ -549,6 +549,27 @@ def test_ranks_with_other_settings_or_another_target_stop_at_start(tmp_path):
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
+def test_a_run_folder_rank_0_refuses_stops_every_rank_at_once_with_its_reason(tmp_path):
+    """Only rank 0 checks (and owns) the run folder. A folder it refuses (here it holds your
+    notes and no run) stops it with one line, exit 2, and every other rank with one line giving
+    rank 0's reason, exit 1, before it loads anything (before: the others loaded their target
+    and data, then said only that the node hosting the store was down)."""
+    target, data = _cli_target_and_data(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    outcomes = launch_by_environment(tmp_path, [_train_args(target, data, out), _train_args(target, data, out)])
+    zero, one = outcomes
+    assert zero["code"] == 2 and len(zero["err"].strip().splitlines()) == 1, zero
+    reason = zero["err"].strip().removeprefix("dflash-train train: ")
+    assert reason.startswith("--out ") and "holds no training run (notes.txt)" in reason, zero["err"]
+    lines = one["err"].strip().splitlines()
+    assert one["code"] == 1 and len(lines) == 1, one
+    assert "waiting for rank 0 to check the run folder: rank 0: it left with ConfigError" in lines[0], lines[0]
+    assert reason[:60] in lines[0], (reason, lines[0])
+    assert (out / "notes.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 LEAVE_AFTER = """
 import os, sys
 import torch.distributed as dist
