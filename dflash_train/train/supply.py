@@ -121,14 +121,11 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
     """The target and the data files a run reads, checked before anything loads or is written
     (a target that takes minutes to load is not loaded for a --data path with a typo)."""
     from ..data.readers import CONVERSATION_FORMATS, check_readable
-    from ..target.model import check_layer_ids_fit, check_target_path
+    from ..target.model import check_target_path
 
     if not target_given:
         if config.model.target:
             check_target_path(config.model.target, "--target")
-            chosen = [config.model.target_layer_ids, *(v.target_layer_ids or [] for v in config.parallel.variants)]
-            for layer_ids in chosen:
-                check_layer_ids_fit(layer_ids, config.model.target)
             check_drafter_fits(config, config.model.target)
         elif not config.data.features:
             raise ConfigError("no target: pass --target DIR (a Hugging Face folder or a .gguf file), or --features CACHE")
@@ -160,14 +157,18 @@ def check_inputs(config: TrainConfig, *, samples_given: bool, target_given: bool
 
 
 def check_drafter_fits(config: TrainConfig, target: str) -> None:
-    """Each drafter's mask token id and DFlash2 sizes against the vocabulary and hidden size the
-    target declares (config.json or the GGUF header), before it loads: the drafter's own checks
-    would find them only once it is built on the loaded target."""
+    """Each drafter's target layer ids, mask token id and DFlash2 sizes against the depth,
+    vocabulary and hidden size the target declares (config.json or the GGUF header), before it
+    loads: the drafter's own checks would find them only once it is built on the loaded target."""
     from ..core.dflash2 import check_dflash2_dims
-    from ..target.model import declared_config, positive_size
+    from ..target.model import check_target_layer_ids, declared_config, positive_size
 
     declared = declared_config(target)  # read once: a .gguf's header is parsed whole
     vocab, hidden = positive_size(declared, "vocab_size"), positive_size(declared, "hidden_size")
+    layers = positive_size(declared, "num_hidden_layers")
+    for layer_ids in [config.model.target_layer_ids, *(d.model.target_layer_ids for _, d in config.variant_configs())]:
+        if layers and layer_ids:
+            check_target_layer_ids(list(layer_ids), layers)
     for name, drafter in config.variant_configs() or [("", config)]:
         where, model = f"{name}: " if name else "", drafter.model
         if vocab and model.mask_token_id is not None and model.mask_token_id >= vocab:
