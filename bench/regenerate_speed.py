@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (counted)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="timed seconds per case (after its warm-up)")
     parser.add_argument("--read-every", type=int, default=4, help="ours: decode steps between reads of the finished flags")
-    parser.add_argument("--attention", default="auto", help="ours: comma-separated cache attentions to time (auto, sdpa, matmul)")
+    parser.add_argument("--attention", default="auto", help="ours: comma-separated cache attentions to time (auto, sdpa, matmul, rows)")
     parser.add_argument("--admit-fraction", type=int, default=16, help="ours: refill once 1/N of the slots are free")
     parser.add_argument("--profile-s", type=float, default=0.0, help="ours: also profile this many seconds (CUDA), table next to --json")
     parser.add_argument("--device", default="cuda")

@@ -18,9 +18,10 @@ and at most a quarter of the slots are busy: then the last rows are moved into t
 and the steps run over fewer rows (a power of two, at least MIN_ROWS). Each shape's step is
 captured in a CUDA graph (`capture.CapturedStep`; never on CPU): the all-slots steps of every span before the first
 prompt starts, the tail's when first needed; the graphs of one cache share a memory pool. The
-attention over the cache is SDPA or two batched matrix products (`target.static_cache.ATTENTION`,
-the same result to rounding); with `attention="auto"` both all-slots, full-span steps are captured
-and timed once, and the faster one is used for every step of that cache. Nothing inside a step
+attention over the cache is SDPA, two batched matrix products, or (CUDA) a Triton kernel that
+reads each row only up to its own position (`target.static_cache.cache_attentions`, the same
+result to rounding); with `attention="auto"` the all-slots, full-span step of each is captured and
+timed once, and the fastest is used for every step of that cache. Nothing inside a step
 waits for the host: a row that stops keeps its slot, frozen, until the host reads the finished
 flags, which it does every `read_every` steps with a small non-blocking copy and acts on one
 round later, so the GPU runs the next steps meanwhile. Greedy takes the argmax; sampling draws on
@@ -61,7 +62,7 @@ from ..decode.recurrent import select_rows
 from ..decode.sampling import choose_tokens
 from ..target.model import Target, cache_argument
 from ..target.probe import static_unsupported
-from ..target.static_cache import ATTENTION, CAPACITY_STEP, StaticTarget, cache_capacity
+from ..target.static_cache import ATTENTION, CAPACITY_STEP, StaticTarget, cache_attentions, cache_capacity, check_cache_attention
 from .regenerate import SETUP_FAILURES, Answer, GenerationSettings, Job
 
 ATTENTION_STEP = 256  # attention spans (one captured step each) are multiples of this many positions
@@ -174,14 +175,15 @@ class BatchState:
 
     def __init__(self, target: Target, slots: int, capacity: int, settings: GenerationSettings, stop_ids: Sequence[int],
                  *, graphs: bool = True, attention: str = "auto", bucket_prefills: bool | None = None):
-        if attention != "auto" and attention not in ATTENTION:
-            raise ValueError(f"attention must be auto or one of {', '.join(ATTENTION)}, not {attention!r}")
+        if attention != "auto":
+            check_cache_attention(attention, target.device)
         self.device, self.slots, self.capacity, self.settings = target.device, slots, capacity, settings
         self.max_new = settings.max_new_tokens
         self.graphs = graphs
         # auto: SDPA until capture_steps has timed both on this device (eager steps: SDPA).
         self.attention = "sdpa" if attention == "auto" else attention
         self.attention_ms: dict[str, float] = {}  # what the choice measured (ms per replayed step)
+        self.attention_failed: dict[str, str] = {}  # the row kernel, where it did not build or run here
         self.choose_attention = attention == "auto"
         self.pool = GraphPool() if self.device.type == "cuda" and graphs else None
         # Captured prefills (CUDA graphs; on request elsewhere, for tests): one graph per (rows,
@@ -294,19 +296,33 @@ class BatchState:
         return chosen + len(new)
 
     def _choose_attention(self) -> int:
-        """Capture the all-slots, full-span step with each cache attention, keep the one that
-        replays faster (timed with CUDA events) for every later capture; returns the captures made."""
+        """Capture the all-slots, full-span step with each cache attention this device runs, keep
+        the one that replays faster (timed with CUDA events) for every later capture; returns the
+        captures made. The slots' positions are spread evenly over the capacity meanwhile, as rows
+        at every point of their answers are in steady state: SDPA and the matmuls read the whole
+        span whatever they are, the row kernel each row up to its own position."""
         self.choose_attention = False
         candidates = {}
-        for name, attend in ATTENTION.items():
-            self.model.attend_cache = attend
-            step = self._captured(self.capacity, self.slots)
-            for _ in range(4):  # the capture, then warm replays
-                step()
-            candidates[name] = step
-            self.attention_ms[name] = round(step.milliseconds_per_call(10), 3)
+        idle_positions = self.positions.clone()
+        self.positions.copy_(torch.arange(self.slots, device=self.device) * self.capacity // self.slots)
+        try:
+            for name in cache_attentions(self.device):
+                self.model.use_attention(name)
+                step = self._captured(self.capacity, self.slots)
+                try:
+                    for _ in range(4):  # the capture, then warm replays
+                        step()
+                except Exception as error:  # noqa: BLE001 - only the Triton kernel may fail to build here
+                    if name in ATTENTION:
+                        raise
+                    self.attention_failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+                    continue
+                candidates[name] = step
+                self.attention_ms[name] = round(step.milliseconds_per_call(10), 3)
+        finally:
+            self.positions.copy_(idle_positions)
         self.attention = min(self.attention_ms, key=self.attention_ms.get)
-        self.model.attend_cache = ATTENTION[self.attention]
+        self.model.use_attention(self.attention)
         self.steps[(self.slots, self.capacity)] = candidates[self.attention]
         return len(candidates)
 
@@ -423,6 +439,8 @@ class StaticBatchEngine:
                  memory_budget: int | None = None, overlap: bool | None = None, log: TextIO | None = None):
         if slots < 1 or read_every < 1 or admit_fraction < 1:
             raise ValueError("slots, read_every and admit_fraction must be at least 1")
+        if attention != "auto":
+            check_cache_attention(attention, target.device)
         self.target, self.settings, self.stop_ids = target, settings, list(stop_ids)
         self.slots, self.read_every, self.prefill_tokens, self.graphs = slots, read_every, prefill_tokens, graphs
         self.admit_fraction, self.attention, self.bucket_prefills = admit_fraction, attention, bucket_prefills
@@ -546,7 +564,8 @@ class StaticBatchEngine:
         if captured:
             seconds = time.perf_counter() - started
             self.stats.capture_s += seconds
-            timed = ", ".join(f"{name} {ms:.2f} ms" for name, ms in state.attention_ms.items())
+            timed = ", ".join([f"{name} {ms:.2f} ms" for name, ms in state.attention_ms.items()]
+                              + [f"{name} failed ({why})" for name, why in state.attention_failed.items()])
             chose = f"; attention over the cache: {state.attention} ({timed} per step)" if timed else ""
             print(f"captured {captured} decode steps (rows x attention span) for {slots} slots of {capacity} positions "
                   f"in {seconds:.1f}s{chose}", file=self.log, flush=True)

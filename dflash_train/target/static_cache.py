@@ -3,8 +3,9 @@ decoder (decode/static.py) and the batched generator (generate/engine.py).
 
 It is `target.walk.LayerWalk` with each layer's attention over the caches: the model's own
 submodules run (norms, projections, MLP, rotary embedding), so bias terms, q/k norms and scaled
-RoPE variants are the model's; only the attention over the cache is ours (`ATTENTION`: SDPA or
-two batched matrix products), and the layer norms where their class computes
+RoPE variants are the model's; only the attention over the cache is ours (`ATTENTION`: SDPA,
+two batched matrix products, or on CUDA a Triton kernel that reads each row only up to its own
+position, `row_attention_kernel`), and the layer norms where their class computes
 `weight · rms_norm(x)` (`fused_norm`). A hybrid's linear-attention (Gated DeltaNet) layers run
 over per-row convolution and recurrent states (`target.linear_attention.LinearStates`); its full
 attention layers may gate their output (Qwen3.5, Qwen3-Next: a query projection of twice the
@@ -22,6 +23,8 @@ from torch import nn
 
 from .linear_attention import LinearStates, attention_layers, linear_attention_module, linear_attention_modules
 from .model import Target, apply_rope
+from .row_attention_kernel import attend_cache_rows
+from .row_attention_kernel import available as row_attention_available
 from .walk import LayerWalk
 
 CAPACITY_STEP = 512  # caches are sized in multiples of this, so most prompts share captured graphs
@@ -78,7 +81,25 @@ def matmul_attention(
     return out.reshape(batch, heads, length, d).transpose(1, 2).reshape(batch, length, heads * d)
 
 
-ATTENTION = {"sdpa": grouped_attention, "matmul": matmul_attention}  # how StaticTarget attends over its cache
+# How StaticTarget attends over its cache: these two read which keys a query sees from
+# `attention_bias`; "rows" (`row_attention_kernel.attend_cache_rows`, where it is `available`)
+# from each row's positions, reading a row only up to its own last one.
+ATTENTION = {"sdpa": grouped_attention, "matmul": matmul_attention}
+CACHE_ATTENTIONS = (*ATTENTION, "rows")
+
+
+def cache_attentions(device: torch.device) -> list[str]:
+    """The cache attentions that run on `device`."""
+    return [name for name in CACHE_ATTENTIONS if name in ATTENTION or row_attention_available(device)]
+
+
+def check_cache_attention(name: str, device: torch.device) -> None:
+    """Raise ValueError unless `name` is a cache attention that runs on `device`."""
+    if name not in CACHE_ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(CACHE_ATTENTIONS)}, not {name!r}")
+    if name not in cache_attentions(device):
+        raise ValueError(f"attention {name!r} needs a CUDA device with Triton; {device} has "
+                         f"{', '.join(cache_attentions(device))}")
 
 
 def _norm_epsilon(module: nn.Module) -> float | None:
@@ -156,9 +177,6 @@ class StaticTarget:
 
     def __init__(self, target: Target, capacity: int, layer_ids: list[int] | None = None, batch: int = 1,
                  attention: str = "sdpa", pending_tokens: int = 0):
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
-        self.attend_cache = ATTENTION[attention]
         self.model, self.layers = target.model, target.layers
         self.input_norms = [fused_norm(layer.input_layernorm) for layer in self.layers]
         self.post_attention_norms = [fused_norm(layer.post_attention_layernorm) for layer in self.layers]
@@ -177,12 +195,18 @@ class StaticTarget:
         self.groups = attn.q_proj.out_features // (2 if self.gated else 1) // self.head_dim // kv_heads
         weight = target.embed_weight
         self.device, self.capacity, self.batch, self.dtype = weight.device, capacity, batch, weight.dtype
+        self.use_attention(attention)
         shape = (len(attention_layers), batch, kv_heads, capacity, self.head_dim)
         self.keys = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=weight.dtype, device=self.device)
         self.key_positions = torch.arange(capacity, device=self.device)
         linear = [mixer for mixer in mixers if mixer is not None]
         self.linear = LinearStates(linear, batch, weight.dtype, self.device, pending_tokens) if linear else None
+
+    def use_attention(self, name: str) -> None:
+        """Attend over the cache with `name` (one of `cache_attentions(device)`) from the next forward on."""
+        check_cache_attention(name, self.device)
+        self.attention = name
 
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """The linear-attention states a step reads and overwrites (none for a dense target): a
@@ -227,8 +251,10 @@ class StaticTarget:
         span = attend or self.capacity
         positions = start.reshape(-1, 1) + torch.arange(ids.shape[1], device=self.device)  # [b or 1, q]
         positions = positions.expand(ids.shape[0], -1)
-        visible = self.key_positions[:span] <= positions[:, :, None]  # causal, over the cache
-        bias = attention_bias(visible, self.groups, self.dtype)
+        bias = None
+        if self.attention in ATTENTION:
+            visible = self.key_positions[:span] <= positions[:, :, None]  # causal, over the cache
+            bias = attention_bias(visible, self.groups, self.dtype)
         index = positions[:, None, :, None].expand(-1, self.keys.shape[2], -1, self.head_dim)
 
         rows = ids.shape[0]  # the first `rows` cache rows
@@ -238,7 +264,10 @@ class StaticTarget:
             keys, values = self.keys[slot][:rows], self.values[slot][:rows]
             keys.scatter_(2, index, key)
             values.scatter_(2, index, value)
-            return self.attend_cache(query, keys[:, :, :span], values[:, :, :span], bias, scale)
+            keys, values = keys[:, :, :span], values[:, :, :span]
+            if bias is None:
+                return attend_cache_rows(query, keys, values, positions, scale)
+            return ATTENTION[self.attention](query, keys, values, bias, scale)
 
         def recurrent(layer: int, x: torch.Tensor) -> torch.Tensor:
             return self.linear.run(self.linear_slot[layer], x, fresh=fresh, lengths=lengths, pending=pending)

@@ -18,7 +18,7 @@ from tiny import tiny_target
 from dflash_train.data.readers import Prompt
 from dflash_train.generate.engine import ATTENTION_STEP, BatchState, EagerBatchEngine, Generated, StaticBatchEngine
 from dflash_train.generate.regenerate import GenerationSettings, Job
-from dflash_train.target.static_cache import StaticTarget
+from dflash_train.target.static_cache import StaticTarget, cache_attentions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,6 +110,17 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
         assert engine.state.model.keys.shape[1] == 4  # the scratch row
     else:
         assert not engine.state.prefills and engine.state.model.keys.shape[1] == 3
+
+
+def test_the_row_kernel_is_offered_only_where_it_runs():
+    """The Triton row kernel runs on CUDA only: on the CPU `auto` never times it and asking for it
+    is refused when the engine is made, naming what the device has."""
+    target = tiny_target("llama")
+    assert cache_attentions(torch.device("cpu")) == ["sdpa", "matmul"]
+    with pytest.raises(ValueError, match=r"attention 'rows' needs a CUDA device with Triton; cpu has sdpa, matmul"):
+        StaticBatchEngine(target, GenerationSettings(max_new_tokens=4), [95], slots=2, attention="rows")
+    with pytest.raises(ValueError, match=r"attention must be one of sdpa, matmul, rows, not 'flash'"):
+        StaticBatchEngine(target, GenerationSettings(max_new_tokens=4), [95], slots=2, attention="flash")
 
 
 def test_every_prefill_bucket_a_run_needs_is_made_before_rows_decode(monkeypatch):
@@ -338,7 +349,7 @@ def test_rows_the_engine_cannot_start_fail_alone():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "auto"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "rows", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype, attention):
     target = tiny_target("qwen3", head_scale=8)
@@ -355,8 +366,9 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype, a
         shapes = 3 if dtype == torch.float32 else 2
         assert all(step.graph is not None for step in graphed.state.steps.values()) and len(graphed.state.steps) >= shapes
         assert graphed.state.prefills and all(p.step.graph is not None for p in graphed.state.prefills.values())
-        if attention == "auto":  # both timed once, the faster one kept
-            assert set(graphed.state.attention_ms) == {"sdpa", "matmul"} and graphed.state.attention in ("sdpa", "matmul")
+        if attention == "auto":  # each timed once, the fastest kept
+            assert set(graphed.state.attention_ms) == {"sdpa", "matmul", "rows"}
+            assert graphed.state.attention == min(graphed.state.attention_ms, key=graphed.state.attention_ms.get)
         # The eager engine pads its prefills as the graphed one does (the same GEMM shapes).
         eager = by_id(StaticBatchEngine(target, settings, [stop], slots=16, graphs=False, attention=graphed.state.attention,
                                         bucket_prefills=True).generated(jobs))
@@ -365,6 +377,30 @@ def test_graphed_generator_gives_the_eager_generators_tokens_on_the_gpu(dtype, a
             assert got == {f"row{i}": hf_generate(target, p, max_new, stop) for i, p in enumerate(prompts)}
         # Again on the same engine: the captured graphs are replayed from a fresh set of slots.
         assert by_id(graphed.generated(jobs[::-1])) == got
+
+
+@pytest.mark.gpu
+def test_auto_leaves_out_a_row_kernel_that_fails_to_run(monkeypatch):
+    """Should the Triton kernel not build on some card, `auto` times the other two and says why."""
+    from dflash_train.target import static_cache
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this card\nsecond line")
+
+    monkeypatch.setattr(static_cache, "attend_cache_rows", broken)
+    target = tiny_target("llama", head_scale=8)
+    target.model.to("cuda")
+    settings = GenerationSettings(max_new_tokens=8)
+    jobs = make_jobs(varied_prompts(6, seed=2))
+    log = io.StringIO()
+    engine = StaticBatchEngine(target, settings, [95], slots=4, log=log)
+    got = by_id(engine.generated(jobs))
+    assert set(engine.state.attention_ms) == {"sdpa", "matmul"} and engine.state.attention in ("sdpa", "matmul")
+    assert engine.state.attention_failed == {"rows": "RuntimeError: no kernel for this card"}
+    assert "rows failed (RuntimeError: no kernel for this card)" in log.getvalue()
+    eager = StaticBatchEngine(target, settings, [95], slots=4, graphs=False, attention=engine.state.attention,
+                              bucket_prefills=True)
+    assert got == by_id(eager.generated(jobs))
 
 
 @pytest.mark.gpu
