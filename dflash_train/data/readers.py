@@ -38,7 +38,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from ..config import UserError
 from ..errors import named_by_flag
@@ -223,10 +223,18 @@ def check_readable(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS, 
     return suffix
 
 
-def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> Iterator[tuple[str, Any]]:
+class UnparsedLine(NamedTuple):
+    """A JSON line read but not parsed yet (`iter_rows(parse_lines=False)`): whoever takes it,
+    a worker process say, parses it with `conversation_of`."""
+
+    text: str
+
+
+def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS, *,
+              parse_lines: bool = True) -> Iterator[tuple[str, Any]]:
     """Yield `(location, row)` for every row of a file; a row that cannot be parsed is yielded as a DataError.
 
-    Text files yield `{"prompt": line}` rows.
+    Text files yield `{"prompt": line}` rows; JSON lines come as `UnparsedLine`s unless `parse_lines`.
     """
     path = Path(path)
     suffix = check_readable(path, formats)
@@ -237,11 +245,11 @@ def iter_rows(path: str | Path, formats: tuple[str, ...] = PROMPT_FORMATS) -> It
         import zlib
 
         try:
-            yield from _text_rows(path, suffix)
+            yield from _text_rows(path, suffix, parse_lines)
         except (OSError, EOFError, zlib.error) as error:  # not gzip, or truncated
             raise _unreadable(path, "gzip", error) from None
         return
-    yield from _text_rows(path, suffix)
+    yield from _text_rows(path, suffix, parse_lines)
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -276,7 +284,7 @@ def _parquet_row(batch: Any, index: int, where: str) -> Any:
         return DataError(where, "row", f"invalid text: {error.reason}", reason="invalid UTF-8 or lone surrogate")
 
 
-def _text_rows(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
+def _text_rows(path: Path, suffix: str, parse_lines: bool = True) -> Iterator[tuple[str, Any]]:
     with _open_text(path) as handle:
         if suffix in (".json", ".json.gz"):
             try:
@@ -295,10 +303,15 @@ def _text_rows(path: Path, suffix: str) -> Iterator[tuple[str, Any]]:
             if suffix in (".txt", ".txt.gz"):
                 yield where, {"prompt": line.rstrip("\r\n")}
                 continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield where, DataError(where, "", f"invalid JSON: {error.msg} (column {error.colno})", reason="invalid JSON")
+            yield where, _parsed_line(line, where) if parse_lines else UnparsedLine(line)
+
+
+def _parsed_line(line: str, where: str) -> Any:
+    """A JSON line's row, or the DataError that says why it has none."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        return DataError(where, "", f"invalid JSON: {error.msg} (column {error.colno})", reason="invalid JSON")
 
 
 def _text(value: Any, where: str, what: str) -> str:
@@ -366,7 +379,10 @@ def _answer_token_ids(row: dict, where: str) -> tuple[array | None, str | None]:
     fingerprint = row.get("tokenizer_fingerprint")
     if ids is None:
         return None, None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
+    # Checked at C speed (a regenerated file holds ~150 ids a row: a per-id Python test was most
+    # of reading it): only ints (JSON's true/false arrive as bools, a type of their own here), in
+    # [0, 2**31). The slow search for the culprit runs only for a bad row.
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int} or (ids and not (min(ids) >= 0 and max(ids) < 2**31)):
         bad = next((i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31)), ids) \
             if isinstance(ids, list) else ids
         raise DataError(where, "answer_token_ids", f"expected an array of token ids (integers >= 0), got {bad!r}"[:160],
@@ -411,6 +427,24 @@ def _read(path: str | Path, parse: Any, formats: tuple[str, ...], stats: RowStat
             if strict:
                 raise
             stats.skip(error.reason, str(error))
+
+
+def conversation_rows(path: str | Path, stats: RowStats) -> Iterator[tuple[str, Any]]:
+    """`(location, row)` of every row of a conversation file, counted in `stats.read`, each still
+    to be made a Conversation by `conversation_of` (which may run in another process: JSON lines
+    come unparsed, parsing is most of reading a file of generated answers)."""
+    for where, row in iter_rows(path, CONVERSATION_FORMATS, parse_lines=False):
+        stats.count_read()
+        yield where, row
+
+
+def conversation_of(row: Any, where: str, path: str | Path) -> Conversation:
+    """The Conversation of a row `conversation_rows` gave; raises the DataError of a bad one."""
+    if isinstance(row, UnparsedLine):
+        row = _parsed_line(row.text, where)
+    if isinstance(row, DataError):
+        raise row
+    return parse_conversation(row, where, Path(path))
 
 
 def read_conversations(path: str | Path, stats: RowStats | None = None, *, strict: bool = False) -> Iterator[Conversation]:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence,
 from ..config import TOKEN_IDS
 from ..processes import WorkerError, default_workers, map_in_processes
 from ..progress import Progress
-from .readers import FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, RowStats, read_conversations
+from .readers import (FROM_TOKEN_IDS, MAX_CHARS_PER_TOKEN, WITHOUT_TOKEN_IDS, Conversation, DataError, RowStats,
+                      conversation_of, conversation_rows)
 from .render import RenderError, render_conversation, tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -94,10 +95,10 @@ def load_training_samples(
         progress.total = len(rows)
         outcomes: Iterable[Outcome] | None = None
         if workers > 1 and len(rows) >= parallel_min_rows:
-            outcomes = _render_in_workers(tokenizer, rows, rule, workers, progress)
+            outcomes = _render_in_workers(tokenizer, str(path), rows, rule, workers, progress)
         if outcomes is None:
-            outcomes = _render_here(tokenizer, rows, rule, progress)  # one row at a time
-        for (sample_id, conversation), outcome in zip(rows, outcomes):
+            outcomes = _render_here(tokenizer, str(path), rows, rule, progress)  # one row at a time
+        for (sample_id, where, _), outcome in zip(rows, outcomes):
             if isinstance(outcome, Skipped):
                 stats.skip(outcome.reason, outcome.example)
             else:
@@ -110,7 +111,7 @@ def load_training_samples(
                         # the tensors keep the compact buffers (a valid anchor means >= 2 tokens)
                         input_ids=torch.frombuffer(input_ids, dtype=torch.long),
                         loss_mask=torch.frombuffer(loss_mask, dtype=torch.bool),
-                        source=conversation.source,
+                        source=where,
                     )
                 )
         if time.monotonic() - progress.started > _QUIET_SECONDS:
@@ -140,7 +141,19 @@ class _RenderRule:
     enable_thinking: bool | None
     fingerprint: str | None  # the tokenizer's, whose answer ids are used; None: ids are ignored
 
-    def render(self, tokenizer: Any, conversation: Conversation) -> Outcome:
+    def render(self, tokenizer: Any, path: str, row: tuple[str, Any]) -> Outcome:
+        """The outcome of one row `conversation_rows` read from `path` (parsed here: in a worker
+        process, the parsing is spread over the workers too)."""
+        where, content = row
+        if isinstance(content, Skipped):  # a row the reader could not parse at all (a bad Parquet cell)
+            return content
+        try:
+            conversation = conversation_of(content, where, path)
+        except DataError as error:
+            return Skipped(error.reason, str(error))
+        return self._render_conversation(tokenizer, conversation)
+
+    def _render_conversation(self, tokenizer: Any, conversation: Conversation) -> Outcome:
         answer_ids, answer = None, WITHOUT_TOKEN_IDS
         if conversation.answer_ids is not None:
             if self.fingerprint is None:
@@ -173,27 +186,36 @@ class _RenderRule:
         return array("q", rendered.input_ids), bytearray(rendered.loss_mask), truncated, answer
 
 
-def _read_rows(path: str | Path, stats: RowStats) -> list[tuple[int, Conversation]]:
-    """(sample_id, conversation) of every valid row of `path`; the reader counts the bad ones."""
+# A row as read: (sample_id, location, the row unparsed or as a reader gave it).
+ReadRow = tuple[int, str, Any]
+
+
+def _read_rows(path: str | Path, stats: RowStats) -> list[ReadRow]:
+    """Every row of `path` as read (counted in `stats.read`), to be parsed where it is rendered;
+    one the reader already found bad (`DataError`) stands as its Skipped outcome."""
     rows = []
-    for conversation in read_conversations(path, stats):
-        rows.append((stats.read - 1, conversation))  # the reader has counted this row
+    for where, row in conversation_rows(path, stats):
+        if isinstance(row, DataError):
+            row = Skipped(row.reason, str(row))
+        rows.append((stats.read - 1, where, row))  # the reader has counted this row
     return rows
 
 
-def _render_here(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule,
+def _render_here(tokenizer: Any, path: str, rows: list[ReadRow], rule: _RenderRule,
                  progress: Progress) -> Iterator[Outcome]:
-    for _, conversation in rows:
-        yield rule.render(tokenizer, conversation)
+    for _, where, row in rows:
+        yield rule.render(tokenizer, path, (where, row))
         progress.update()
 
 
-def _render_in_workers(tokenizer: Any, rows: list[tuple[int, Conversation]], rule: _RenderRule, workers: int,
+def _render_in_workers(tokenizer: Any, path: str, rows: list[ReadRow], rule: _RenderRule, workers: int,
                        progress: Progress) -> list[Outcome] | None:
-    """Outcomes of `rows` in order, rendered by worker processes; None (with a warning) if they failed."""
+    """Outcomes of `rows` in order, parsed and rendered by worker processes; None (with a
+    warning) if they failed."""
     progress.print(f"rendering {len(rows)} rows in {workers} worker processes")
     try:
-        outcomes = map_in_processes(rule.render, [conversation for _, conversation in rows], workers, fixed=(tokenizer,))
+        outcomes = map_in_processes(rule.render, [(where, row) for _, where, row in rows], workers,
+                                    fixed=(tokenizer, path))
     except WorkerError as error:
         warnings.warn(f"rendering in worker processes failed ({error}); rendering in this process", stacklevel=3)
         return None

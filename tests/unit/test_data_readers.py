@@ -129,3 +129,22 @@ def test_unsupported_or_missing_file_is_an_error(tmp_path):
         list(read_conversations(DATA / "prompts.txt"))  # text files hold prompts, not conversations
     with pytest.raises(DataError, match="no such file"):
         list(read_conversations(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("ids,bad", [
+    ([5, True, 7], "True"), ([5, -1], "-1"), ([2**31], str(2**31)), ([3, 1.0], "1.0"), ([3, "4"], "'4'"),
+    ([[1]], "[1]"), ("1 2", "'1 2'"),
+])
+def test_answer_token_ids_that_are_not_token_ids_are_refused_naming_one(ids, bad, tmp_path):
+    """Only integers in [0, 2**31) stand for tokens: a bool (JSON's true), a negative, one too large,
+    a float, a string or a nested array makes the row bad, its example naming the culprit; an
+    empty array and valid ids pass."""
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+             "answer_token_ids": value, "tokenizer_fingerprint": "sha256:x"} for value in (ids, [], [0, 2**31 - 1])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    conversations, stats = read_all(path)
+    assert [list(c.answer_ids) for c in conversations] == [[], [0, 2**31 - 1]]
+    assert stats.skipped_by_reason == {"answer_token_ids: not an array of token ids": 1}
+    example = stats.first_example["answer_token_ids: not an array of token ids"]
+    assert example.startswith(f"{path}:1: answer_token_ids: expected an array of token ids (integers >= 0), got {bad}")

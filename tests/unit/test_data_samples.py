@@ -134,7 +134,8 @@ def _samples_and_stats(samples, stats):
 
 def test_worker_processes_render_what_one_process_renders(tokenizer, tmp_path):
     """Every kind of row (samples, no anchor, too few tokens, not a conversation, bad JSON) in one
-    file rendered by 3 worker processes: the same samples, order, ids and stats as here."""
+    file parsed and rendered by 3 worker processes: the same samples, order, ids and stats as here
+    (the workers are handed every line read, the bad ones included)."""
     rows = [json.loads(line) for line in gzip.open(REGENERATED_64, "rt")]
     extra = [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
@@ -148,7 +149,7 @@ def test_worker_processes_render_what_one_process_renders(tokenizer, tmp_path):
     stream = io.StringIO()
     there = load_training_samples(path, tokenizer, max_length=768, min_supervised_tokens=32, workers=3,
                                   parallel_min_rows=8, progress_stream=stream)
-    assert "rendering 65 rows in 3 worker processes" in stream.getvalue()
+    assert "rendering 67 rows in 3 worker processes" in stream.getvalue()
     assert _samples_and_stats(*there) == _samples_and_stats(*here)
     assert len(here[0]) == 38 and here[1].skipped == 29  # 26 short + no anchor + no assistant + bad JSON
 
