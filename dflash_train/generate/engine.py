@@ -180,7 +180,7 @@ class BatchState:
         self.device, self.slots, self.capacity, self.settings = target.device, slots, capacity, settings
         self.max_new = settings.max_new_tokens
         self.graphs = graphs
-        # auto: SDPA until capture_steps has timed both on this device (eager steps: SDPA).
+        # auto: SDPA until capture_steps has timed each on this device (eager steps: SDPA).
         self.attention = "sdpa" if attention == "auto" else attention
         self.attention_ms: dict[str, float] = {}  # what the choice measured (ms per replayed step)
         self.attention_failed: dict[str, str] = {}  # the row kernel, where it did not build or run here
@@ -297,7 +297,7 @@ class BatchState:
 
     def _choose_attention(self) -> int:
         """Capture the all-slots, full-span step with each cache attention this device runs, keep
-        the one that replays faster (timed with CUDA events) for every later capture; returns the
+        the one that replays fastest (timed with CUDA events) for every later capture; returns the
         captures made. The slots' positions are spread evenly over the capacity meanwhile, as rows
         at every point of their answers are in steady state: SDPA and the matmuls read the whole
         span whatever they are, the row kernel each row up to its own position."""

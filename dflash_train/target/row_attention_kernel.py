@@ -54,7 +54,7 @@ def _kernel():
         positions_row_stride, positions_query_stride,
         out_row_stride, out_head_stride, out_fold_stride,
         folded, queries, head_dim, span,
-        FOLDED: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr, 
+        FOLDED: tl.constexpr, DIM: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -103,7 +103,7 @@ def _kernel():
         tl.store(out_ptr + row * out_row_stride + head * out_head_stride + fold[:, None] * out_fold_stride + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=fold_ok[:, None] & dim_ok[None, :])
 
-    return triton, attend_rows
+    return attend_rows
 
 
 def _power_of_two_at_least(n: int, floor: int) -> int:
@@ -127,7 +127,7 @@ def attend_cache_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(batch, kv_heads, folded, dim, dtype=query.dtype, device=query.device)
-    triton, attend_rows = _kernel()
+    attend_rows = _kernel()
     dim_block = _power_of_two_at_least(dim, 16)
     attend_rows[(batch, kv_heads)](
         query, keys, values, positions, out, scale,

