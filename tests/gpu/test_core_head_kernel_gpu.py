@@ -1,10 +1,8 @@
 """core/head_kernel.py's fused softmax kernel on a GPU against the torch reference
 (`objective.softmax_cross_entropy`) and the whole chunked frozen-head CE through it.
 
-Without a GPU, Triton's interpreter runs them on the CPU (minutes, not seconds), so a change to
-the kernel can be checked before a GPU is at hand:
-
-    pip install triton && TRITON_INTERPRET=1 python -m pytest tests/gpu/test_core_head_kernel_gpu.py
+Without a GPU, Triton's interpreter runs them on the CPU (a minute: `./bootstrap.sh kernels`,
+which CI runs), so a change to the kernel is checked before a GPU is at hand.
 
 The interpreter has no libdevice, so the softcap cases (tanh) and the device probe skip there."""
 

@@ -2,11 +2,9 @@
 against the biased attention it replaces (`static_cache.matmul_attention`), alone and inside
 `StaticTarget`.
 
-Without a GPU, Triton's interpreter runs them on the CPU, so a change to the kernel can be
-checked before a GPU is at hand (Triton 3.6's interpreter needs numpy < 2.4 and mishandles
-bf16, so there the half-precision case is float16):
-
-    pip install triton "numpy<2.4" && TRITON_INTERPRET=1 python -m pytest tests/gpu/test_target_row_attention_gpu.py
+Without a GPU, Triton's interpreter runs them on the CPU (`./bootstrap.sh kernels`, which CI
+runs), so a change to the kernel is checked before a GPU is at hand. The interpreter mishandles
+bf16, so there the half-precision case is float16.
 """
 
 import os
