@@ -99,9 +99,6 @@ for name in "${stages[@]}"; do
             --steps 220 --batch-size 4 --min-seq-len 200 --max-seq-len 2048 --buckets 1024,2048 --num-anchors 256 --json "$OUT/layout3.json" ;;
         # Issue #6 item 4: Qwen3-8B-shaped target on cuda:0 feeding a drafter on cuda:1 at config D.
         pipeline8b) stage pipeline8b ${PIPELINE_LIMIT:-150} python3 bench/pipeline.py --target-devices cuda:0 --drafter-devices cuda:1 --steps 30 --json "$OUT/pipeline8b.json" ;;
-        # Issue #5: decode-step latency, static decoder (CUDA graphs) vs Hugging Face eager, at SmolLM2's and Qwen3-8B's shapes.
-        # Regeneration speed (issue #21): ours vs HF generate on real SmolLM2 (needs GGUF=), then the 8B shape.
-        # One call each (every case has an untimed warm-up, and hf-static compiles once per batch size).
         # The row kernel of the batched generator's cache attention (target/row_attention_kernel.py) against the
         # biased attention, and the graphed generator with it against the eager one (auto's choice included).
         row-attention-tests) stage row-attention-tests ${TESTS_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
@@ -110,6 +107,9 @@ for name in "${stages[@]}"; do
         regen-rows) stage regen-rows ${REGEN_LIMIT:-300} python3 bench/regenerate_speed.py --target "$GGUF" \
             --prompts "${PROMPTS:?PROMPTS= the prompts file}" --batches 1024 --engines ours --attention matmul,rows \
             --budget-s ${REGEN_BUDGET:-15} --json "$OUT/regen_rows.json" ;;
+        # Issue #5: decode-step latency, static decoder (CUDA graphs) vs Hugging Face eager, at SmolLM2's and Qwen3-8B's shapes.
+        # Regeneration speed (issue #21): ours vs HF generate on real SmolLM2 (needs GGUF=), then the 8B shape.
+        # One call each (every case has an untimed warm-up, and hf-static compiles once per batch size).
         regen-speed) stage regen-speed ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_smollm2.json" ;;
         regen-speed-1024) stage regen-speed-1024 ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --batches 1024 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_smollm2_1024.json" ;;
         regen-speed-8b) stage regen-speed-8b ${REGEN_LIMIT:-570} python3 bench/regenerate_speed.py --target "$GGUF" --dims qwen3-8b --batches 64,256 --budget-s ${REGEN_BUDGET:-30} --json "$OUT/regen_qwen3_8b.json" ;;
