@@ -112,9 +112,10 @@ def test_greedy_rows_equal_hugging_face_generate_row_by_row(family, read_every, 
         assert not engine.state.prefills and engine.state.model.keys.shape[1] == 3
 
 
-def test_the_row_kernel_is_offered_only_where_it_runs():
+def test_the_row_kernel_is_offered_only_where_it_runs(monkeypatch):
     """The Triton row kernel runs on CUDA only: on the CPU `auto` never times it and asking for it
     is refused when the engine is made, naming what the device has."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel tests' CPU mode offers it
     target = tiny_target("llama")
     assert cache_attentions(torch.device("cpu")) == ["sdpa", "matmul"]
     with pytest.raises(ValueError, match=r"attention 'rows' needs a CUDA device with Triton; cpu has sdpa, matmul"):
