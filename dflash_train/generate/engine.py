@@ -175,8 +175,6 @@ class BatchState:
 
     def __init__(self, target: Target, slots: int, capacity: int, settings: GenerationSettings, stop_ids: Sequence[int],
                  *, graphs: bool = True, attention: str = "auto", bucket_prefills: bool | None = None):
-        if attention != "auto":
-            check_cache_attention(attention, target.device)
         self.device, self.slots, self.capacity, self.settings = target.device, slots, capacity, settings
         self.max_new = settings.max_new_tokens
         self.graphs = graphs
@@ -195,6 +193,7 @@ class BatchState:
         # The prefill graphs share a pool of their own: each one's logits are consumed (in stream
         # order) before the next prefill replays, so a later graph may reuse an earlier one's memory.
         self.prefill_pool = GraphPool() if self.pool is not None else None
+        # StaticTarget refuses an attention this device does not run.
         self.model = StaticTarget(target, capacity, batch=slots + 1 if self.bucket_prefills else slots,
                                   attention=self.attention)
         long = dict(dtype=torch.long, device=self.device)

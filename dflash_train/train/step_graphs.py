@@ -351,7 +351,8 @@ class GraphedStep:
     def _prepare_update(self) -> None:
         step = self.step
         step.skip_update()  # warm-up on this stream
-        written = [*step.params, *updated_tensors(step.optimizer)]
+        # Each tensor once: a float32 run's optimizer updates the parameters themselves.
+        written = list({id(t): t for t in [*step.params, *updated_tensors(step.optimizer)]}.values())
 
         def skips(graph: Any, _: Any) -> str | None:
             with torch.no_grad():
