@@ -193,9 +193,10 @@ for name in "${stages[@]}"; do
             [ -n "${PROMPT_COUNT:-}" ] && EDITS+=(-e "/^\[prompts\]/,/^\[/s|^count = .*|count = $PROMPT_COUNT|")
             [ -n "${SELF_PROMPTS:-}" ] && EDITS+=(-e "/^\[self_prompts\]/,/^\[/s|^count = .*|count = $SELF_PROMPTS|")
             sed "${EDITS[@]}" "dflash_train/recipes/${RECIPE:-smollm2-quality}.toml" >/tmp/recipe-file.toml
+            # WARM_AHEAD=off: the train stage compiles after regenerate, not beside it (`pipeline --warm-ahead`).
             STAGE_SIGNAL=INT TAIL=40 stage quality-pipeline ${PIPELINE_LIMIT:-570} python3 -m dflash_train.cli pipeline \
                 --target "$GGUF" --recipe /tmp/recipe-file.toml --out "$WORK" --device cuda:0 "${DATA_ARGS[@]}" \
-                ${STAGES:+--stages "$STAGES"}
+                ${STAGES:+--stages "$STAGES"} --warm-ahead "${WARM_AHEAD:-auto}"
             mkdir -p "$OUT/quality-pipeline"
             # The target's answers, once, in 15 MiB pieces: a later session carries them back (DATA_PARTS=) and
             # only trains, for the device time one session has is less than the whole recipe takes. SEND_DATA=0: not sent.
@@ -203,7 +204,7 @@ for name in "${stages[@]}"; do
                 xz -T0 -6 -c "$WORK/data.jsonl" | split -b 15M -d - "$OUT/quality-pipeline/data.jsonl.xz.part" && touch "$WORK/.data-sent"
             fi
             (cd "$WORK" && tar czf "$OUT/quality-pipeline/records.tar.gz" \
-                $(ls stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl 2>/dev/null))
+                $(ls stages.json train.json eval.json speed.json training_curve.png run/metrics.jsonl warm-ahead.log 2>/dev/null))
             # The exported drafter in 15 MiB pieces (a call sends back 8 files of 16 MiB), so a later call can carry
             # it back to time its decoding on another card without training it again: cat drafter.tar.part* | tar x
             [ -f "$WORK/drafter/config.json" ] && tar cf - -C "$WORK" drafter | split -b 15M -d - "$OUT/quality-pipeline/drafter.tar.part" ;;
@@ -225,6 +226,9 @@ for name in "${stages[@]}"; do
         # The GPU tests of the compiled draft and of DFlash2's training step and decoding (the whole log in $OUT).
         dflash2-tests) stage dflash2-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/integration/test_decode_static.py tests/gpu/test_core_dflash2_gpu.py -k "compiled or dflash2" ;;
+        # The pipeline's warm-up ahead on CUDA (the train stage's compiles all cache hits) and the tiny recipe on the GPU.
+        warm-ahead-tests) stage warm-ahead-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/e2e/test_pipeline_warm_ahead.py tests/e2e/test_commands_pipeline.py ;;
         # The fused head kernel against the reference, its slice maxima (DFlash2's candidates) and its probe included.
         head-kernel-tests) stage head-kernel-tests ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/gpu/test_core_head_kernel_gpu.py ;;

@@ -552,31 +552,51 @@ def plan(work: Work, book: StageBook, requested: list[str]) -> list[str]:
     return stages
 
 
-def run_stages(work: Work, book: StageBook, stages: list[str]) -> dict[str, float]:
-    """Run `stages` (from `plan`) in order; a done one is skipped. Seconds of each stage in this run."""
+def run_stages(work: Work, book: StageBook, stages: list[str], warm_ahead: str = "off") -> dict[str, float]:
+    """Run `stages` (from `plan`) in order; a done one is skipped. Seconds of each stage in this run.
+    `warm_ahead` (auto, on, off): whether the train stage's compiles run beside the regenerate
+    stage, in a process of their own (`_warm_ahead.py`)."""
+    from ._warm_ahead import WarmAhead, skip_reason
+
     spent: dict[str, float] = {}
-    for number, stage in enumerate(stages, 1):
-        where = f"{number}/{len(stages)} {stage}"
-        gone = [path for path in work.outputs(stage) if not path.exists()]
-        if book.done(stage) and not gone:
-            entry = book.entry(stage)
-            say(f"{where}: done in an earlier run ({entry.get('rows', 0)} rows, {format_seconds(entry['seconds'])}); skipped")
-            continue
-        if book.done(stage):
-            say(f"{where}: done in an earlier run, but {', '.join(map(str, gone))} is gone: running it again")
-        settings = stage_settings(work, stage)
-        entry = book.start(stage, settings)
-        entry["done"] = False
-        say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
-        try:
-            with StageClock(book, entry) as clock:  # records the seconds however the stage ends
-                rows, note = STAGE_FUNCTIONS[stage](work)
-        except UserError:
-            if not any(_holds_something(path) for path in work.outputs(stage)):
-                book.forget(stage)  # it made nothing that other settings would mix with: the fixed recipe may run
-            raise
-        spent[stage] = clock.seconds
-        entry.update(done=True, rows=rows, note=note)
-        book.save()
-        say(f"{where}: done in {format_seconds(spent[stage])}: {note}")
+    pending = [stage for stage in stages if not book.done(stage) or any(not p.exists() for p in work.outputs(stage))]
+    ahead_skipped = skip_reason(work, pending, warm_ahead)
+    if ahead_skipped and warm_ahead == "on":
+        say(f"warm-up ahead: not run ({ahead_skipped})")
+    ahead: WarmAhead | None = None
+    try:
+        for number, stage in enumerate(stages, 1):
+            where = f"{number}/{len(stages)} {stage}"
+            if stage not in pending:
+                entry = book.entry(stage)
+                say(f"{where}: done in an earlier run ({entry.get('rows', 0)} rows, {format_seconds(entry['seconds'])}); skipped")
+                continue
+            if book.done(stage):
+                gone = [path for path in work.outputs(stage) if not path.exists()]
+                say(f"{where}: done in an earlier run, but {', '.join(map(str, gone))} is gone: running it again")
+            settings = stage_settings(work, stage)
+            entry = book.start(stage, settings)
+            entry["done"] = False
+            say(f"{where}: started" + (f" (resuming: {format_seconds(entry['seconds'])} spent before)" if entry["runs"] > 1 else ""))
+            try:
+                with StageClock(book, entry) as clock:  # records the seconds however the stage ends
+                    if stage == "regenerate" and ahead_skipped is None:
+                        ahead = WarmAhead.start(work)
+                        say(f"warm-up ahead: compiling the train stage's step beside this stage (pid "
+                            f"{ahead.process.pid}, log {ahead.log_path})")
+                    if stage == "train" and ahead is not None:  # its wait is the train stage's time
+                        say(ahead.finish())
+                        ahead = None
+                    rows, note = STAGE_FUNCTIONS[stage](work)
+            except UserError:
+                if not any(_holds_something(path) for path in work.outputs(stage)):
+                    book.forget(stage)  # it made nothing that other settings would mix with: the fixed recipe may run
+                raise
+            spent[stage] = clock.seconds
+            entry.update(done=True, rows=rows, note=note)
+            book.save()
+            say(f"{where}: done in {format_seconds(spent[stage])}: {note}")
+    finally:
+        if ahead is not None:
+            ahead.abandon()
     return spent

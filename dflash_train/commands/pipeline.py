@@ -24,6 +24,7 @@ from ..progress import format_seconds
 from ..recipe import Recipe, builtin_recipes, load_recipe
 from ._stages import (EXPORTS, STAGES, Interrupted, StageBook, Work, check_recipe_inputs, check_benchmarks,
                       check_decontamination, check_work_folder, plan, run_stages, say)
+from ._warm_ahead import CHOICES as WARM_AHEAD_CHOICES
 
 
 @dataclasses.dataclass
@@ -41,6 +42,10 @@ class PipelineConfig:
                            "of the prompts, self-prompts and regenerate stages; never written to")
     arch: str = option("", "the drafter, in place of the recipe's [train] arch: dflash or dflash2 (default: the "
                            "recipe's)", choices=("", *ARCHS))
+    warm_ahead: str = option("auto", "compile and capture the train stage's step in a second process while the "
+                                     "target regenerates, so training starts sooner: auto (on a CUDA device, for a "
+                                     "target whose weights take at most 1/16 of its memory), on, off",
+                             choices=WARM_AHEAD_CHOICES)
 
     def overrides(self) -> dict[str, dict[str, str]]:
         """What the flags change in the recipe."""
@@ -78,11 +83,11 @@ def run_pipeline(config: PipelineConfig) -> int:
     if config.arch:  # the start line and the summary say what the flag changed
         recipe = dataclasses.replace(recipe, name=f"{recipe.name} with --arch {config.arch}")
     return run_recipe(recipe, config.target, Path(config.out), config.stages, config.device,
-                      "dflash-train pipeline", answers=config.data)
+                      "dflash-train pipeline", answers=config.data, warm_ahead=config.warm_ahead)
 
 
 def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, requested: list[str], device: str,
-               command: str, footer: list[str] = (), answers: str = "") -> int:
+               command: str, footer: list[str] = (), answers: str = "", warm_ahead: str = "auto") -> int:
     """Plan and check everything (no model loaded), run the stages (`requested` by name, or every
     stage the run has when empty), print the summary screen; one live process per work folder
     (its stages resume what they find). `target` may be a function that finds it (quickstart's
@@ -94,11 +99,11 @@ def run_recipe(recipe: Recipe, target: str | Callable[[], Path], folder: Path, r
     with hold_output(folder, "--out"):
         if callable(target):
             target = str(target())
-        return _run_recipe(recipe, target, folder, requested, device, command, footer, answers)
+        return _run_recipe(recipe, target, folder, requested, device, command, footer, answers, warm_ahead)
 
 
 def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str], device: str, command: str,
-                footer: list[str], answers: str) -> int:
+                footer: list[str], answers: str, warm_ahead: str) -> int:
     from ..target.model import check_layer_ids_fit
     from ..train.layout import resolve_layout
 
@@ -121,7 +126,7 @@ def _run_recipe(recipe: Recipe, target: str, folder: Path, requested: list[str],
     say(f"recipe {recipe.titled}; stages {', '.join(stages)}; work folder {folder}")
     started = time.monotonic()
     try:
-        run_stages(work, book, stages)
+        run_stages(work, book, stages, warm_ahead)
     except Interrupted as stop:
         say(f"{stop}; run the same command again to continue")
         return stop.exit_code

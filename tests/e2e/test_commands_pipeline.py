@@ -364,6 +364,7 @@ def test_a_train_stage_that_cannot_run_here_stops_the_pipeline_at_its_start(file
     (("--device", "gpu0"), "device 'gpu0': use auto, cpu, cuda or cuda:N"),
     (("--data", "absent.jsonl"), "--data absent.jsonl: no such file"),
     (("--arch", "eagle3"), "--arch 'eagle3': use dflash or dflash2"),
+    (("--warm-ahead", "soon"), "--warm-ahead 'soon': use auto, on or off"),
 ])
 def test_flag_errors_are_one_line_before_any_stage_runs(files, tmp_path, capsys, flags, message):
     """A device that is not on this machine, or answers that are not there, are refused at once:
