@@ -3,7 +3,8 @@
 With the regenerate stage, the pipeline starts `python -m dflash_train.train.warm_ahead` (its
 own process: compiling and capturing beside another thread's CUDA graphs is what the training's
 warm-up gate exists to prevent). It trains the recipe's [train] settings for one step on stand-in
-rows in a scratch folder, and so fills the compile caches the train stage's warm-up reads. Before
+rows in a scratch folder (at a lower CPU priority: the regeneration's host work goes first), and
+so fills the compile caches the train stage's warm-up reads. Before
 the train stage starts, the pipeline waits for it. Its output goes to WORK/warm-ahead.log; a
 failure is reported in one line and the train stage compiles as it would have.
 

@@ -18,7 +18,9 @@ caller deletes SCRATCH_DIR, and a failure here only means the train stage compil
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +77,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     settings, scratch = argv
     started = time.monotonic()
+    with contextlib.suppress(OSError):  # the host's cores go to the regeneration beside it first
+        os.nice(10)
     config = TrainConfig(**json.loads(Path(settings).read_text()))
     summary = warm_caches(config, scratch)
     startup = summary.get("startup") or {}
