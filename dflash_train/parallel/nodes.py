@@ -212,10 +212,15 @@ class NodeGroup:
         with self._in_flight_lock:
             if self._in_flight:
                 return
+        # Our own references go too: they would keep a destroyed group's C++ object (its worker
+        # threads, holding the last collective's work and tensors) alive into interpreter
+        # shutdown, whose teardown of it is the abort above.
         if clean or self.backend == "gloo":
             dist.destroy_process_group()
+            self.gradients = self.control = None
         elif self.control is not None:
             dist.destroy_process_group(self.control)
+            self.control = None
 
     def _linger_for_readers(self) -> None:
         """After an error, the store's host stays until every other rank has left too (each writes

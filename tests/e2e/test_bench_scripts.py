@@ -123,6 +123,17 @@ def test_render_speed_times_regenerates_prompt_rendering_each_way(smollm2_dir, t
     assert [case["jobs"] for case in json.loads(out.read_text())] == [10, 10]
 
 
+def test_sampling_cost_times_every_part_and_prints_its_summary_line(tmp_path):
+    out = tmp_path / "sampling.json"
+    printed = ok(bench("sampling_cost.py", "--rows", "8", "--vocab", "2048", "--repeats", "2", "--device", "cpu",
+                       "--json", str(out)))
+    assert re.search(r"^sampling SmolLM2 8 rows: top-p [0-9.]+ ms, greedy [0-9.]+ ms \(sort [0-9.]+ ms\) on cpu$",
+                     printed, re.M), printed
+    recorded = json.loads(out.read_text())
+    assert set(recorded["ms"]) == {"top-p", "temperature only", "greedy", "softmax", "sort", "float64 cumsum"}
+    assert all(value > 0 for value in recorded["ms"].values()) and recorded["top_p"] == 0.99
+
+
 def test_selector_top_k_checks_the_values_and_prints_its_summary_line(tmp_path):
     """bench/selector_top_k.py at small sizes: it checks row_top_k against torch.topk before
     timing (so a wrong result is exit 1, not a number), and its JSON holds every slice width."""
