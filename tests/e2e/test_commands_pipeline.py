@@ -62,14 +62,19 @@ def prompt_files(root: Path, count: int) -> tuple[Path, Path]:
     return prompts, dev
 
 
-@pytest.fixture(scope="module")
-def files(smollm2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    target = tiny_smollm_dir(smollm2_dir, root / "target", layers=2, hidden=32)
+def pipeline_files(smollm2_dir: Path, root: Path, *, hidden: int = 32, train_lines: str = "") -> dict:
+    """A tiny target (2 layers of `hidden`), 16 prompts, 3 dev prompts and the tiny recipe (with
+    `train_lines` added to its [train] table), in `root`."""
+    target = tiny_smollm_dir(smollm2_dir, root / "target", layers=2, hidden=hidden)
     prompts, dev = prompt_files(root, 16)
     recipe = root / "tiny.toml"
-    recipe.write_text(TINY_RECIPE.format(prompts=prompts, dev=dev))
+    recipe.write_text(TINY_RECIPE.format(prompts=prompts, dev=dev).replace("log_every = 1\n", f"log_every = 1\n{train_lines}"))
     return {"target": target, "prompts": prompts, "dev": dev, "recipe": recipe, "root": root}
+
+
+@pytest.fixture(scope="module")
+def files(smollm2_dir, tmp_path_factory):
+    return pipeline_files(smollm2_dir, tmp_path_factory.mktemp("pipeline"))
 
 
 def args(files, work, *extra, recipe=None):

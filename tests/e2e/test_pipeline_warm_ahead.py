@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_commands_pipeline import TINY_RECIPE, prompt_files
-from test_generate_regenerate import tiny_smollm_dir
+from test_commands_pipeline import pipeline_files
 
 from dflash_train.cli import main
-from dflash_train.commands._stages import StageBook, Work
+from dflash_train.commands._stages import Work
 from dflash_train.commands._warm_ahead import WarmAhead, skip_reason
 from dflash_train.recipe import load_recipe
 from dflash_train.train.warm_ahead import stand_in_samples, warm_up_settings
@@ -22,13 +21,8 @@ from dflash_train.train.warm_ahead import stand_in_samples, warm_up_settings
 
 @pytest.fixture(scope="module")
 def files(smollm2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("warm-ahead")
     # Hidden 64 over 4 heads: flex attention compiles on CUDA only from head size 16 up.
-    target = tiny_smollm_dir(smollm2_dir, root / "target", layers=2, hidden=64)
-    prompts, dev = prompt_files(root, 16)
-    recipe = root / "compiling.toml"
-    recipe.write_text(TINY_RECIPE.format(prompts=prompts, dev=dev).replace("log_every = 1", 'log_every = 1\ncompile = "on"'))
-    return {"target": target, "recipe": recipe, "root": root}
+    return pipeline_files(smollm2_dir, tmp_path_factory.mktemp("warm-ahead"), hidden=64, train_lines='compile = "on"\n')
 
 
 def work_of(files, folder: Path, device: str = "cpu") -> Work:
