@@ -90,7 +90,6 @@ case "$cmd" in
     engine) python tests/llama_server.py build && DFLASH_ENGINE=1 exec python -m pytest -m engine "$@" ;;
     # The fused head kernel and the cache-row attention kernel, against their torch references.
     kernels) TRITON_INTERPRET=1 PYTHONPATH="$kernels${PYTHONPATH:+:$PYTHONPATH}" exec python -m pytest \
-        tests/gpu/test_core_head_kernel_gpu.py tests/gpu/test_target_row_attention_gpu.py \
-        tests/gpu/test_decode_top_p_kernel_gpu.py "$@" ;;
+        tests/gpu/test_core_head_kernel_gpu.py tests/gpu/test_target_row_attention_gpu.py "$@" ;;
     *) echo "usage: ./bootstrap.sh quickstart|test|engine|kernels [args]" >&2; exit 2 ;;
 esac

@@ -1,11 +1,11 @@
 """What a batched generator's sampling costs a step: `decode.sampling.choose_tokens` on [rows, vocab]
-logits, greedy against tempered top-p (the self-prompts stage's temperature 0.8, top-p 0.99) with
-the sort-free threshold kernel where it runs and with the sort, and the parts one at a time (CUDA events, mean of --repeats calls after a warm-up).
+logits, greedy against tempered top-p (the self-prompts stage's temperature 0.8, top-p 0.99), and
+the parts of the top-p path one at a time (CUDA events, mean of --repeats calls after a warm-up).
 
     python3 bench/sampling_cost.py --rows 1024 --vocab 49152 --device cuda:0
 
 Prints one line per case and the summary line
-`sampling SmolLM2 1024 rows: top-p <ms> ms (kernel|sort; sorted <ms> ms), greedy <ms> ms`.
+`sampling SmolLM2 1024 rows: top-p <ms> ms, greedy <ms> ms (sort <ms> ms)`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_train.decode import sampling  # noqa: E402
-from dflash_train.decode.sampling import choose_tokens, sorted_thresholds  # noqa: E402
+from dflash_train.decode.sampling import choose_tokens  # noqa: E402
 
 
 def timed(function, repeats: int, device: torch.device) -> float:
@@ -61,41 +60,23 @@ def main() -> int:
     seeds = torch.arange(args.rows, dtype=torch.int64, device=device)
     counters = torch.zeros(args.rows, dtype=torch.int64, device=device)
     probs = torch.softmax(logits.float() / args.temperature, dim=-1)
-
-    def sorted_top_p():  # the whole draw with the sort's threshold, the kernel set aside
-        kernel = sampling._KERNEL_AGREES.get(device)
-        sampling._KERNEL_AGREES[device] = False
-        try:
-            return choose_tokens(logits, args.temperature, args.top_p, seeds, counters)
-        finally:
-            sampling._KERNEL_AGREES[device] = kernel
-
-    choose_tokens(logits, args.temperature, args.top_p, seeds, counters)  # the probe, once per device
-    kernel_runs = bool(sampling._KERNEL_AGREES.get(device))
-    print(f"sort-free top-p kernel: {'used' if kernel_runs else 'not used (the sort)'} on {device}", flush=True)
     cases = {
         "top-p": lambda: choose_tokens(logits, args.temperature, args.top_p, seeds, counters),
-        "top-p, sorted": sorted_top_p,
         "temperature only": lambda: choose_tokens(logits, args.temperature, 1.0, seeds, counters),
         "greedy": lambda: choose_tokens(logits, 0.0, 1.0, None, None),
         "softmax": lambda: torch.softmax(logits.float() / args.temperature, dim=-1),
         "sort": lambda: probs.sort(dim=-1, descending=True),
-        "sorted threshold": lambda: sorted_thresholds(probs, args.top_p),
         "float64 cumsum": lambda: probs.double().cumsum(dim=-1),
     }
-    if kernel_runs:
-        from dflash_train.decode.top_p_kernel import top_p_thresholds
-
-        cases["kernel threshold"] = lambda: top_p_thresholds(probs, args.top_p)
     results = {}
     for name, function in cases.items():
         results[name] = round(timed(function, args.repeats, device), 3)
         print(f"{name:<18} {results[name]:8.3f} ms", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"sampling SmolLM2 {args.rows} rows: top-p {results['top-p']:.2f} ms ({'kernel' if kernel_runs else 'sort'}; "
-          f"sorted {results['top-p, sorted']:.2f} ms), greedy {results['greedy']:.2f} ms on {name}")
+    print(f"sampling SmolLM2 {args.rows} rows: top-p {results['top-p']:.2f} ms, greedy {results['greedy']:.2f} ms "
+          f"(sort {results['sort']:.2f} ms) on {name}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "kernel": kernel_runs, "rows": args.rows, "vocab": args.vocab,
+        Path(args.json).write_text(json.dumps({"device": name, "rows": args.rows, "vocab": args.vocab,
                                                "temperature": args.temperature, "top_p": args.top_p, "ms": results}, indent=2))
     return 0
 

@@ -14,8 +14,7 @@ with s_lo/s_hi and k_lo/k_hi the 32-bit halves of s and k, and A = 0x9E3779B9. T
 CDF from the tempered, top-p-filtered distribution: the tokens kept are those at or above the
 probability where the sorted mass first reaches top_p (the most likely token always), and the
 token drawn is the first, in vocabulary order, whose cumulative kept mass (summed in float64)
-exceeds u × (kept mass). The threshold comes from a sort-free Triton kernel where it runs and
-agrees with the sort on a probe (`top_p_kernel.py`), else from the sort. Without top-p neither runs. Greedy (temperature 0) is argmax. A draw moves only when the logits' rounding (which batching can
+exceeds u × (kept mass). Without top-p nothing is sorted. Greedy (temperature 0) is argmax. A draw moves only when the logits' rounding (which batching can
 change in the last bits) moves a cumulative boundary across u: about as rare as a greedy near-tie.
 
 Multiplications mod 2**32 are done on 16-bit halves so no intermediate leaves int64's range.
@@ -53,71 +52,6 @@ def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return h.double() / 2.0**32
 
 
-def sorted_thresholds(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[rows]: where the smallest prefix of each row's sorted probabilities whose mass reaches
-    top_p ends (the first token always stays in it)."""
-    ranked = probs.sort(dim=-1, descending=True).values
-    kept = ((ranked.cumsum(dim=-1) - ranked) < top_p).sum(dim=-1, keepdim=True)
-    return ranked.gather(-1, kept - 1)[:, 0]
-
-
-# Per device: whether the sort-free kernel (top_p_kernel.py) kept the sort's tokens on the probe.
-_KERNEL_AGREES: dict[torch.device, bool] = {}
-
-
-def top_p_thresholds(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[rows]: each row's top-p threshold, from the sort-free kernel where it runs and agreed with
-    the sort on a probe (made once per device, never inside a CUDA graph capture), else the sort."""
-    device = probs.device
-    if device not in _KERNEL_AGREES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return sorted_thresholds(probs, top_p)
-        _KERNEL_AGREES[device] = _kernel_agrees(device)
-    if _KERNEL_AGREES[device]:
-        from .top_p_kernel import top_p_thresholds as kernel_thresholds
-
-        return kernel_thresholds(probs, top_p)
-    return sorted_thresholds(probs, top_p)
-
-
-def _kernel_agrees(device: torch.device) -> bool:
-    """Whether the kernel runs on `device` and keeps the sort's tokens on probe rows: peaked,
-    flat, tied and tiny-tailed distributions at several top_p."""
-    from .top_p_kernel import available, top_p_thresholds as kernel_thresholds
-
-    if not available(device):
-        return False
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.cat([torch.randn(8, 4099, generator=generator) * scale for scale in (0.1, 1.0, 4.0, 12.0)])
-    logits[:4, ::3] = 2.0  # ties
-    probs = torch.softmax(logits, dim=-1).to(device)
-    try:
-        return all(thresholds_agree(probs, top_p, kernel_thresholds(probs, top_p), sorted_thresholds(probs, top_p))
-                   for top_p in (0.1, 0.5, 0.9, 0.99))
-    except Exception:  # noqa: BLE001 - a kernel that does not build here leaves the sort in place
-        return False
-
-
-def thresholds_agree(probs: torch.Tensor, top_p: float, got: torch.Tensor, reference: torch.Tensor,
-                     tolerance: float = 1e-5) -> bool:
-    """Whether thresholds `got` keep the tokens `reference` (the sort's) keeps on every row of
-    `probs`, except on rows where the sort's own boundary lies within `tolerance` of top_p (float
-    sums in another order may round across it): there `got` must still meet the rule, the mass
-    above it under top_p and the mass kept reaching it (float64, within `tolerance`)."""
-    p = probs.double()
-
-    def above(threshold: torch.Tensor) -> torch.Tensor:
-        return torch.where(p > threshold[:, None].double(), p, 0.0).sum(dim=-1)
-
-    def kept(threshold: torch.Tensor) -> torch.Tensor:
-        return torch.where(p >= threshold[:, None].double(), p, 0.0).sum(dim=-1)
-
-    same = (probs >= got[:, None]).eq(probs >= reference[:, None]).all(dim=-1)
-    near = ((above(reference) - top_p).abs() < tolerance) | ((kept(reference) - top_p).abs() < tolerance)
-    rule = (above(got) < top_p + tolerance) & (kept(got) >= top_p - tolerance)
-    return bool((same | (near & rule)).all())
-
-
 def choose_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor | None, counters: torch.Tensor | None
 ) -> torch.Tensor:
@@ -129,10 +63,13 @@ def choose_tokens(
         raise ValueError("sampling needs a seed and a token index per row")
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        # Every token at or above the threshold is kept. Draws run over vocabulary order, not the
-        # sorted one: near-equal probabilities swap places in a sort at the slightest rounding
-        # difference, vocabulary order never moves.
-        probs = probs.masked_fill(probs < top_p_thresholds(probs, top_p)[:, None], 0.0)
+        # The smallest prefix of the sorted probabilities whose mass reaches top_p (the first
+        # token always stays) ends at a threshold; every token at or above it is kept. Draws run
+        # over vocabulary order, not the sorted one: near-equal probabilities swap places in a
+        # sort at the slightest rounding difference, vocabulary order never moves.
+        ranked = probs.sort(dim=-1, descending=True).values
+        kept = ((ranked.cumsum(dim=-1) - ranked) < top_p).sum(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < ranked.gather(-1, kept - 1), 0.0)
     # In float64: a float32 running sum over a flat 50k-token distribution drifts by about a
     # token's width, so the last-bit differences batching makes in the logits would move draws.
     cumulative = probs.double().cumsum(dim=-1)
