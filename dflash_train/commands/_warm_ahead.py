@@ -24,8 +24,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from ..progress import format_seconds
+
+if TYPE_CHECKING:
+    from ._stages import Work
 
 LOG_NAME = "warm-ahead.log"
 CHOICES = ("auto", "on", "off")
@@ -43,9 +47,8 @@ def target_weight_bytes(target: str) -> int:
     return sum(path.stat().st_size for path in folder.iterdir() if path.suffix in _WEIGHT_SUFFIXES and path.is_file())
 
 
-def skip_reason(work, stages: list[str], choice: str) -> str | None:
-    """Why the warm-up ahead does not run with this invocation's `stages`; None where it runs.
-    `work` is the pipeline's `_stages.Work`."""
+def skip_reason(work: Work, stages: list[str], choice: str) -> str | None:
+    """Why the warm-up ahead does not run with this invocation's `stages`; None where it runs."""
     if choice == "off":
         return "--warm-ahead off"
     if "train" not in stages or "regenerate" not in stages:
@@ -77,11 +80,11 @@ def skip_reason(work, stages: list[str], choice: str) -> str | None:
 class WarmAhead:
     """The warm-up ahead's process: `start`, then `finish` (waits) or `abandon` (stops it)."""
 
-    def __init__(self, process: subprocess.Popen, scratch: Path, log_path: Path, log_file, started: float):
+    def __init__(self, process: subprocess.Popen, scratch: Path, log_path: Path, log_file: TextIO, started: float):
         self.process, self.scratch, self.log_path, self._log, self.started = process, scratch, log_path, log_file, started
 
     @classmethod
-    def start(cls, work) -> WarmAhead:
+    def start(cls, work: Work) -> WarmAhead:
         """Start it for `work`'s train settings, its output in WORK/warm-ahead.log."""
         from ..processes import PACKAGE_ROOT
 
