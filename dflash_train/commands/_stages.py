@@ -556,11 +556,12 @@ def run_stages(work: Work, book: StageBook, stages: list[str], warm_ahead: str =
     """Run `stages` (from `plan`) in order; a done one is skipped. Seconds of each stage in this run.
     `warm_ahead` (auto, on, off): whether the train stage's compiles run beside the regenerate
     stage, in a process of their own (`_warm_ahead.py`)."""
-    from ._warm_ahead import WarmAhead, skip_reason
+    from ._warm_ahead import LOG_NAME, WarmAhead, skip_reason
 
     spent: dict[str, float] = {}
     pending = [stage for stage in stages if not book.done(stage) or any(not p.exists() for p in work.outputs(stage))]
-    ahead_skipped = skip_reason(work, pending, warm_ahead)
+    ahead_skipped = skip_reason(pending, warm_ahead, features_cached=work.recipe.features.cache, run_dir=work.run,
+                                target=work.target, device=work.device)
     if ahead_skipped and warm_ahead == "on":
         say(f"warm-up ahead: not run ({ahead_skipped})")
     ahead: WarmAhead | None = None
@@ -581,7 +582,7 @@ def run_stages(work: Work, book: StageBook, stages: list[str], warm_ahead: str =
             try:
                 with StageClock(book, entry) as clock:  # records the seconds however the stage ends
                     if stage == "regenerate" and ahead_skipped is None:
-                        ahead = WarmAhead.start(work)
+                        ahead = WarmAhead.start(work.train_config(), work.folder / LOG_NAME)
                         say(f"warm-up ahead: compiling the train stage's step beside this stage (pid "
                             f"{ahead.process.pid}, log {ahead.log_path})")
                     if stage == "train" and ahead is not None:  # its wait is the train stage's time

@@ -24,12 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
+from ..config import TrainConfig
 from ..progress import format_seconds
-
-if TYPE_CHECKING:
-    from ._stages import Work
 
 LOG_NAME = "warm-ahead.log"
 CHOICES = ("auto", "on", "off")
@@ -47,33 +45,35 @@ def target_weight_bytes(target: str) -> int:
     return sum(path.stat().st_size for path in folder.iterdir() if path.suffix in _WEIGHT_SUFFIXES and path.is_file())
 
 
-def skip_reason(work: Work, stages: list[str], choice: str) -> str | None:
-    """Why the warm-up ahead does not run with this invocation's `stages`; None where it runs."""
+def skip_reason(stages: list[str], choice: str, *, features_cached: bool, run_dir: Path, target: str,
+                device: str) -> str | None:
+    """Why the warm-up ahead does not run with this invocation's `stages` (the train stage's run
+    folder `run_dir`, its target and device); None where it runs."""
     if choice == "off":
         return "--warm-ahead off"
     if "train" not in stages or "regenerate" not in stages:
         return "the train stage does not follow a regenerate stage in this run"
-    if work.recipe.features.cache:
+    if features_cached:
         return "the recipe trains from cached features"
     from ..train.compile_cache import CACHE_FILE
 
-    if (work.run / CACHE_FILE).is_file():
-        return f"the run's own compile cache is there ({work.run / CACHE_FILE})"
+    if (run_dir / CACHE_FILE).is_file():
+        return f"the run's own compile cache is there ({run_dir / CACHE_FILE})"
     if os.environ.get("WORLD_SIZE", "1") != "1":
         return "a torchrun launch: each node warms up its own run"
     if choice == "on":
         return None
     from ..target.model import resolve_device
 
-    device = resolve_device(work.device)
-    if device.type != "cuda":
-        return f"auto: {device} is not a CUDA device"
+    resolved = resolve_device(device)
+    if resolved.type != "cuda":
+        return f"auto: {resolved} is not a CUDA device"
     import torch
 
-    weights, memory = target_weight_bytes(work.target), torch.cuda.get_device_properties(device).total_memory
+    weights, memory = target_weight_bytes(target), torch.cuda.get_device_properties(resolved).total_memory
     if weights > memory * MAX_TARGET_SHARE:
         return (f"auto: the target's weights ({weights / 1e9:.1f} GB) would be held twice, over 1/16 of "
-                f"{device}'s {memory / 1e9:.0f} GB")
+                f"{resolved}'s {memory / 1e9:.0f} GB")
     return None
 
 
@@ -84,18 +84,18 @@ class WarmAhead:
         self.process, self.scratch, self.log_path, self._log, self.started = process, scratch, log_path, log_file, started
 
     @classmethod
-    def start(cls, work: Work) -> WarmAhead:
-        """Start it for `work`'s train settings, its output in WORK/warm-ahead.log."""
+    def start(cls, config: TrainConfig, log_path: Path) -> WarmAhead:
+        """Start it for the train stage's settings `config`, its output in `log_path`."""
         from ..processes import PACKAGE_ROOT
 
-        if work.target.endswith(".gguf"):  # converted here first: two processes converting one file would race
+        target = config.model.target
+        if target.endswith(".gguf"):  # converted here first: two processes converting one file would race
             from ..target.gguf import hf_folder_from_gguf
 
-            hf_folder_from_gguf(work.target)
+            hf_folder_from_gguf(target)
         scratch = Path(tempfile.mkdtemp(prefix="dflash-warm-ahead-"))
         settings = scratch / "settings.json"
-        settings.write_text(json.dumps(work.train_config().flat_values()))
-        log_path = work.folder / LOG_NAME
+        settings.write_text(json.dumps(config.flat_values()))
         log_file = open(log_path, "w", encoding="utf-8")
         environment = dict(os.environ, PYTHONUNBUFFERED="1",
                            PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")])))

@@ -65,8 +65,7 @@ def test_a_warm_up_ahead_that_fails_is_one_line_and_leaves_no_scratch(files, tmp
     """A real child that fails (its target is gone) ends with a line naming its exit and last
     log line; its scratch folder is removed."""
     work = dataclasses.replace(work_of(files, tmp_path), target=str(tmp_path / "no-such-target"))
-    tmp_path.mkdir(exist_ok=True)
-    ahead = WarmAhead.start(work)
+    ahead = WarmAhead.start(work.train_config(), tmp_path / "warm-ahead.log")
     line = ahead.finish()
     assert line.startswith("warm-up ahead: failed after") and "(exit 1: " in line, line
     assert "no-such-target" in line and str(tmp_path / "warm-ahead.log") in line
@@ -74,27 +73,31 @@ def test_a_warm_up_ahead_that_fails_is_one_line_and_leaves_no_scratch(files, tmp
 
 
 def test_an_abandoned_warm_up_ahead_is_stopped_and_cleaned(files, tmp_path):
-    ahead = WarmAhead.start(work_of(files, tmp_path))
+    ahead = WarmAhead.start(work_of(files, tmp_path).train_config(), tmp_path / "warm-ahead.log")
     ahead.abandon()
     assert ahead.process.returncode is not None and not ahead.scratch.exists()
 
 
 def test_when_the_warm_up_ahead_runs(files, tmp_path, monkeypatch):
-    work = work_of(files, tmp_path / "w")
+    run = tmp_path / "w" / "run"
     every = ["prompts", "regenerate", "train", "export", "eval"]
-    assert skip_reason(work, every, "on") is None
-    assert skip_reason(work, every, "off") == "--warm-ahead off"
-    assert skip_reason(work, ["train", "export"], "on") == "the train stage does not follow a regenerate stage in this run"
-    assert skip_reason(work, ["prompts", "regenerate"], "on") == "the train stage does not follow a regenerate stage in this run"
-    assert skip_reason(work, every, "auto") == "auto: cpu is not a CUDA device"
-    features = dataclasses.replace(work.recipe, features=dataclasses.replace(work.recipe.features, cache=True))
-    assert skip_reason(dataclasses.replace(work, recipe=features), every, "on") == "the recipe trains from cached features"
-    (work.run).mkdir(parents=True)
-    (work.run / "compile_cache.bin").write_bytes(b"x")
-    assert "the run's own compile cache is there" in skip_reason(work, every, "on")
-    (work.run / "compile_cache.bin").unlink()
+
+    def reason(stages=every, choice="on", features_cached=False):
+        return skip_reason(stages, choice, features_cached=features_cached, run_dir=run, target=str(files["target"]),
+                           device="cpu")
+
+    assert reason() is None
+    assert reason(choice="off") == "--warm-ahead off"
+    assert reason(["train", "export"]) == "the train stage does not follow a regenerate stage in this run"
+    assert reason(["prompts", "regenerate"]) == "the train stage does not follow a regenerate stage in this run"
+    assert reason(choice="auto") == "auto: cpu is not a CUDA device"
+    assert reason(features_cached=True) == "the recipe trains from cached features"
+    run.mkdir(parents=True)
+    (run / "compile_cache.bin").write_bytes(b"x")
+    assert "the run's own compile cache is there" in reason()
+    (run / "compile_cache.bin").unlink()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert skip_reason(work, every, "on") == "a torchrun launch: each node warms up its own run"
+    assert reason() == "a torchrun launch: each node warms up its own run"
 
 
 def test_the_stand_in_rows_have_the_runs_shapes(files, tmp_path):
