@@ -45,6 +45,13 @@ def default_workers() -> int:
     return min(available_cores(), MAX_WORKERS)
 
 
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a child started as `python -m dflash_train...`: the folder
+    holding this package first on its PYTHONPATH (so it imports this same dflash_train), plus `extra`."""
+    path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, **extra, PYTHONPATH=path)
+
+
 def map_anywhere(function: Callable[..., Any], items: Sequence[Any], workers: int | None = None, *,
                  fixed: tuple = (), what: str = "the work") -> list[Any]:
     """`map_in_processes` on `workers` processes (None: `default_workers()`), or here with one
@@ -65,8 +72,7 @@ def map_in_processes(function: Callable[..., Any], items: Sequence[Any], workers
     method of a picklable object."""
     workers = max(1, min(workers, len(items)))
     shares = [list(items[index::workers]) for index in range(workers)]
-    environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
-                       PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")])))
+    environment = child_environment(TOKENIZERS_PARALLELISM="false")
     results: list[list[Any] | None] = [None] * workers
     errors: list[str] = []
 

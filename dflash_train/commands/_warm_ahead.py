@@ -86,7 +86,7 @@ class WarmAhead:
     @classmethod
     def start(cls, config: TrainConfig, log_path: Path) -> WarmAhead:
         """Start it for the train stage's settings `config`, its output in `log_path`."""
-        from ..processes import PACKAGE_ROOT
+        from ..processes import child_environment
 
         target = config.model.target
         if target.endswith(".gguf"):  # converted here first: two processes converting one file would race
@@ -97,12 +97,11 @@ class WarmAhead:
         settings = scratch / "settings.json"
         settings.write_text(json.dumps(config.flat_values()))
         log_file = open(log_path, "w", encoding="utf-8")
-        environment = dict(os.environ, PYTHONUNBUFFERED="1",
-                           PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")])))
         try:
             process = subprocess.Popen([sys.executable, "-m", "dflash_train.train.warm_ahead", str(settings),
                                         str(scratch / "run")], stdout=log_file, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=environment, start_new_session=True)
+                                       stdin=subprocess.DEVNULL, env=child_environment(PYTHONUNBUFFERED="1"),
+                                       start_new_session=True)
         except OSError:
             log_file.close()
             shutil.rmtree(scratch, ignore_errors=True)
