@@ -11,6 +11,8 @@ warm-up, timed with CUDA events, split into forward / backward / optimizer.
     python bench/drafter_step.py --device cpu --tiny          # smoke test of the script itself
     python bench/drafter_step.py --dims smollm2 --configs S --arch dflash,dflash2 --profile S
         # the smollm2-quality recipe's step (batch 8, 768 tokens, 256 anchors) for both drafters
+    python bench/drafter_step.py --dims smollm2 --configs S --head fused --cuda-graphs on --valid-anchors 1583 \
+        --pack-anchors off,on   # its rows' mean fill (1,583 of 2,048 slots valid): padded against packed (train --pack-anchors)
 
 With `--cuda-graphs on` the step is `train.step_graphs.GraphedStep` (its warm-up compiles and
 captures the shape first, reported as `prepare_s`); ms/step is then also measured back to back
@@ -46,6 +48,7 @@ from dflash_train.core.drafter import DrafterConfig  # noqa: E402
 from dflash_train.core.objective import fused_head_segment, fused_head_unsupported  # noqa: E402
 from dflash_train.core.step import (  # noqa: E402
     FrozenTargetParts,
+    InputShape,
     Step,
     drafter_loss,
     make_optimizer,
@@ -97,11 +100,13 @@ def flash_mark(result: dict) -> str:
     """What a summary line adds for a row on FlashAttention-4's kernels or with master weights
     (nothing for train's defaults)."""
     return ((", --attention flash" if result["attention"] == "flash" else "")
-            + (", --master-weights on" if result.get("master_weights") == "on" else ""))
+            + (", --master-weights on" if result.get("master_weights") == "on" else "")
+            + (f", --pack-anchors on, {result['valid_anchors']} of {result['anchor_slots']} anchors"
+               if result.get("pack_anchors") == "on" else ""))
 
 
 def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="dflash", gradients="handed-over",
-               attention="auto", master_weights="off"):
+               attention="auto", master_weights="off", pack="off"):
     config = drafter_config(dims, args.block_size, arch)
     dtype = default_dtype(device)
     drafter = random_drafter(config, device, compiled=args.compile == "on", fp8=fp8)
@@ -109,7 +114,9 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
     frozen = FrozenTargetParts(embed, head)
     batch, objective, anchor_valid = make_batch(config, shape["batch"], shape["seq"], shape["anchors"], device, dtype,
-                                                host_count=args.host_count == "on")
+                                                host_count=args.host_count == "on",
+                                                valid_anchors=args.valid_anchors or None)
+    objective.pack_anchors = pack == "on"
     objective.loss_chunk_rows = args.loss_chunk_rows
     objective.compiled_head = args.compile == "on" and args.head in ("compiled", "fused")
     objective.fused_head = args.compile == "on" and args.head == "fused"
@@ -135,7 +142,7 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         mark(0)
         optimizer.zero_grad(set_to_none=gradients == "handed-over")  # as the Step below does
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            loss, _ = drafter_loss(drafter, frozen, batch, objective, backend)
+            loss, _ = drafter_loss(drafter, frozen, step.layout(batch), objective, backend)
         mark(1)
         loss.backward()
         mark(2)
@@ -155,10 +162,13 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
     if graphs == "off" and gradients == "handed-over":
         step.hand_over_gradients()  # what train's eager step does
     if graphs == "on":
-        from dflash_train.train.step_graphs import GraphedStep, step_shapes
+        from dflash_train.train.step_graphs import GraphedStep, StepShapes, step_shapes
 
         shapes = step_shapes([shape["seq"]], shape["batch"], objective, batch.target_features.shape[-1], dtype,
                              config.vocab_size)
+        if objective.pack_anchors:  # only this batch's capacity: train prepares each one the same way
+            ran = InputShape.of(step.layout(batch))
+            shapes = StepShapes({ran: shapes.granules[ran]}, {ran: shapes.rows[ran]})
         graphed = GraphedStep(name=name, step=step, shapes=shapes)
         started = time.perf_counter()
         prepare_note = graphed.prepare(lambda line: print(f"  prepare {name}: {line}", flush=True))
@@ -212,7 +222,8 @@ def run_config(name, dims, shape, args, device, fp8="off", graphs="off", arch="d
         "dims": args.dims, "host_count": args.host_count, "attention": backend, "flex_options": args.flex_options or None, "compile": args.compile, "head": args.head if args.compile == "on" else "eager", "fp8": fp8,
         "cuda_graphs": graphs, "gradients": gradients if graphs == "off" else "buffers", "pipelined_ms": round(pipelined_ms, 2),
         "prepare_s": round(prepare_s, 1) if prepare_s is not None else None, "prepare": prepare_note,
-        "master_weights": master_weights,
+        "master_weights": master_weights, "pack_anchors": pack, "valid_anchors": int(anchor_valid.sum()),
+        "anchor_slots": step.layout(batch).anchors.numel(),
     }
     if name in SPECFORGE and dims is QWEN3_8B and arch == "dflash":
         result["speedup_vs_specforge"] = round(SPECFORGE[name]["ms"] / ms, 3)
@@ -269,6 +280,12 @@ def main() -> int:
     parser.add_argument("--master-weights", default="off",
                         help="comma-separated train --master-weights: off (float32 parameters), on (bf16 parameters, "
                              "float32 master weights in one compiled update)")
+    parser.add_argument("--pack-anchors", default="off",
+                        help="comma-separated train --pack-anchors: off (padded anchor slots), on (each micro-batch's "
+                             "valid anchors packed into whole rows' worth of slots)")
+    parser.add_argument("--valid-anchors", type=int, default=0,
+                        help="valid anchors in the batch, spread evenly over its rows (0: every slot a row can fill); "
+                             "the smollm2-quality recipe's micro-batches hold 1,583 of 2,048 on average")
     parser.add_argument("--flex-options", default="", help="JSON kernel_options for flex (see bench/flex_tuning.py)")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile after timing")
     parser.add_argument("--profile-dir", default=".")
@@ -290,6 +307,9 @@ def main() -> int:
     graph_modes = comma_choices(parser, "--cuda-graphs", args.cuda_graphs, ("on", "off"))
     gradient_modes = comma_choices(parser, "--gradients", args.gradients, ("handed-over", "buffers"))
     master_modes = comma_choices(parser, "--master-weights", args.master_weights, ("off", "on"))
+    pack_modes = comma_choices(parser, "--pack-anchors", args.pack_anchors, ("off", "on"))
+    if args.valid_anchors < 0:
+        parser.error(f"--valid-anchors {args.valid_anchors}: must be 0 (all) or more")
     results = []
     for name in args.configs.split(","):
         if name not in SPECFORGE and name not in RECIPE_SHAPES:
@@ -299,31 +319,32 @@ def main() -> int:
             shape = {"batch": shape["batch"], "seq": shape["seq"] // 16, "anchors": shape["anchors"] // 16}
         for arch in archs:
             for mode in modes:
-                runs = [(a, g, m, w) for a in attentions for g in graph_modes for m in gradient_modes for w in master_modes]
-                for attention, graphs, gradients, master in runs:
+                runs = [(a, g, m, w, p) for a in attentions for g in graph_modes for m in gradient_modes
+                        for w in master_modes for p in pack_modes]
+                for attention, graphs, gradients, master, pack in runs:
                     if graphs == "on" and gradients != gradient_modes[0]:
                         continue  # graphs always hold buffers: one run
                     try:
                         result = run_config(name, dims, shape, args, device, mode, graphs, arch, gradients, attention,
-                                            master)
+                                            master, pack)
                     except Exception as error:  # noqa: BLE001 - report and go on with the next config
                         result = {"config": name, "arch": arch, "fp8": mode, "cuda_graphs": graphs, "gradients": gradients,
-                                  "attention": attention, "master_weights": master,
+                                  "attention": attention, "master_weights": master, "pack_anchors": pack,
                                   "error": f"{type(error).__name__}: {error}"}
                     results.append(result)
                     print(json.dumps(result), flush=True)
                     gc.collect()  # the drafter and its optimizer sit in reference cycles: else the next
                     if device.type == "cuda":  # config's peak memory counts them
                         torch.cuda.empty_cache()
-    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'attn':>6}{'mw':>4}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
+    print(f"\n{'cfg':<4}{'arch':>8}{'fp8':>5}{'graph':>6}{'grads':>8}{'attn':>6}{'mw':>4}{'pack':>5}{'ms/step':>9}{'pipel.':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}{'samp/s':>9}"
           f"{'peakGB':>8}{'TFLOP':>7}{'MFU':>7}{'vs SF':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}"
-                  f"{r['master_weights']:>4} error: {r['error']}")
+                  f"{r['master_weights']:>4}{r['pack_anchors']:>5} error: {r['error']}")
             continue
         print(f"{r['config']:<4}{r['arch']:>8}{r['fp8']:>5}{r['cuda_graphs']:>6}{r['gradients'][:7]:>8}{r['attention']:>6}{r['master_weights']:>4}"
-              f"{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
+              f"{r['pack_anchors']:>5}{r['ms_per_step']:>9.1f}{r['pipelined_ms']:>8.1f}"
               f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}{r['samples_per_s']:>9.2f}{r['peak_gb']:>8.1f}{r['tflop_per_step']:>7.1f}"
               f"{r['mfu'] * 100:>6.1f}%{r.get('speedup_vs_specforge', float('nan')):>6.2f}x")
@@ -340,10 +361,10 @@ def main() -> int:
             graphs = ", graphed" if r["cuda_graphs"] == "on" else ""
             print(f"drafter-step {r['config']} {r['arch']} ({args.dims}{mode}{graphs}{flash_mark(r)}): {r['ms_per_step']:.1f} ms, "
                   f"{r['pipelined_ms']:.1f} ms back to back, {r['samples_per_s']:.1f} samples/s")
-    by_key = {(r["config"], r["arch"], r["fp8"], r["attention"], r["master_weights"], r["cuda_graphs"]): r
+    by_key = {(r["config"], r["arch"], r["fp8"], r["attention"], r["master_weights"], r["pack_anchors"], r["cuda_graphs"]): r
               for r in results if "error" not in r}
-    for (config_name, arch, fp8_mode, attention, master, graphs), r in by_key.items():
-        eager = by_key.get((config_name, arch, fp8_mode, attention, master, "off"))
+    for (config_name, arch, fp8_mode, attention, master, pack, graphs), r in by_key.items():
+        eager = by_key.get((config_name, arch, fp8_mode, attention, master, pack, "off"))
         named = config_name + ("" if arch == "dflash" else f" {arch}")
         if graphs == "on" and eager is not None:
             print(f"graphed drafter-step {named} ({args.dims}{'' if fp8_mode == 'off' else ', --fp8 ' + fp8_mode}{flash_mark(r)}): "

@@ -189,6 +189,8 @@ for name in "${stages[@]}"; do
             [ -n "${MASTER:-}" ] && EDITS+=(-e "/^\[train\]\$/a master_weights = \"$MASTER\"")
             [ -n "${ARCH:-}" ] && EDITS+=(-e "/^arch = /d" -e "s|^\[train\]\$|[train]\narch = \"$ARCH\"|")
             [ -n "${BUCKETS:-}" ] && EDITS+=(-e "s|^seq_buckets = .*|seq_buckets = [$BUCKETS]|")
+            # PACK=on trains with --pack-anchors on (no padded anchor slots; compare its train time and tau with a run without).
+            [ -n "${PACK:-}" ] && EDITS+=(-e "/^\[train\]\$/a pack_anchors = \"$PACK\"")
             [ -n "${STEPS:-}" ] && EDITS+=(-e "s|^steps = .*|steps = $STEPS|")
             [ -n "${PROMPT_COUNT:-}" ] && EDITS+=(-e "/^\[prompts\]/,/^\[/s|^count = .*|count = $PROMPT_COUNT|")
             [ -n "${SELF_PROMPTS:-}" ] && EDITS+=(-e "/^\[self_prompts\]/,/^\[/s|^count = .*|count = $SELF_PROMPTS|")
@@ -229,6 +231,12 @@ for name in "${stages[@]}"; do
         # The pipeline's warm-up ahead on CUDA (the train stage's compiles all cache hits) and the tiny recipe on the GPU.
         warm-ahead-tests) stage warm-ahead-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/e2e/test_pipeline_warm_ahead.py tests/e2e/test_commands_pipeline.py ;;
+        # Packed anchors (train --pack-anchors): the recipe's step graphed at its micro-batches' mean fill, padded and packed,
+        # then the GPU test (every capacity captured, losses follow the padded run's).
+        step-packed) stage step-packed ${STEP_LIMIT:-300} python3 bench/drafter_step.py --dims smollm2 --configs S --head fused \
+            --cuda-graphs on --valid-anchors ${VALID_ANCHORS:-1583} --pack-anchors off,on --json "$OUT/step_packed.json"
+            stage packed-tests ${TESTS_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/gpu/test_train_step_graphs_gpu.py -k packed ;;
         # The fused head kernel against the reference, its slice maxima (DFlash2's candidates) and its probe included.
         head-kernel-tests) stage head-kernel-tests ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/gpu/test_core_head_kernel_gpu.py ;;

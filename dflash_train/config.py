@@ -619,6 +619,7 @@ class ParallelSettings(Section):
     cuda_graphs: str = option("auto", "capture each bucket's training step and target forward in CUDA graphs before step 1: auto (on CUDA, eager where a capture is refused), on, off", choices=ON_OFF, per_node=True)
     fp8: str = option("off", "FP8 matmuls in training: off, head (frozen LM head), all (head and drafter linears); see docs/PERF.md", choices=FP8_CHOICES)
     master_weights: str = option("off", "bf16 drafter parameters with float32 master weights in the optimizer (needs bf16 and --grad-accum 1): on or off; saves the weight and gradient casts, 7-10 ms a step at the Qwen3-8B shape on an H100 (docs/PERF.md)", choices=("on", "off"))
+    pack_anchors: str = option("off", "run each micro-batch's rows end to end with only their valid anchors (no padded anchor slots; the same loss, metrics and gradients to float summation order): on or off; one compiled and captured shape per whole rows' worth of anchor slots (docs/PERF.md)", choices=("on", "off"))
     prefetch: int = option(2, "batches queued per drafter (backpressure bound)", at_least=1, per_node=True)
     fail_on_recompile: bool = option(False, "error on any compile after the warm-up (default: that call runs eagerly)")
     # several nodes: one process per node under torchrun (parallel/nodes.py)

@@ -290,18 +290,23 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         mask: Any,
+        row_length: int | None = None,
     ) -> torch.Tensor:
         """Training forward over N blocks at once.
 
         target_features [b, S, n·hidden]; block_embeds [b, N·B, hidden];
-        block_positions [b, N·B]; mask: the DFlash mask for (anchors, S, B).
+        block_positions [b, N·B]; mask: the DFlash mask for (anchors, S, B); row_length: the
+        length of the rows a packed context lays end to end (each starts again at position 0).
         Returns the final hidden states [b, N·B, hidden] (before the LM head).
         """
         if target_features.dtype != self.fc.weight.dtype and not torch.is_autocast_enabled(target_features.device.type):
             target_features = target_features.to(self.fc.weight.dtype)  # e.g. a float32 drafter on a bf16 target
         context = self.hidden_norm(self.fc(target_features))
         b, context_len, _ = context.shape
-        context_positions = torch.arange(context_len, device=context.device).expand(b, context_len)
+        context_positions = torch.arange(context_len, device=context.device)
+        if row_length is not None:
+            context_positions = context_positions % row_length
+        context_positions = context_positions.expand(b, context_len)
         cos_ctx, sin_ctx = self.rope(context_positions)
         cos, sin = self.rope(block_positions)
         x = block_embeds

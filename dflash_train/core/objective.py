@@ -63,13 +63,17 @@ def draw_anchors(
 
 
 def block_labels(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int,
+    row_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [b, N, B] (token at a + k) and label_valid [b, N, B] (scored slots)."""
+    """labels [b, N, B] (token at a + k) and label_valid [b, N, B] (scored slots). `row_length`:
+    the rows a packed micro-batch lays end to end (`step.pack_rows`); a label past its anchor's
+    row is not scored (None: each row of input_ids is one row)."""
     seq_len = input_ids.shape[1]
+    row_length = row_length or seq_len
     offsets = torch.arange(block_size, device=anchors.device)
     positions = anchors[..., None] + offsets  # [b, N, B]
-    inside = positions < seq_len
+    inside = (anchors % row_length)[..., None] + offsets < row_length
     clamped = positions.clamp(max=seq_len - 1)
     labels = torch.gather(input_ids, 1, clamped.flatten(1)).view_as(positions)
     supervised = torch.gather(loss_mask.bool(), 1, clamped.flatten(1)).view_as(positions)
@@ -442,6 +446,7 @@ class ObjectiveConfig:
     compiled_head: bool = False  # compile the frozen-head CE chunk (GPU training)
     fused_head: bool = False  # core/head_kernel.py's softmax kernel instead (GPU training, where its probe passed)
     fp8_head: bool = False  # frozen-head products in FP8 (core/fp8.py)
+    pack_anchors: bool = False  # the step runs each micro-batch packed (step.pack_rows): no padded anchor slots
     # DFlash2 drafters: the candidate selector's cross-entropy over the head's top-k, teacher forced
     # (the true previous token as predecessor), weighted like the slot's backbone CE times this.
     selector_weight: float = 1.0

@@ -6,6 +6,7 @@ through the frozen LM head, and updates the drafter. `Step` holds one replica's 
 (gradients, sums, lr tensors, the output buffer) and its phases:
 
     Step.accumulate(batch)      for each micro-batch:
+        (packed)       its rows end to end with only their valid anchors (`pack_rows`)
         block inputs   = embed([anchor, MASK, ...]) at positions a, a+1, ..., a+B−1
         hidden         = drafter(target features, block inputs, DFlash mask)
         CE per slot    = chunked cross-entropy through the frozen head (scored slots only)
@@ -77,10 +78,50 @@ class DrafterBatch:
     anchor_valid: torch.Tensor  # [b, N] bool
     loss_normalizer: float  # the global batch's Σ w (decay) or sequence count (D-PACE)
     scored_rows: int | None = None  # number of scored block slots, counted on the host (None: count on the device)
+    row_length: int | None = None  # packed (`pack_rows`): one row holding rows of this length end to end
+    anchor_count: int | None = None  # number of valid anchors, counted on the host (None: count on the device)
 
     @property
     def inverse_normalizer(self) -> float:
         return inverse_normalizer(self.loss_normalizer)
+
+
+def pack_rows(batch: DrafterBatch, capacity: int) -> DrafterBatch:
+    """The micro-batch as one row: its b rows of S positions end to end (b·S context positions,
+    each row's positions starting again at 0) and only its valid anchors, row r's anchor a as
+    r·S + a, in `capacity` slots. Padded anchor slots cost the drafter a whole block each; packed,
+    the drafter runs capacity blocks instead of b·N. The mask keeps each query inside its own row,
+    so the loss, metrics and gradients are the padded layout's (to float summation order).
+
+    `capacity` must hold the valid anchors (more are dropped: the caller knows the count on the
+    host); the rest of the slots are padding as before (anchor 0, invalid). No host sync."""
+    b, length = batch.input_ids.shape
+    device = batch.anchors.device
+    valid = batch.anchor_valid.flatten()
+    numbered = (batch.anchors + torch.arange(b, device=device)[:, None] * length).flatten()
+    take = padded_slot_index(valid, capacity)  # valid slots in order, then one past the last
+    anchors = torch.cat([numbered, numbered.new_zeros(1)]).index_select(0, take)
+    anchor_valid = torch.cat([valid, valid.new_zeros(1)]).index_select(0, take)
+    return DrafterBatch(
+        target_features=batch.target_features.reshape(1, b * length, batch.target_features.shape[-1]),
+        input_ids=batch.input_ids.reshape(1, b * length),
+        loss_mask=batch.loss_mask.reshape(1, b * length),
+        anchors=anchors[None], anchor_valid=anchor_valid[None],
+        loss_normalizer=batch.loss_normalizer, scored_rows=batch.scored_rows, row_length=length,
+        anchor_count=batch.anchor_count,
+    )
+
+
+def anchor_capacity(valid_anchors: int, num_anchors: int) -> int:
+    """The anchor slots a packed micro-batch runs: whole rows' worth of N slots, the fewest that hold
+    its valid anchors, so a batch of b rows has at most b packed shapes to compile and capture."""
+    return max(1, -(-valid_anchors // num_anchors)) * num_anchors
+
+
+def packed(batch: DrafterBatch, num_anchors: int) -> DrafterBatch:
+    """`pack_rows` at the capacity the batch's valid anchors need (counted on the host where given)."""
+    count = batch.anchor_count if batch.anchor_count is not None else int(batch.anchor_valid.sum())
+    return pack_rows(batch, anchor_capacity(count, num_anchors))
 
 
 @dataclass
@@ -115,13 +156,21 @@ def rows_buckets(max_rows: int, granule: int) -> list[int]:
 
 @dataclass(frozen=True)
 class InputShape:
-    """What one length bucket's buffers hold."""
+    """What one shape bucket's buffers hold: a length bucket's micro-batches, or (packed) one row
+    of batch_size rows of `row_length` with `num_anchors` slots."""
 
     batch_size: int
     length: int
     num_anchors: int
     feature_width: int
     feature_dtype: torch.dtype
+    row_length: int | None = None
+
+    @classmethod
+    def of(cls, batch: "DrafterBatch") -> "InputShape":
+        features = batch.target_features
+        return cls(features.shape[0], features.shape[1], batch.anchors.shape[1], features.shape[-1], features.dtype,
+                   batch.row_length)
 
 
 class StaticInputs:
@@ -132,7 +181,7 @@ class StaticInputs:
 
     def __init__(self, shape: InputShape, device: torch.device):
         b, length, n = shape.batch_size, shape.length, shape.num_anchors
-        self.shape = shape
+        self.shape, self.row_length = shape, shape.row_length
         self.target_features = torch.zeros(b, length, shape.feature_width, dtype=shape.feature_dtype, device=device)
         self.input_ids = torch.zeros(b, length, dtype=torch.long, device=device)
         self.loss_mask = torch.zeros(b, length, dtype=torch.bool, device=device)
@@ -142,7 +191,7 @@ class StaticInputs:
 
     def holds(self, batch: DrafterBatch) -> bool:
         return (tuple(batch.target_features.shape) == tuple(self.target_features.shape)
-                and tuple(batch.anchors.shape) == tuple(self.anchors.shape))
+                and tuple(batch.anchors.shape) == tuple(self.anchors.shape) and batch.row_length == self.row_length)
 
     def fill(self, batch: DrafterBatch) -> None:
         """Copy a micro-batch in, in stream order (no host sync)."""
@@ -251,17 +300,19 @@ def block_predictions(
     """The drafter's final hidden states [b, N·B, hidden] for every anchored block, with the
     labels [b, N, B] they predict and which of those are scored."""
     block_size = drafter.config.block_size
-    context_len = batch.input_ids.shape[1]
+    context_len, row_length = batch.input_ids.shape[1], batch.row_length
 
     block_ids = block_token_ids(batch.input_ids, batch.anchors, block_size, drafter.config.mask_token_id)
     block_embeds = embed_block_tokens(block_ids.flatten(1), frozen.embed_weight, frozen.embedding_scale)
     offsets = torch.arange(block_size, device=batch.anchors.device)
-    block_positions = (batch.anchors[..., None] + offsets).flatten(1)
+    positions_in_row = batch.anchors % row_length if row_length is not None else batch.anchors
+    block_positions = (positions_in_row[..., None] + offsets).flatten(1)
 
-    mask = make_mask(attention_backend, batch.anchors, context_len, block_size)
-    hidden = drafter(batch.target_features, block_embeds, block_positions, mask)
+    mask = make_mask(attention_backend, batch.anchors, context_len, block_size, row_length)
+    hidden = drafter(batch.target_features, block_embeds, block_positions, mask, row_length)
 
-    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size)
+    labels, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block_size,
+                                       row_length)
     return hidden, labels, label_valid
 
 
@@ -406,6 +457,8 @@ class Step:
         loss and metric sums add to what earlier micro-batches of the step left."""
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
+        if isinstance(batch, DrafterBatch):
+            batch = self.layout(batch)
         with autocast:
             loss, metrics = drafter_loss(self.drafter, self.frozen, batch, self.objective, self.attention_backend, rows)
         loss.backward()
@@ -413,6 +466,12 @@ class Step:
             self.loss_sum += loss.detach()
             for name in METRICS:
                 self.metric_sums[name] += metrics[name]
+
+    def layout(self, batch: DrafterBatch) -> DrafterBatch:
+        """The micro-batch as this step runs it: packed where the objective packs anchors."""
+        if self.objective.pack_anchors and batch.row_length is None:
+            return packed(batch, self.objective.num_anchors)
+        return batch
 
     def update(self) -> float:
         """Clip, check finite, AdamW, zero the gradients (`apply`), then the schedule's next lr;

@@ -60,6 +60,7 @@ class HostBatch:
     anchors: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per objective
     normalizers: dict[str, float] = field(default_factory=dict)  # per objective, global over the step
     scored_rows: dict[str, int] = field(default_factory=dict)  # per objective: block slots with a label
+    anchor_counts: dict[str, int] = field(default_factory=dict)  # per objective: valid anchor slots
 
     def pin(self) -> "HostBatch":
         # Pinned memory makes every host-to-device copy of the batch asynchronous: a copy from
@@ -187,6 +188,7 @@ class BatchPlanner:
             _, label_valid = block_labels(input_ids, loss_mask, anchors, valid, objective.block_size)
             batch.normalizers[key] = objective.normalizer(label_valid)
             batch.scored_rows[key] = int(label_valid.sum())
+            batch.anchor_counts[key] = int(valid.sum())
         return batch
 
 

@@ -99,7 +99,7 @@ def describe_drafters(plans: list[DrafterPlan], config: TrainConfig, target: Tar
             gamma=plan.config.objective.gamma, dpace_alpha=plan.config.objective.dpace_alpha, loss_chunk_rows=plan.config.objective.loss_chunk_rows,
             compiled_head=compiled_head,
             fused_head=compiled_head and uses_fused_head(plan, target.spec.final_logit_softcapping, log),
-            fp8_head=plan.config.parallel.fp8 != "off",
+            fp8_head=plan.config.parallel.fp8 != "off", pack_anchors=plan.config.parallel.pack_anchors == "on",
             selector_weight=plan.config.objective.selector_weight, selector_miss=plan.config.objective.selector_miss,
         )
         if plan.config.parallel.fp8 != "off":
@@ -127,7 +127,9 @@ def compile_gate(config: TrainConfig, layout: Layout, plans: list[DrafterPlan], 
     if not compiles:
         return None
     threads = max(sum(len(plan.devices) for plan in plans), len(layout.target_devices))
-    return CompileGate(recompile_limit=recompile_limit_for(len(shape_buckets(config)), threads),
+    # Packed anchors: up to one drafter shape per whole rows' worth of anchor slots in each length bucket.
+    shapes = len(shape_buckets(config)) * (config.optimizer.batch_size if config.parallel.pack_anchors == "on" else 1)
+    return CompileGate(recompile_limit=recompile_limit_for(shapes, threads),
                        after_warmup="fail" if config.parallel.fail_on_recompile else "eager")
 
 

@@ -155,6 +155,7 @@ class DrafterWorker(Worker):
             anchor_valid=anchor_valid.to(device, non_blocking=True),
             loss_normalizer=item.host.normalizers[key],
             scored_rows=item.host.scored_rows.get(key),
+            anchor_count=item.host.anchor_counts.get(key),
         )
         return batch, ready
 

@@ -3,13 +3,15 @@ before step 1, replayed after.
 
 Per replica, on top of its `Step`:
 
-    accumulate graph (L, R)   `Step.accumulate` of one micro-batch in length bucket L's buffers with
+    accumulate graph (L, R)   `Step.accumulate` of one micro-batch in shape bucket L's buffers with
                               R head rows: forward, chunked frozen-head loss and backward, adding into
-                              the persistent gradients; one per length bucket L and rows bucket R
+                              the persistent gradients; one per shape bucket L and rows bucket R. A
+                              shape bucket is a length bucket, or with packed anchors
+                              (`core.step.pack_rows`) a length bucket and an anchor capacity
     update graph              `Step.apply_update`: clip, finiteness, fused AdamW at the lr tensors,
                               zero the gradients
 
-A step copies each micro-batch into its length bucket's buffers and replays its graph (micro-batches
+A step copies each micro-batch into its shape bucket's buffers and replays its graph (micro-batches
 of one step may fall into different buckets); with replicas or nodes the loop sums the persistent
 gradients between the accumulates and the update, as it does eagerly. Replays run on the worker's
 current stream (its own: parallel/streams.py), the one its eager steps, the copies into the graphs'
@@ -19,7 +21,7 @@ step: the step's numbers are copied into pinned host memory and read when someon
 `MAX_AHEAD` steps ahead of the GPU (the wait is counted as waiting for the GPU).
 
 `prepare` (warm-up, in the worker's own thread, before step 1; train/startup.py runs one worker's
-warm-up at a time) does, per length bucket: one eager micro-batch on synthetic data (compiles the
+warm-up at a time) does, per shape bucket: one eager micro-batch on synthetic data (compiles the
 drafter forward, its backward and the head chunk), the captures, and a check that a replay on other
 data equals the eager micro-batch on that data. Warm-ups, captures and checks all run on one private
 stream (autograd caches each parameter's gradient stream: the capture's must be the warm-up's), the
@@ -55,7 +57,9 @@ from ..core.step import (
     StaticInputs,
     Step,
     StepResult,
+    anchor_capacity,
     fused_clip_and_step,
+    pack_rows,
     rows_bucket,
     rows_buckets,
 )
@@ -71,33 +75,45 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class StepShapes:
-    """The buckets a replica's micro-batches fall into: per length, its buffers and its rows buckets."""
+    """The buckets a replica's micro-batches fall into (`InputShape.of` the batch as the step runs
+    it), each with its rows buckets."""
 
-    inputs: dict[int, InputShape]
-    granules: dict[int, int]  # rows bucket granule per length
-    rows: dict[int, list[int]]
+    granules: dict[InputShape, int]  # rows bucket granule per shape bucket
+    rows: dict[InputShape, list[int]]
 
-    def rows_for(self, length: int, scored_rows: int) -> int:
-        return rows_bucket(scored_rows, self.granules[length])
+    @property
+    def inputs(self) -> list[InputShape]:
+        return sorted(self.rows, key=lambda shape: (shape.row_length or shape.length, shape.num_anchors))
+
+    def rows_for(self, shape: InputShape, scored_rows: int) -> int:
+        return rows_bucket(scored_rows, self.granules[shape])
 
 
 def step_shapes(
     lengths: list[int], batch_size: int, objective: ObjectiveConfig, feature_width: int, feature_dtype: torch.dtype,
     vocab_size: int,
 ) -> StepShapes:
-    """At most MAX_ROWS_GRAPHS rows buckets per length. With a compiled head they are multiples of its
-    chunk rows (it pads its last chunk to that size anyway, so rounding up adds no head work); with
-    an eager head, even steps of at most 1/MAX_ROWS_GRAPHS of the largest count."""
+    """Per length bucket one shape, or with packed anchors one per anchor capacity (whole rows'
+    worth of slots up to what the rows can hold). At most MAX_ROWS_GRAPHS rows buckets per shape.
+    With a compiled head they are multiples of its chunk rows (it pads its last chunk to that size
+    anyway, so rounding up adds no head work); with an eager head, even steps of at most
+    1/MAX_ROWS_GRAPHS of the largest count."""
     unit = head_chunk_rows(vocab_size, objective.loss_chunk_rows, True) if objective.compiled_head else 1
-    inputs, granules, rows = {}, {}, {}
+    granules, rows = {}, {}
     for length in sorted(set(lengths)):
-        max_rows = batch_size * min(objective.num_anchors, length - 1) * (objective.block_size - 1)
-        units = -(-max_rows // unit)
-        granule = unit * max(1, -(-units // MAX_ROWS_GRAPHS))
-        inputs[length] = InputShape(batch_size, length, objective.num_anchors, feature_width, feature_dtype)
-        granules[length] = granule
-        rows[length] = rows_buckets(max_rows, granule)
-    return StepShapes(inputs, granules, rows)
+        most_anchors = batch_size * min(objective.num_anchors, length - 1)
+        if objective.pack_anchors:
+            shapes = [InputShape(1, batch_size * length, capacity, feature_width, feature_dtype, length)
+                      for capacity in range(objective.num_anchors, anchor_capacity(most_anchors, objective.num_anchors) + 1,
+                                            objective.num_anchors)]
+        else:
+            shapes = [InputShape(batch_size, length, objective.num_anchors, feature_width, feature_dtype)]
+        for shape in shapes:
+            max_rows = min(most_anchors, shape.batch_size * shape.num_anchors) * (objective.block_size - 1)
+            units = -(-max_rows // unit)
+            granules[shape] = unit * max(1, -(-units // MAX_ROWS_GRAPHS))
+            rows[shape] = rows_buckets(max_rows, granules[shape])
+    return StepShapes(granules, rows)
 
 
 # --- the step's numbers, read later -------------------------------------------------------------
@@ -206,7 +222,20 @@ def _probe_update(device: torch.device) -> str | None:
 def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: int, device: torch.device,
                     variant: int) -> DrafterBatch:
     """A micro-batch of `shape` with scored slots, made without any random generator on the GPU
-    (the CUDA generator is process-wide and a capture in another thread would see its use)."""
+    (the CUDA generator is process-wide and a capture in another thread would see its use); a
+    packed shape's rows hold as many valid anchors as its capacity (or all they have)."""
+    if shape.row_length is not None:
+        rows = InputShape(shape.length // shape.row_length, shape.row_length, objective.num_anchors,
+                          shape.feature_width, shape.feature_dtype)
+        batch = synthetic_batch(rows, objective, vocab_size, device, variant)
+        kept = (batch.anchor_valid.flatten().cumsum(0) <= shape.num_anchors).view_as(batch.anchor_valid)
+        batch.anchor_valid &= kept
+        batch.anchors *= batch.anchor_valid
+        _, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
+                                      objective.block_size)
+        batch.loss_normalizer, batch.scored_rows = objective.normalizer(label_valid), int(label_valid.sum())
+        batch.anchor_count = int(batch.anchor_valid.sum())
+        return pack_rows(batch, shape.num_anchors)
     b, length, width = shape.batch_size, shape.length, shape.feature_width
     phase = 0.37 + 0.11 * variant
     features = torch.sin(torch.arange(b * length * width, device=device, dtype=torch.float32) * phase)
@@ -221,6 +250,7 @@ def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: i
     return DrafterBatch(
         features.view(b, length, width).to(shape.feature_dtype), input_ids.to(device), loss_mask.to(device),
         anchors.to(device), valid.to(device), objective.normalizer(label_valid), int(label_valid.sum()),
+        anchor_count=int(valid.sum()),
     )
 
 
@@ -239,9 +269,9 @@ class GraphedStep:
         self.name, self.step, self.shapes = name, step, shapes
         step.lr_from_tensors = True
         self.device = step.device
-        self.inputs = {length: StaticInputs(shape, self.device) for length, shape in shapes.inputs.items()}
+        self.inputs = {shape: StaticInputs(shape, self.device) for shape in shapes.inputs}
         self.capture_graphs = capture_graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.graphs: dict[tuple[InputShape, int], Any] = {}
         self.update_graph: Any = None
         self.classic_reason: str | None = None  # captured updates refused: the plain eager step runs
         self.eager_reasons: dict[str, str] = {}  # bucket -> why it runs eagerly
@@ -285,8 +315,8 @@ class GraphedStep:
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self.step.skip_update()  # the optimizer's state exists (and its update compiled) before any capture
-            for length in sorted(self.inputs):
-                self._prepare_length(length, say)
+            for shape in self.shapes.inputs:
+                self._prepare_shape(shape, say)
             self._prepare_update()
             self.step.reset()
         current.wait_stream(self.stream)
@@ -303,8 +333,8 @@ class GraphedStep:
         finally:
             self.capture_s += time.perf_counter() - started
 
-    def _prepare_length(self, length: int, say: Say) -> None:
-        step, inputs, rows = self.step, self.inputs[length], self.shapes.rows[length]
+    def _prepare_shape(self, shape: InputShape, say: Say) -> None:
+        step, inputs, rows, bucket = self.step, self.inputs[shape], self.shapes.rows[shape], bucket_name(shape)
         largest = rows[-1]
         started = time.perf_counter()
         inputs.fill(synthetic_batch(inputs.shape, step.objective, self.vocab_size, self.device, 0))
@@ -315,19 +345,19 @@ class GraphedStep:
         captured_before = self.capture_s
         checked = self._capture(lambda: step.accumulate(inputs, largest),
                                 lambda graph, _: self._replay_mismatch(graph, inputs, largest))
-        if checked.reason is not None:  # no graph for this length: its steps run eagerly
-            self.eager_reasons[f"length {length}"] = checked.reason
-            say(f"length {length}: compiled in {time.perf_counter() - started:.1f}s, not captured ({checked.reason})")
+        if checked.reason is not None:  # no graph for this shape: its steps run eagerly
+            self.eager_reasons[bucket] = checked.reason
+            say(f"{bucket}: compiled in {time.perf_counter() - started:.1f}s, not captured ({checked.reason})")
             return
-        self.graphs[(length, largest)] = checked.graph
+        self.graphs[(shape, largest)] = checked.graph
         for count in rows[:-1]:  # the same function as the checked graph, at fewer rows
             captured = self._capture(lambda count=count: step.accumulate(inputs, count), None)
             if captured.reason is None:
-                self.graphs[(length, count)] = captured.graph
+                self.graphs[(shape, count)] = captured.graph
             else:
-                self.eager_reasons[f"length {length} rows {count}"] = captured.reason
-        say(f"length {length}: compiled in {time.perf_counter() - started - (self.capture_s - captured_before):.1f}s, "
-            f"{sum(1 for k in self.graphs if k[0] == length)}/{len(rows)} rows buckets captured in "
+                self.eager_reasons[f"{bucket} rows {count}"] = captured.reason
+        say(f"{bucket}: compiled in {time.perf_counter() - started - (self.capture_s - captured_before):.1f}s, "
+            f"{sum(1 for k in self.graphs if k[0] == shape)}/{len(rows)} rows buckets captured in "
             f"{self.capture_s - captured_before:.1f}s")
 
     def _replay_mismatch(self, graph: Any, inputs: StaticInputs, rows: int) -> str | None:
@@ -395,17 +425,18 @@ class GraphedStep:
         if self.classic_reason is not None:
             self.step.accumulate(batch)
             return
-        length = batch.input_ids.shape[1]
-        inputs = self.inputs.get(length)
         if batch.scored_rows is None:
             raise ValueError("a graphed step needs the scored-slot count from the host (DrafterBatch.scored_rows)")
         with self._on_device():
-            if inputs is None or not inputs.holds(batch):
+            batch = self.step.layout(batch)
+            shape = next((shape for shape, inputs in self.inputs.items() if inputs.holds(batch)), None)
+            if shape is None:
                 self._accumulate_unprepared(batch)
                 return
-            rows = self.shapes.rows_for(length, batch.scored_rows)
+            rows = self.shapes.rows_for(shape, batch.scored_rows)
+            inputs = self.inputs[shape]
             inputs.fill(batch)
-            graph = self.graphs.get((length, rows))
+            graph = self.graphs.get((shape, rows))
             if graph is not None:
                 graph.replay()
             else:
@@ -413,8 +444,7 @@ class GraphedStep:
 
     def _accumulate_unprepared(self, batch: DrafterBatch) -> None:
         """A shape no bucket was prepared for (not in a pipeline run): eagerly, with buffers of its own."""
-        shape = InputShape(batch.input_ids.shape[0], batch.input_ids.shape[1], batch.anchors.shape[1],
-                           batch.target_features.shape[-1], batch.target_features.dtype)
+        shape = InputShape.of(batch)
         if shape not in self._unprepared_warned:
             self._unprepared_warned.add(shape)
             warnings.warn(f"CUDA graphs: {self.name} got a micro-batch of {shape}, which no bucket was prepared for; "
@@ -455,22 +485,29 @@ class GraphedStep:
 # --- eager runs compile up front too ---------------------------------------------------------------
 
 def warm_compile(step: Step, shapes: StepShapes, say: Say) -> str:
-    """The eager step's compiles, done before step 1: one `Step.accumulate` per length bucket on
+    """The eager step's compiles, done before step 1: one `Step.accumulate` per shape bucket on
     synthetic data, gradients and sums zeroed after (no weight, no optimizer state changes)."""
     device, vocab = step.device, step.frozen.head_weight.shape[0]
     started = time.perf_counter()
-    for length, shape in sorted(shapes.inputs.items()):
+    for shape in shapes.inputs:
         bucket_started = time.perf_counter()
         try:
             step.accumulate(synthetic_batch(shape, step.objective, vocab, device, 0))
         except Exception as error:  # noqa: BLE001 - its steps run uncompiled instead (compile_gate.py)
-            warnings.warn(f"warm-up: length {length} did not compile up front ({error_summary(error)}); "
+            warnings.warn(f"warm-up: {bucket_name(shape)} did not compile up front ({error_summary(error)}); "
                           "its steps run uncompiled (--fail-on-recompile: the first one stops the run)", stacklevel=2)
             continue
         finally:
             step.reset()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        say(f"length {length}: compiled in {time.perf_counter() - bucket_started:.1f}s")
+        say(f"{bucket_name(shape)}: compiled in {time.perf_counter() - bucket_started:.1f}s")
     step.skip_update()  # the optimizer's state, and a compiled update's compile (master weights), before step 1
-    return f"eager step, {len(shapes.inputs)} length bucket(s) compiled in {time.perf_counter() - started:.1f}s"
+    return f"eager step, {len(shapes.inputs)} shape bucket(s) compiled in {time.perf_counter() - started:.1f}s"
+
+
+def bucket_name(shape: InputShape) -> str:
+    """How the warm-up's lines name a shape bucket."""
+    if shape.row_length is None:
+        return f"length {shape.length}"
+    return f"length {shape.row_length}, {shape.num_anchors} packed anchors"

@@ -39,14 +39,21 @@ def random_drafter(config: DrafterConfig, device, *, compiled: bool, fp8: str = 
 
 
 def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device, dtype, seed: int = 0,
-               host_count: bool = True):
+               host_count: bool = True, valid_anchors: int | None = None):
+    """`valid_anchors`: that many valid anchors in all, spread evenly over the rows (each row's
+    drawn at random among its positions), the rest of the slots padded; None: every slot valid
+    where the row has the positions."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size - 1, (batch, seq), generator=generator)
     loss_mask = torch.zeros(batch, seq, dtype=torch.bool)
     loss_mask[:, int(0.2 * seq):] = True
-    drawn = [draw_anchors(loss_mask[i], anchors, seed=seed, sample_id=i, epoch=0) for i in range(batch)]
-    anchor_pos = torch.stack([a for a, _ in drawn])
-    anchor_valid = torch.stack([v for _, v in drawn])
+    per_row = [anchors] * batch if valid_anchors is None else [
+        min(anchors, valid_anchors // batch + (i < valid_anchors % batch)) for i in range(batch)]
+    drawn = [draw_anchors(loss_mask[i], per_row[i], seed=seed, sample_id=i, epoch=0) for i in range(batch)]
+    anchor_pos = torch.zeros(batch, anchors, dtype=torch.long)
+    anchor_valid = torch.zeros(batch, anchors, dtype=torch.bool)
+    for i, (positions, valid) in enumerate(drawn):
+        anchor_pos[i, :len(positions)], anchor_valid[i, :len(valid)] = positions, valid
     objective = ObjectiveConfig(block_size=config.block_size, num_anchors=anchors)
     _, label_valid = block_labels(ids, loss_mask, anchor_pos, anchor_valid, config.block_size)
     features = torch.randn(batch, seq, len(config.target_layer_ids) * config.hidden_size, generator=generator)
@@ -54,5 +61,6 @@ def make_batch(config: DrafterConfig, batch: int, seq: int, anchors: int, device
         features.to(device, dtype), ids.to(device), loss_mask.to(device), anchor_pos.to(device),
         anchor_valid.to(device), objective.normalizer(label_valid),
         scored_rows=int(label_valid.sum()) if host_count else None,
+        anchor_count=int(anchor_valid.sum()) if host_count else None,
     )
     return drafter_batch, objective, anchor_valid

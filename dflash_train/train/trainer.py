@@ -184,6 +184,7 @@ def layout_line(run: Run, pipeline: Pipeline) -> str:
         f"N={p.objective.num_anchors}, loss={p.objective.loss}, layers {p.drafter_config.target_layer_ids} "
         f"on {', '.join(map(str, p.devices))}, attention {'/'.join(sorted({backends[d] for d in p.devices}))}"
         + (", master weights" if p.config.parallel.master_weights == "on" else "")
+        + (", anchors packed" if p.objective.pack_anchors else "")
         for p in plans
     )
     planner = pipeline.planner

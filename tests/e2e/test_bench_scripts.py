@@ -216,11 +216,12 @@ def test_drafter_step_times_the_recipe_step_of_both_drafters_and_profiles_it(tmp
 @pytest.mark.parametrize("flag,values,rows", [
     ("--gradients", ["handed-over", "buffers"], r"^A +dflash +off +off +handed- .*\n^A +dflash +off +off +buffers "),
     ("--master-weights", ["off", "on"], r"^A +dflash +off +off +handed- +sdpa +off .*\n^A +dflash +off +off +handed- +sdpa +on "),
+    ("--pack-anchors", ["off", "on"], r"^A +dflash +off +off +handed- +sdpa +off +off .*\n^A +dflash +off +off +handed- +sdpa +off +on "),
 ])
 def test_drafter_step_times_each_way_of_a_step_option_in_its_own_row(tmp_path, flag, values, rows):
     """bench/drafter_step.py with both values of --gradients (the backward's own gradient tensors
-    or persistent buffers) or of --master-weights (float32 parameters, or bf16 ones with float32
-    masters) at the tiny Qwen3-8B-shaped config A: a row each, recorded under its value, each
+    or persistent buffers), of --master-weights (float32 parameters, or bf16 ones with float32
+    masters) or of --pack-anchors (padded or packed anchor slots) at the tiny Qwen3-8B-shaped config A: a row each, recorded under its value, each
     step clipped on a real gradient norm (a zero norm is an update that saw no gradients), the
     table naming each run's value; a value the flag does not know stops it."""
     out = tmp_path / "step.json"

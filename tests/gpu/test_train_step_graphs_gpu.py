@@ -552,3 +552,25 @@ def test_train_with_master_weights_captures_its_graphs_and_follows_float32_param
         assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(losses[name], losses["float32"])), (name, losses)
     weights = load_file(str(latest_checkpoint(tmp_path / "graphed") / "drafter.safetensors"))
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def test_train_with_packed_anchors_captures_every_capacity_and_follows_the_padded_run(tmp_path):
+    """`--pack-anchors on` on the GPU under CUDA graphs: the warm-up compiles and captures one
+    shape per whole rows' worth of anchor slots in each length bucket (nothing compiles after it:
+    --fail-on-recompile), no micro-batch falls outside them, and the losses follow the padded
+    graphed run's within the spread bf16 allows."""
+    target = _target(torch.bfloat16)
+    samples = pattern_samples(64, min_len=30, max_len=250)
+    losses = {}
+    for pack in ("off", "on"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = train(_pipeline_config(tmp_path / pack, num_anchors=96, cuda_graphs="on", fail_on_recompile=True,
+                                             pack_anchors=pack),
+                            samples=samples, target=target, log=open(os.devnull, "w"))
+        assert not [str(w.message) for w in caught if "CUDA graphs" in str(w.message)], pack
+        notes = summary["startup"]["warmup_notes"]["drafter-0"]
+        assert "graphs captured" in notes and "eager" not in notes, notes
+        losses[pack] = [json.loads(line)["loss"] for line in (tmp_path / pack / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["on"]) == len(losses["off"]) == 24
+    assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(losses["on"], losses["off"])), losses

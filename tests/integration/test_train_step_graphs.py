@@ -81,7 +81,8 @@ def _steps(target, objective, *, steps, batches_per_step, batch_size=4, seed=0):
         for host in planner.step_batches(step):
             anchors, valid = host.anchors["d"]
             micro.append(DrafterBatch(target.features(host.input_ids, LAYERS), host.input_ids, host.loss_mask, anchors,
-                                      valid, host.normalizers["d"], host.scored_rows["d"]))
+                                      valid, host.normalizers["d"], host.scored_rows["d"],
+                                      anchor_count=host.anchor_counts["d"]))
         out.append(micro)
     return out
 
@@ -118,11 +119,12 @@ def test_rows_buckets_hold_every_count_of_every_planned_batch(target):
     shapes = step_shapes(BUCKETS, 4, objective, 128, torch.float32, target.spec.vocab_size)
     for micro in _steps(target, objective, steps=12, batches_per_step=2):
         for batch in micro:
-            length = batch.input_ids.shape[1]
-            rows = shapes.rows_for(length, batch.scored_rows)
-            assert batch.scored_rows <= rows and rows in shapes.rows[length]
+            shape = InputShape.of(batch)
+            rows = shapes.rows_for(shape, batch.scored_rows)
+            assert batch.scored_rows <= rows and rows in shapes.rows[shape]
     wide = step_shapes([4096], 64, ObjectiveConfig(block_size=16, num_anchors=512, loss_chunk_rows=64), 8, torch.float32, 100)
-    assert len(wide.rows[4096]) <= 48 and wide.rows[4096][-1] >= 64 * 512 * 15
+    [shape] = wide.inputs
+    assert len(wide.rows[shape]) <= 48 and wide.rows[shape][-1] >= 64 * 512 * 15
 
 
 def test_padded_slot_index_is_nonzero_static_with_a_dump_slot():
@@ -541,8 +543,8 @@ def _warm_up_on_cpu(graphed, monkeypatch, capture):
     monkeypatch.setattr(graph_capture, "capture", capture)
     graphed.stream = _Stream()
     graphed.step.skip_update()
-    for length in sorted(graphed.inputs):
-        graphed._prepare_length(length, lambda line: None)
+    for shape in graphed.shapes.inputs:
+        graphed._prepare_shape(shape, lambda line: None)
     graphed._prepare_update()
     graphed.step.reset()
 
@@ -561,9 +563,11 @@ def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_grap
         graphed = _graphed(target, objective, drafter, optimizer, scheduler)
         before = [p.detach().clone() for p in drafter.parameters()]
 
+        baked_shape = next((shape for shape in graphed.inputs if shape.length == baked_length), None)
+
         def capture(fn, device, stream, pool=None):
-            baked = _captures_length(graphed, fn, baked_length)
-            return _EagerGraph(fn, [graphed.inputs[baked_length].target_features] if baked else None), None
+            baked = _captures_shape(graphed, fn, baked_shape)
+            return _EagerGraph(fn, [graphed.inputs[baked_shape].target_features] if baked else None), None
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -580,7 +584,7 @@ def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_grap
         else:
             assert list(graphed.eager_reasons) == [f"length {baked_length}"], graphed.eager_reasons
             assert "replay differs" in graphed.eager_reasons[f"length {baked_length}"]
-            assert not any(key[0] == baked_length for key in graphed.graphs)
+            assert not any(key[0] == baked_shape for key in graphed.graphs)
             assert len([w for w in caught if "CUDA graphs" in str(w.message)]) == 1
         ref_step = _eager(target, objective, reference, *_trainer(target, objective, reference))
         for micro in steps:
@@ -590,12 +594,12 @@ def test_the_warm_up_changes_no_weight_and_its_replay_check_catches_a_baked_grap
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _captures_length(graphed, fn, length):
-    """Whether `fn` (a lambda around Step.accumulate) reads `length`'s buffers."""
-    if length is None:
+def _captures_shape(graphed, fn, shape):
+    """Whether `fn` (a lambda around Step.accumulate) reads `shape`'s buffers."""
+    if shape is None:
         return False
     cells = [c.cell_contents for c in (fn.__closure__ or ())]
-    return any(cell is graphed.inputs[length] for cell in cells)
+    return any(cell is graphed.inputs[shape] for cell in cells)
 
 
 def test_static_step_with_fp8_products_follows_the_classic_fp8_step(target):

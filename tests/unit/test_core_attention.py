@@ -94,12 +94,12 @@ def test_flex_gradients_equal_sdpa_on_gpu(context_len, block_size, num_anchors, 
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-def _effective_mask(mask, anchors, context_len, block_size, tile):
+def _effective_mask(mask, anchors, context_len, block_size, tile, row_length=None):
     """What flex computes with `mask`: full tiles all True, partial tiles filtered by mask_mod,
     unlisted tiles False. Fails on a listed tile twice or a 'full' tile that is not full."""
     batch, num = anchors.shape
     queries, keys = num * block_size, context_len + num * block_size
-    dense = dense_mask(anchors, context_len, block_size)[:, 0]
+    dense = dense_mask(anchors, context_len, block_size, row_length)[:, 0]
     out = torch.zeros(batch, queries, keys, dtype=torch.bool)
     for b in range(batch):
         for qt in range(mask.kv_num_blocks.shape[2]):
@@ -130,6 +130,60 @@ def test_closed_form_block_mask_equals_the_mask_definition():
         for tile in (128, 16):
             got, want = _effective_mask(block_mask(anchors, context, block, tile=tile), anchors, context, block, tile)
             assert torch.equal(got, want), (block, context, num, tile)
+
+
+def _packed_anchors(rows, row_length, slots, counts, seed):
+    """Every row's anchors numbered in the packed context (row r's anchor a as r·row_length + a),
+    in order, then padded slots (0) up to `slots`: what step.pack_rows makes."""
+    per_row = _anchors(rows, max(max(counts), 1), row_length, counts, seed)
+    numbered = [per_row[r, :count] + r * row_length for r, count in enumerate(counts)]
+    anchors = torch.zeros(1, slots, dtype=torch.long)
+    packed = torch.cat(numbered)
+    anchors[0, : len(packed)] = packed
+    return anchors
+
+
+def test_packed_mask_keeps_each_query_inside_its_own_row():
+    # two rows of 5; anchors at 3 (row 0) and 5 + 2 (row 1), blocks of 2
+    mask = dense_mask(torch.tensor([[3, 7]]), context_len=10, block_size=2, row_length=5)[0, 0]
+    assert mask[:2, :10].tolist() == [[True] * 3 + [False] * 7] * 2
+    assert mask[2:, :10].tolist() == [[False] * 5 + [True] * 2 + [False] * 3] * 2
+    assert mask[:, 10:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+def test_closed_form_block_mask_of_packed_rows_equals_the_mask_definition():
+    """Query tiles inside one row, across rows, with padded slots after the last row's; rows of
+    lengths that are and are not multiples of the tile."""
+    from dflash_train.core.attention import block_mask
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        block = int(torch.randint(2, 20, (1,), generator=generator))
+        rows = int(torch.randint(1, 5, (1,), generator=generator))
+        row_length = int(torch.randint(3, 300, (1,), generator=generator))
+        counts = [int(torch.randint(0, min(30, row_length - 1) + 1, (1,), generator=generator)) for _ in range(rows)]
+        slots = sum(counts) + int(torch.randint(0, 6, (1,), generator=generator))
+        if slots == 0:
+            continue
+        anchors = _packed_anchors(rows, row_length, slots, counts, seed=int(torch.randint(0, 10**6, (1,), generator=generator)))
+        context = rows * row_length
+        for tile in (128, 16):
+            mask = block_mask(anchors, context, block, tile=tile, row_length=row_length)
+            got, want = _effective_mask(mask, anchors, context, block, tile, row_length)
+            assert torch.equal(got, want), (block, rows, row_length, counts, tile)
+
+
+def test_closed_form_block_mask_of_packed_rows_in_flex_equals_sdpa():
+    from dflash_train.core.attention import block_mask
+
+    row_length, block_size, counts = 200, 16, [9, 2, 0, 7]
+    anchors = _packed_anchors(len(counts), row_length, 20, counts, seed=21)
+    context, queries = len(counts) * row_length, 20 * block_size
+    q, k, v = _random_qkv(1, 4, 2, queries, context + queries, 16, seed=8)
+    mask = block_mask(anchors, context, block_size, row_length=row_length)
+    got = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
+    want = attend(q, k, v, dense_mask(anchors, context, block_size, row_length), scale=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("context_len,block_size,num_anchors,valid", CASES)

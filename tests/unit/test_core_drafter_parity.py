@@ -116,7 +116,7 @@ def test_training_loss_equals_loss_of_inference_predictions(setup, host_count):
 # --- the checks above catch the classic off-by-one bugs -------------------------------------
 
 def test_parity_check_catches_anchor_visible_to_its_own_block(setup, monkeypatch):
-    def leaky_mask_mod(anchors, context_len, block_size):
+    def leaky_mask_mod(anchors, context_len, block_size, row_length=None):
         def mask_mod(b, h, q_idx, kv_idx):
             block = q_idx // block_size
             sees_context = kv_idx <= anchors[b, block]  # the bug: the anchor's own state
@@ -133,7 +133,7 @@ def test_loss_check_catches_labels_shifted_by_one(setup, monkeypatch):
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     correct = _training_loss(target, drafter, ids, loss_mask)
 
-    def shifted_labels(input_ids, mask, anchors, anchor_valid, block_size):
+    def shifted_labels(input_ids, mask, anchors, anchor_valid, block_size, row_length=None):
         labels, valid = block_labels(input_ids, mask, anchors, anchor_valid, block_size)
         shifted = torch.roll(input_ids, -1, dims=1)  # the bug: slot k scored against a + k + 1
         positions = (anchors[..., None] + torch.arange(block_size)).clamp(max=input_ids.shape[1] - 1)
