@@ -83,7 +83,6 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
     device = anchors.device
     q_tiles, kv_tiles = -(-queries // tile), -(-keys // tile)
     query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
-    row_start = query_anchor - query_anchor % row_length if row_length is not None else torch.zeros_like(query_anchor)
     pad = q_tiles * tile - queries
 
     def per_tile(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
@@ -91,7 +90,11 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, tile: i
         return padded.amin(-1) if reduce == "min" else padded.amax(-1)
 
     lo, hi = per_tile(query_anchor, context_len, "min"), per_tile(query_anchor, 0, "max")  # fills beyond any anchor
-    first, last = per_tile(row_start, context_len, "min"), per_tile(row_start, 0, "max")
+    if row_length is None:  # one row: every query's row starts at 0
+        first = last = torch.zeros_like(lo)
+    else:
+        row_start = query_anchor - query_anchor % row_length
+        first, last = per_tile(row_start, context_len, "min"), per_tile(row_start, 0, "max")
     # Own-block key tiles of each query tile (same for every row): static, from shapes only.
     first_query = torch.arange(q_tiles, device=device) * tile
     last_query = torch.clamp(first_query + tile, max=queries) - 1
