@@ -224,18 +224,11 @@ def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: i
     """A micro-batch of `shape` with scored slots, made without any random generator on the GPU
     (the CUDA generator is process-wide and a capture in another thread would see its use); a
     packed shape's rows hold as many valid anchors as its capacity (or all they have)."""
-    if shape.row_length is not None:
-        rows = InputShape(shape.length // shape.row_length, shape.row_length, objective.num_anchors,
-                          shape.feature_width, shape.feature_dtype)
-        batch = synthetic_batch(rows, objective, vocab_size, device, variant)
-        kept = (batch.anchor_valid.flatten().cumsum(0) <= shape.num_anchors).view_as(batch.anchor_valid)
-        batch.anchor_valid &= kept
-        batch.anchors *= batch.anchor_valid
-        _, label_valid = block_labels(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
-                                      objective.block_size)
-        batch.loss_normalizer, batch.scored_rows = objective.normalizer(label_valid), int(label_valid.sum())
-        batch.anchor_count = int(batch.anchor_valid.sum())
-        return pack_rows(batch, shape.num_anchors)
+    capacity = None
+    if shape.row_length is not None:  # made as its rows, then packed
+        capacity = shape.num_anchors
+        shape = InputShape(shape.length // shape.row_length, shape.row_length, objective.num_anchors,
+                           shape.feature_width, shape.feature_dtype)
     b, length, width = shape.batch_size, shape.length, shape.feature_width
     phase = 0.37 + 0.11 * variant
     features = torch.sin(torch.arange(b * length * width, device=device, dtype=torch.float32) * phase)
@@ -246,12 +239,16 @@ def synthetic_batch(shape: InputShape, objective: ObjectiveConfig, vocab_size: i
     drawn = [draw_anchors(loss_mask[i], shape.num_anchors, seed=variant, sample_id=i, epoch=0) for i in range(b)]
     anchors = torch.stack([a for a, _ in drawn])
     valid = torch.stack([v for _, v in drawn])
+    if capacity is not None:  # the first `capacity` valid anchors, row by row
+        valid &= (valid.flatten().cumsum(0) <= capacity).view_as(valid)
+        anchors *= valid
     _, label_valid = block_labels(input_ids, loss_mask, anchors, valid, objective.block_size)
-    return DrafterBatch(
+    batch = DrafterBatch(
         features.view(b, length, width).to(shape.feature_dtype), input_ids.to(device), loss_mask.to(device),
         anchors.to(device), valid.to(device), objective.normalizer(label_valid), int(label_valid.sum()),
         anchor_count=int(valid.sum()),
     )
+    return batch if capacity is None else pack_rows(batch, capacity)
 
 
 # --- the graphed step ---------------------------------------------------------------------------
