@@ -70,10 +70,12 @@ def block_labels(
     the rows a packed micro-batch lays end to end (`step.pack_rows`); a label past its anchor's
     row is not scored (None: each row of input_ids is one row)."""
     seq_len = input_ids.shape[1]
-    row_length = row_length or seq_len
     offsets = torch.arange(block_size, device=anchors.device)
     positions = anchors[..., None] + offsets  # [b, N, B]
-    inside = (anchors % row_length)[..., None] + offsets < row_length
+    if row_length is None:
+        inside = positions < seq_len
+    else:
+        inside = (anchors % row_length)[..., None] + offsets < row_length
     clamped = positions.clamp(max=seq_len - 1)
     labels = torch.gather(input_ids, 1, clamped.flatten(1)).view_as(positions)
     supervised = torch.gather(loss_mask.bool(), 1, clamped.flatten(1)).view_as(positions)
