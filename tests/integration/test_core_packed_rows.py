@@ -150,9 +150,12 @@ def test_the_graphed_step_with_packed_anchors_follows_the_padded_classic_step(ta
         assert _relative(packed_opt.state[got]["exp_avg_sq"], classic_opt.state[want]["exp_avg_sq"]) < 1e-5, name
 
 
-def test_train_with_packed_anchors_follows_the_padded_run(tmp_path, target):
+@pytest.mark.parametrize("parallel", [{}, {"drafter_devices": ["cpu", "cpu"], "grad_accum": 2}],
+                         ids=["one-replica", "two-replicas-two-micro-batches"])
+def test_train_with_packed_anchors_follows_the_padded_run(tmp_path, target, parallel):
     """`train --pack-anchors on` (the planner's host counts through the drafter worker into the
-    step's layout): 30 steps log the padded run's losses and accuracies."""
+    step's layout; with replicas and accumulation, each replica's micro-batches): 30 steps log the
+    padded run's losses and accuracies."""
     import io
     import json
 
@@ -165,7 +168,7 @@ def test_train_with_packed_anchors_follows_the_padded_run(tmp_path, target):
     for pack in ("off", "on"):
         out, logs[pack] = tmp_path / pack, io.StringIO()
         config = tiny_train_config(out, steps=30, num_anchors=ANCHORS, lr=3e-3, log_every=1, save_every=30,
-                                   pack_anchors=pack)
+                                   pack_anchors=pack, **parallel)
         train(config, samples=samples, target=target, log=logs[pack])
         history[pack] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "anchors packed" in logs["on"].getvalue() and "anchors packed" not in logs["off"].getvalue()
